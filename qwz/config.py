@@ -1,0 +1,576 @@
+"""QwzConfig: a DeepSpeed-style JSON config in, validated and immutable settings out.
+
+qwz reads the config dict DeepSpeed users already have. Every rule of
+DESIGN.md's "Configuration rules" is enforced here and nowhere else; the layers
+below (engine, optimizer, collectives, quant) receive plain arguments.
+
+Every failure is a :class:`ConfigError` whose message names the key (as a dotted
+path), the offending value and the rule it broke. Nothing is silently ignored:
+an unknown key is an error that suggests the closest known key, and a DeepSpeed
+feature that qwz does not implement is an error that says so.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import numbers
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+DEFAULT_GROUP_SIZE = 64
+"""Elements per quantization group (one fp32 scale each)."""
+
+GROUP_SIZE_MULTIPLE = 8
+"""Group sizes must be multiples of this (vector width of the int8 codes)."""
+
+DEFAULT_PRESERVE_NUMEL = 65_536
+"""Parameters of at most this many elements are gathered exactly, never quantized."""
+
+DEFAULT_BUCKET_SIZE = 500_000_000
+"""DeepSpeed's default for ``allgather_bucket_size`` and ``reduce_bucket_size``."""
+
+GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
+PRESERVE_KEY = "zero_quantized_weights_preserve_numel"
+QUANTIZED_WEIGHTS_KEY = "zero_quantized_weights"
+
+
+class ConfigError(ValueError):
+    """A config value broke a rule; the message names the key, the value and the rule."""
+
+
+def _fail(key: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{key}: {value!r} is invalid: {rule}")
+
+
+# --------------------------------------------------------------------------- #
+# Keys
+# --------------------------------------------------------------------------- #
+
+# `zero_optimization` keys qwz implements.
+_ZERO_IMPLEMENTED = (
+    "stage",
+    QUANTIZED_WEIGHTS_KEY,
+    GROUP_SIZE_KEY,
+    PRESERVE_KEY,
+    "allgather_bucket_size",
+    "reduce_bucket_size",
+    "overlap_comm",
+    "contiguous_gradients",
+)
+
+# DeepSpeed keys whose stock default is exactly what qwz does; any other value
+# would change behaviour qwz does not implement.
+_ZERO_DEFAULT_ONLY: Mapping[str, Any] = MappingProxyType(
+    {
+        "allgather_partitions": True,
+        "reduce_scatter": True,
+        "round_robin_gradients": False,
+        "load_from_fp32_weights": True,
+        "ignore_unused_parameters": True,
+        "elastic_checkpoint": False,
+    }
+)
+
+# DeepSpeed features qwz does not implement. `offload_*` may be present when
+# switched off (device "none"), as generated configs often have them.
+_ZERO_UNSUPPORTED = (
+    "offload_optimizer",
+    "offload_param",
+    "zenflow",
+    "cpu_offload",
+    "cpu_offload_params",
+    "cpu_offload_use_pin_memory",
+    "sub_group_size",
+    "zero_hpz_partition_size",
+    "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+    "legacy_stage1",
+    "use_multi_rank_bucket_allreduce",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+)
+
+# Stage-3 tuning keys: DeepSpeed itself ignores them at stages 1 and 2, and qwz
+# never runs stage 3, so they are accepted and have no effect, as in DeepSpeed.
+_ZERO_STAGE3_TUNING = (
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    "gather_16bit_weights_on_model_save",
+    "log_trace_cache_warnings",
+)
+
+_ZERO_KNOWN = _ZERO_IMPLEMENTED + tuple(_ZERO_DEFAULT_ONLY) + _ZERO_UNSUPPORTED + _ZERO_STAGE3_TUNING
+
+_TOP_READ = (
+    "zero_optimization",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "seed",
+)
+
+# Logging and bookkeeping keys with no effect on training numerics.
+_TOP_NO_EFFECT = (
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "memory_breakdown",
+    "dump_state",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+)
+
+# DeepSpeed features qwz does not implement; present is an error unless the
+# value is a section with `"enabled": false`.
+_TOP_UNSUPPORTED = (
+    "scheduler",
+    "amp",
+    "torch_autocast",
+    "activation_checkpointing",
+    "flops_profiler",
+    "compression_training",
+    "sparse_attention",
+    "pipeline",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "autotuning",
+    "elasticity",
+    "data_efficiency",
+    "curriculum_learning",
+    "quantize_training",
+    "checkpoint",
+    "aio",
+    "nebula",
+    "hybrid_engine",
+    "sequence_parallel_size",
+    "compile",
+    "communication_data_type",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "fp8",
+)
+
+_TOP_KNOWN = _TOP_READ + _TOP_NO_EFFECT + _TOP_UNSUPPORTED
+
+_BF16_KNOWN = ("enabled",)
+_FP16_KNOWN = (
+    "enabled",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "auto_cast",
+)
+
+OPTIMIZER_TYPES = ("adamw", "adam", "sgd")
+_OPTIMIZER_PARAMS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
+    "sgd": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
+}
+
+
+def _unknown_key(path: str, key: Any, known: tuple[str, ...]) -> ConfigError:
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"{path}{key}: unknown key (a typo is never ignored){hint}")
+
+
+def _not_supported(key: str, value: Any, detail: str = "") -> ConfigError:
+    extra = f" ({detail})" if detail else ""
+    return ConfigError(f"{key}: {value!r} is not supported by qwz{extra}")
+
+
+def _check_keys(section: Mapping[str, Any], path: str, known: tuple[str, ...]) -> None:
+    for key in section:
+        if key not in known:
+            raise _unknown_key(path, key, known)
+
+
+# --------------------------------------------------------------------------- #
+# Scalar rules
+# --------------------------------------------------------------------------- #
+
+
+def _as_int(key: str, value: Any, rule: str) -> int:
+    """An integer; integral floats (``5e8``) are accepted as DeepSpeed accepts them."""
+    if isinstance(value, bool):
+        raise _fail(key, value, f"{rule} (a bool is not an integer)")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise _fail(key, value, f"{rule} (must be an integer)")
+
+
+def _positive_int(key: str, value: Any) -> int:
+    number = _as_int(key, value, "must be a positive integer")
+    if number <= 0:
+        raise _fail(key, value, "must be a positive integer")
+    return number
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, value, "must be true or false")
+    return value
+
+
+def _float(key: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(key, value, "must be a number")
+    number = float(value)
+    ok = number >= minimum if inclusive else number > minimum
+    if not math.isfinite(number) or not ok:
+        bound = ">=" if inclusive else ">"
+        raise _fail(key, value, f"must be a finite number {bound} {minimum}")
+    return number
+
+
+def validate_group_size(value: Any, *, stage: int, key: str = GROUP_SIZE_KEY) -> int:
+    """The quantization group size rule: a positive multiple of 8; 64 only with stage 3."""
+    size = _as_int(key, value, f"must be a positive multiple of {GROUP_SIZE_MULTIPLE}")
+    if size <= 0 or size % GROUP_SIZE_MULTIPLE:
+        raise _fail(key, value, f"must be a positive multiple of {GROUP_SIZE_MULTIPLE}")
+    if stage == 3 and size != DEFAULT_GROUP_SIZE:
+        raise _fail(
+            key,
+            value,
+            f"stage 3 supports only the default group size {DEFAULT_GROUP_SIZE}",
+        )
+    return size
+
+
+# --------------------------------------------------------------------------- #
+# Sections
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """The qwz-owned keys of `zero_optimization`, shared by the engine and the DeepSpeed path."""
+
+    enabled: bool = False
+    """`zero_quantized_weights`: gather updated weights as int8 codes + fp32 scales."""
+    group_size: int = DEFAULT_GROUP_SIZE
+    """`zero_quantized_weights_group_size`: elements per quantization group."""
+    preserve_numel: int = DEFAULT_PRESERVE_NUMEL
+    """`zero_quantized_weights_preserve_numel`: parameters this small travel exactly."""
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any], stage: int) -> QuantizedWeights:
+        prefix = "zero_optimization."
+        enabled = _bool(prefix + QUANTIZED_WEIGHTS_KEY, section.get(QUANTIZED_WEIGHTS_KEY, False))
+        if enabled and stage == 0:
+            raise _fail(
+                prefix + QUANTIZED_WEIGHTS_KEY,
+                enabled,
+                "needs ZeRO stage 1, 2 or 3 (stage 0 has no weight all-gather to quantize)",
+            )
+        group_size = validate_group_size(
+            section.get(GROUP_SIZE_KEY, DEFAULT_GROUP_SIZE),
+            stage=stage,
+            key=prefix + GROUP_SIZE_KEY,
+        )
+        preserve_numel = _as_int(
+            prefix + PRESERVE_KEY,
+            section.get(PRESERVE_KEY, DEFAULT_PRESERVE_NUMEL),
+            "must be a non-negative integer",
+        )
+        if preserve_numel < 0:
+            raise _fail(prefix + PRESERVE_KEY, preserve_numel, "must be a non-negative integer")
+        return cls(enabled=enabled, group_size=group_size, preserve_numel=preserve_numel)
+
+
+def parse_stage(section: Mapping[str, Any]) -> int:
+    stage = _as_int("zero_optimization.stage", section.get("stage", 0), "must be 0, 1, 2 or 3")
+    if stage not in (0, 1, 2, 3):
+        raise _fail("zero_optimization.stage", stage, "must be 0, 1, 2 or 3")
+    return stage
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The `zero_optimization` section."""
+
+    stage: int = 0
+    """ZeRO stage: 1 shards optimizer state, 2 also shards gradients."""
+    quantized_weights: QuantizedWeights = field(default_factory=QuantizedWeights)
+    """The quantized weight all-gather settings."""
+    allgather_bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Caps the gather staging, in elements of the working dtype (see the staging note)."""
+    reduce_bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Elements of gradient reduced per collective."""
+    overlap_comm: bool = False
+    """Overlap reduction with backward; qwz's engine reduces after backward, so only false."""
+    contiguous_gradients: bool = True
+    """Gradients are flattened into one contiguous buffer; qwz always does this."""
+
+    @classmethod
+    def from_section(cls, section: Any) -> ZeroConfig:
+        if not isinstance(section, Mapping):
+            raise _fail("zero_optimization", section, "must be a JSON object")
+        _check_keys(section, "zero_optimization.", _ZERO_KNOWN)
+        for key, default in _ZERO_DEFAULT_ONLY.items():
+            if key in section and section[key] != default:
+                raise _not_supported(
+                    f"zero_optimization.{key}", section[key], f"only {default!r} is implemented"
+                )
+        for key in _ZERO_UNSUPPORTED:
+            if key in section and not _switched_off(section[key]):
+                raise _not_supported(f"zero_optimization.{key}", section[key])
+        stage = parse_stage(section)
+        overlap = _bool("zero_optimization.overlap_comm", section.get("overlap_comm", False))
+        if overlap:
+            raise _not_supported(
+                "zero_optimization.overlap_comm",
+                overlap,
+                "qwz's engine reduces gradients after backward; set false, or use "
+                "qwz.integrations.deepspeed for DeepSpeed's overlapped reduction",
+            )
+        contiguous = _bool(
+            "zero_optimization.contiguous_gradients", section.get("contiguous_gradients", True)
+        )
+        if not contiguous:
+            raise _not_supported(
+                "zero_optimization.contiguous_gradients",
+                contiguous,
+                "qwz always reduces from one contiguous gradient buffer",
+            )
+        return cls(
+            stage=stage,
+            quantized_weights=QuantizedWeights.from_section(section, stage),
+            allgather_bucket_size=_positive_int(
+                "zero_optimization.allgather_bucket_size",
+                section.get("allgather_bucket_size", DEFAULT_BUCKET_SIZE),
+            ),
+            reduce_bucket_size=_positive_int(
+                "zero_optimization.reduce_bucket_size",
+                section.get("reduce_bucket_size", DEFAULT_BUCKET_SIZE),
+            ),
+            overlap_comm=overlap,
+            contiguous_gradients=contiguous,
+        )
+
+
+def _switched_off(value: Any) -> bool:
+    """A feature section that is present but off: `false`, `null`, `enabled: false`, device none."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, Mapping):
+        if value.get("enabled") is False:
+            return True
+        device = value.get("device")
+        if "device" in value and (device is None or str(device).lower() == "none"):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The `optimizer` section: `{"type": "AdamW", "params": {...}}`."""
+
+    type: str = "adamw"
+    """Lower-cased type: `adamw`, `adam` (decoupled weight decay unless `adam_w_mode` is false,
+    as in DeepSpeed) or `sgd`."""
+    params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Validated keyword arguments; `lr` is required."""
+
+    @classmethod
+    def from_section(cls, section: Any) -> OptimizerConfig:
+        if not isinstance(section, Mapping):
+            raise _fail("optimizer", section, "must be a JSON object with type and params")
+        _check_keys(section, "optimizer.", ("type", "params"))
+        kind = section.get("type")
+        if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_TYPES:
+            raise _not_supported("optimizer.type", kind, f"supported: {', '.join(OPTIMIZER_TYPES)}")
+        kind = kind.lower()
+        raw = section.get("params", {})
+        if not isinstance(raw, Mapping):
+            raise _fail("optimizer.params", raw, "must be a JSON object")
+        _check_keys(raw, "optimizer.params.", _OPTIMIZER_PARAMS[kind])
+        if "lr" not in raw:
+            raise _fail("optimizer.params.lr", None, "is required")
+        params: dict[str, Any] = {"lr": _float("optimizer.params.lr", raw["lr"], minimum=0.0)}
+        if "weight_decay" in raw:
+            params["weight_decay"] = _float(
+                "optimizer.params.weight_decay", raw["weight_decay"], minimum=0.0
+            )
+        if "eps" in raw:
+            params["eps"] = _float("optimizer.params.eps", raw["eps"], minimum=0.0, inclusive=False)
+        if "betas" in raw:
+            betas = raw["betas"]
+            if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+                raise _fail("optimizer.params.betas", betas, "must be a list of two numbers")
+            for beta in betas:
+                value = _float("optimizer.params.betas", beta, minimum=0.0)
+                if value >= 1.0:
+                    raise _fail("optimizer.params.betas", betas, "each beta must be in [0, 1)")
+            params["betas"] = (float(betas[0]), float(betas[1]))
+        for key in ("adam_w_mode", "torch_adam", "nesterov"):
+            if key in raw:
+                params[key] = _bool(f"optimizer.params.{key}", raw[key])
+        for key in ("momentum", "dampening"):
+            if key in raw:
+                params[key] = _float(f"optimizer.params.{key}", raw[key], minimum=0.0)
+        return cls(type=kind, params=MappingProxyType(params))
+
+
+# --------------------------------------------------------------------------- #
+# The whole config
+# --------------------------------------------------------------------------- #
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class QwzConfig:
+    """Validated, immutable settings read from a DeepSpeed-style config."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """The `zero_optimization` section."""
+    micro_batch_size: int | None = None
+    """`train_micro_batch_size_per_gpu`, when given."""
+    train_batch_size: int | None = None
+    """`train_batch_size`, checked against micro batch x accumulation x world size by the engine."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; `engine.step()` steps on every k-th call."""
+    gradient_clipping: float = 0.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    dtype: str = "fp32"
+    """Working (replica) dtype: `fp32`, `bf16` (`bf16.enabled`) or `fp16` (`fp16.enabled`)."""
+    optimizer: OptimizerConfig | None = None
+    """The `optimizer` section; the engine requires it."""
+    seed: int | None = None
+    """`seed`, when given."""
+
+    @property
+    def stage(self) -> int:
+        return self.zero.stage
+
+    @property
+    def quantized_weights(self) -> bool:
+        return self.zero.quantized_weights.enabled
+
+    @property
+    def group_size(self) -> int:
+        return self.zero.quantized_weights.group_size
+
+    @classmethod
+    def from_deepspeed(cls, source: Mapping[str, Any] | str | pathlib.Path) -> QwzConfig:
+        """Validate a DeepSpeed config given as a dict, a JSON file path, or JSON text."""
+        config = load_json_config(source)
+        _check_keys(config, "", _TOP_KNOWN)
+        for key in _TOP_UNSUPPORTED:
+            if key in config and not _unsupported_is_off(key, config[key]):
+                raise _not_supported(key, config[key])
+        bf16 = _precision_section(config, "bf16", _BF16_KNOWN)
+        fp16 = _precision_section(config, "fp16", _FP16_KNOWN)
+        if bf16 and fp16:
+            raise ConfigError(
+                "bf16.enabled and fp16.enabled: True and True is invalid: at most one may be enabled"
+            )
+        micro = config.get("train_micro_batch_size_per_gpu")
+        train = config.get("train_batch_size")
+        seed = config.get("seed")
+        return cls(
+            zero=ZeroConfig.from_section(config.get("zero_optimization", {})),
+            micro_batch_size=None
+            if micro is None
+            else _positive_int("train_micro_batch_size_per_gpu", micro),
+            train_batch_size=None if train is None else _positive_int("train_batch_size", train),
+            gradient_accumulation_steps=_positive_int(
+                "gradient_accumulation_steps", config.get("gradient_accumulation_steps", 1)
+            ),
+            gradient_clipping=_float(
+                "gradient_clipping", config.get("gradient_clipping", 0.0), minimum=0.0
+            ),
+            dtype="bf16" if bf16 else "fp16" if fp16 else "fp32",
+            optimizer=None
+            if config.get("optimizer") is None
+            else OptimizerConfig.from_section(config["optimizer"]),
+            seed=None if seed is None else _as_int("seed", seed, "must be an integer"),
+        )
+
+
+def _unsupported_is_off(key: str, value: Any) -> bool:
+    if key == "prescale_gradients":
+        return value is False
+    if key == "gradient_predivide_factor":
+        return value == 1.0 and not isinstance(value, bool)
+    if key == "sequence_parallel_size":
+        return value == 1 and not isinstance(value, bool)
+    if key == "communication_data_type":
+        return value is None
+    return _switched_off(value)
+
+
+def _precision_section(config: Mapping[str, Any], key: str, known: tuple[str, ...]) -> bool:
+    section = config.get(key)
+    if section is None:
+        return False
+    if not isinstance(section, Mapping):
+        raise _fail(key, section, 'must be a JSON object such as {"enabled": true}')
+    _check_keys(section, f"{key}.", known)
+    return _bool(f"{key}.enabled", section.get("enabled", False))
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ConfigError(f"{key}: duplicate key in JSON (the later value would silently win)")
+        result[key] = value
+    return result
+
+
+def load_json_config(source: Mapping[str, Any] | str | pathlib.Path) -> dict[str, Any]:
+    """Read a config dict from a dict, a JSON file path or JSON text; duplicate keys are errors."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, pathlib.Path) or (
+        isinstance(source, str) and not source.lstrip().startswith("{")
+    ):
+        path = pathlib.Path(source)
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise ConfigError(f"config: cannot read JSON file {str(path)!r}: {error}") from None
+        origin = str(path)
+    elif isinstance(source, str):
+        text, origin = source, "JSON text"
+    else:
+        raise ConfigError(
+            f"config: {type(source).__name__} is invalid: pass a dict, a JSON path or JSON text"
+        )
+    try:
+        loaded = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config: {origin} is not valid JSON: {error}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config: {origin} must hold a JSON object, not {type(loaded).__name__}")
+    return loaded

@@ -1,0 +1,151 @@
+"""Pure group-wise symmetric int8 quantization.
+
+Nothing here knows about processes or configs. The flat primitives
+(:func:`quantize_groups`, :func:`dequantize_groups`) are what the gather calls
+on every chunk; :func:`quantize` / :func:`dequantize` wrap them for tensors of
+any shape. Both are straight-line tensor code (no data-dependent Python branch,
+no ``.item()``), so ``torch.compile`` can fuse them.
+
+[Note: quantization math]
+For each group of ``G`` consecutive elements, in fp32 whatever the input dtype
+(never staged through fp16, so bf16 values beyond 65504 stay finite)::
+
+    scale = absmax / 127            # fp32, >= 0
+    code  = round(x / scale)        # int8 in [-127, 127]; 0 where scale == 0
+    x_hat = code * scale            # fp32, then cast to the working dtype
+
+``absmax`` maps to exactly 127 (not 128 clamped to 127), so the error bound
+``|x_hat - x| <= scale / 2`` holds for every finite element (before the cast
+back), and an all-zero group has scale 0 and decodes to exact zeros.
+
+Non-finite input: a group that holds a NaN or an Inf gets a non-finite scale
+(NaN or Inf), and every element of that group decodes to NaN or Inf. A finite
+group never decodes to a non-finite value and a non-finite group never decodes
+to finite values, so a bad weight is never silently spread as a plausible one;
+the engine detects it before the gather and raises with the parameter's name.
+
+Shapes::
+
+    x                  any shape, numel N, dtype fp32 / bf16 / fp16
+    codes              int8    (ceil(N / G), G)   last group zero-padded
+    scales             float32 (ceil(N / G),)
+    dequantize(q)      x's shape, x's dtype unless `dtype` is given
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from qwz.config import DEFAULT_GROUP_SIZE
+
+INT8_MAX = 127
+"""Largest code magnitude; the code range is symmetric, [-127, 127]."""
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class QuantizedTensor(NamedTuple):
+    """Group-wise int8 codes and fp32 scales of a tensor, with what is needed to restore it."""
+
+    codes: torch.Tensor
+    """int8, (num_groups, group_size)."""
+    scales: torch.Tensor
+    """float32, (num_groups,)."""
+    shape: torch.Size
+    """Shape of the original tensor."""
+    dtype: torch.dtype
+    """Dtype of the original tensor."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the original tensor (excluding the padding of the last group)."""
+        return self.shape.numel()
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1]
+
+
+def check_group_size(group_size: int) -> int:
+    """Raise ValueError unless `group_size` is a positive int (bools are not ints)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size: {group_size!r} is invalid: must be a positive integer")
+    return group_size
+
+
+def quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows of `groups` (num_groups, group_size), any float dtype.
+
+    Returns ``(codes, scales)``: int8 (num_groups, group_size) and float32 (num_groups,).
+    See [Note: quantization math].
+    """
+    values = groups.to(torch.float32)
+    scales = values.abs().amax(dim=1) / INT8_MAX  # (num_groups,)
+    # A zero scale divides by one instead, so 0 / 1 gives the exact zero code;
+    # NaN/Inf scales pass through and poison the whole group on decode.
+    divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round(values / divisor[:, None])
+    # NaN codes (from a non-finite group) become 0 so every code stays in range;
+    # the group's non-finite scale still decodes it to non-finite values.
+    codes = torch.nan_to_num(codes, nan=0.0).clamp_(-INT8_MAX, INT8_MAX)
+    return codes.to(torch.int8), scales
+
+
+def dequantize_groups(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Decode int8 `codes` (num_groups, group_size) with fp32 `scales` (num_groups,) to `dtype`."""
+    return (codes.to(torch.float32) * scales[:, None]).to(dtype)
+
+
+class QuantKernels(NamedTuple):
+    """The flat primitives a gather uses: eager, or fused by ``torch.compile``."""
+
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+EAGER_KERNELS = QuantKernels(quantize_groups, dequantize_groups)
+
+
+@functools.cache
+def compiled_kernels() -> QuantKernels:
+    """The same math fused by ``torch.compile`` (compiled on first use, per shape).
+
+    The fused kernels may round ``x / scale`` through a reciprocal, so their codes can
+    differ from the eager ones by one; every rank uses the same kernels, so replicas stay
+    bit-identical, and the error bound of [Note: quantization math] still holds.
+    """
+    return QuantKernels(
+        torch.compile(quantize_groups, dynamic=False),
+        torch.compile(dequantize_groups, dynamic=False),
+    )
+
+
+def quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedTensor:
+    """Quantize `x` (any shape; fp32, bf16 or fp16) to int8 in groups of `group_size` elements.
+
+    The flattened tensor is split into consecutive groups; the last is padded with zeros.
+    Runs on whatever device `x` lives on.
+    """
+    check_group_size(group_size)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x: dtype {x.dtype} is invalid: must be one of {SUPPORTED_DTYPES}")
+    flat = x.detach().reshape(-1)
+    num_groups = -(-flat.numel() // group_size)
+    padding = num_groups * group_size - flat.numel()
+    if padding:
+        flat = torch.nn.functional.pad(flat, (0, padding))
+    codes, scales = quantize_groups(flat.view(num_groups, group_size))
+    return QuantizedTensor(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Restore a tensor of `q.shape` in `dtype` (default: the original dtype)."""
+    out_dtype = q.dtype if dtype is None else dtype
+    flat = dequantize_groups(q.codes, q.scales, out_dtype).reshape(-1)
+    return flat[: q.numel].reshape(q.shape)
