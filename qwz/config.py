@@ -114,7 +114,9 @@ _ZERO_STAGE3_TUNING = (
     "log_trace_cache_warnings",
 )
 
-_ZERO_KNOWN = _ZERO_IMPLEMENTED + tuple(_ZERO_DEFAULT_ONLY) + _ZERO_UNSUPPORTED + _ZERO_STAGE3_TUNING
+_ZERO_KNOWN = (
+    _ZERO_IMPLEMENTED + tuple(_ZERO_DEFAULT_ONLY) + _ZERO_UNSUPPORTED + _ZERO_STAGE3_TUNING
+)
 
 _TOP_READ = (
     "zero_optimization",
@@ -492,7 +494,8 @@ class QwzConfig:
         fp16 = _precision_section(config, "fp16", _FP16_KNOWN)
         if bf16 and fp16:
             raise ConfigError(
-                "bf16.enabled and fp16.enabled: True and True is invalid: at most one may be enabled"
+                "bf16.enabled and fp16.enabled: True and True is invalid: "
+                "at most one may be enabled"
             )
         micro = config.get("train_micro_batch_size_per_gpu")
         train = config.get("train_batch_size")
