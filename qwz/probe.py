@@ -1,0 +1,87 @@
+"""Count the bytes that actually go through ``torch.distributed`` collectives.
+
+The probe wraps the collective functions of ``torch.distributed`` for the
+duration of a ``with`` block and records, per kind, how many calls were made
+and how many bytes this rank put in (its input tensor). It is independent of
+what qwz's own functions report about themselves, so tests and the
+qualification can check those reports and catch a gather that silently falls
+back to the unquantized path (which is what stock DeepSpeed does with
+``zero_quantized_weights`` at stages 1 and 2).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# name -> index of the tensor argument whose bytes this rank contributes
+_GATHERS = {"all_gather_single": 1, "all_gather_into_tensor": 1, "all_gather": 1}
+_REDUCTIONS = {
+    "all_reduce": 0,
+    "reduce_scatter_single": 1,
+    "reduce_scatter_tensor": 1,
+    "reduce_scatter": 1,
+}
+_KINDS = {**{name: "gather" for name in _GATHERS}, **{name: "reduce" for name in _REDUCTIONS}}
+_ARG_INDEX = {**_GATHERS, **_REDUCTIONS}
+_KEYWORDS = {0: ("tensor",), 1: ("input_tensor", "input", "input_list", "tensor")}
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+class WireProbe:
+    """``with WireProbe() as probe: ...`` then ``probe.bytes["gather"]``, ``probe.calls``.
+
+    Nested probes are not supported; the wrapped functions are restored on exit.
+    ``largest_gather_output_bytes`` is the largest output buffer of one gather call.
+    """
+
+    def __init__(self) -> None:
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.largest_gather_output_bytes = 0
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        kind, index = _KINDS[name], _ARG_INDEX[name]
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > index:
+                contributed = args[index]
+            else:
+                contributed = next((kwargs[k] for k in _KEYWORDS[index] if k in kwargs), None)
+            self.bytes[kind] += _tensor_bytes(contributed)
+            self.calls[kind] += 1
+            if kind == "gather":
+                output = args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list"))
+                self.largest_gather_output_bytes = max(
+                    self.largest_gather_output_bytes, _tensor_bytes(output)
+                )
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self) -> WireProbe:
+        for name in _ARG_INDEX:
+            original = getattr(dist, name, None)
+            if original is not None:
+                self._saved[name] = original
+                setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
