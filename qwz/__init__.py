@@ -1,14 +1,22 @@
 """qwz: ZeRO-1/2 with a bounded, group-wise int8 quantized weight all-gather."""
 
 from qwz.config import DEFAULT_GROUP_SIZE, ConfigError, QwzConfig
+from qwz.engine import Engine, initialize
+from qwz.hashing import param_hash
+from qwz.optimizer import NonFiniteError, ZeroOptimizer
 from qwz.quant import QuantizedTensor, dequantize, quantize
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "ConfigError",
+    "Engine",
+    "NonFiniteError",
     "QuantizedTensor",
     "QwzConfig",
+    "ZeroOptimizer",
     "dequantize",
+    "initialize",
+    "param_hash",
     "quantize",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""Engine and initialize(): forward, backward and step, DeepSpeed-style.
+
+``qwz.initialize(model, config=ds_dict)`` validates the config, casts the model
+to the working dtype, and wraps its trainable parameters in a
+:class:`~qwz.optimizer.ZeroOptimizer`. The loop is the one DeepSpeed users write::
+
+    engine = qwz.initialize(model, config=ds_config)
+    for batch in batches:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()          # steps on every gradient_accumulation_steps-th call
+
+The engine reads the config; the optimizer below it receives plain arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qwz.config import ConfigError, QwzConfig
+from qwz.optimizer import WORKING_DTYPES, ZeroOptimizer
+
+
+class Engine:
+    """A model plus its ZeRO-1/2 optimizer; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: QwzConfig,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        compile_kernels: bool = False,
+    ):
+        _check_supported(config)
+        distributed = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size(process_group) if distributed else 1
+        _check_batch_sizes(config, world_size)
+        self.config = config
+        self.world_size = world_size
+        if distributed and dist.get_backend(process_group) == "nccl":
+            model = model.to(torch.device("cuda", torch.cuda.current_device()))
+        self.module = model.to(WORKING_DTYPES[config.dtype])
+        zero = config.zero
+        assert config.optimizer is not None  # _check_supported
+        self.optimizer = ZeroOptimizer(
+            [(name, p) for name, p in self.module.named_parameters() if p.requires_grad],
+            stage=zero.stage,
+            optimizer_type=config.optimizer.type,
+            optimizer_params=dict(config.optimizer.params),
+            quantize_weights=zero.quantized_weights.enabled,
+            group_size=zero.quantized_weights.group_size,
+            preserve_numel=zero.quantized_weights.preserve_numel,
+            allgather_bucket_size=zero.allgather_bucket_size,
+            reduce_bucket_size=zero.reduce_bucket_size,
+            gradient_clipping=config.gradient_clipping,
+            process_group=process_group,
+            compile_kernels=compile_kernels,
+        )
+        self.micro_steps = 0
+        """backward() calls so far."""
+        self.global_steps = 0
+        """Optimizer steps taken so far."""
+        self.global_grad_norm: float | None = None
+        """L2 norm of the rank-averaged gradient at the last optimizer step, before clipping."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next step() call will update the weights."""
+        return (self.micro_steps % self.config.gradient_accumulation_steps) == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` scaled by 1 / gradient_accumulation_steps, then hand the
+        gradients to the optimizer (stage 2 reduce-scatters them right away)."""
+        (loss / self.config.gradient_accumulation_steps).backward()
+        self.optimizer.accumulate_gradients()
+        self.micro_steps += 1
+
+    def step(self) -> bool:
+        """Take an optimizer step at the accumulation boundary; return whether it stepped."""
+        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+            return False
+        grad_norm = self.optimizer.step(self.global_steps + 1)
+        self.global_grad_norm = float(grad_norm)
+        self.global_steps += 1
+        return True
+
+
+def _check_supported(config: QwzConfig) -> None:
+    if config.stage not in (1, 2):
+        what = "stage 3 engine" if config.stage == 3 else "stage 0 (plain data parallelism)"
+        raise ConfigError(
+            f"zero_optimization.stage: {config.stage} is not supported by qwz ({what}); "
+            "qwz's engine implements ZeRO stages 1 and 2"
+        )
+    if config.dtype == "fp16":
+        raise ConfigError(
+            "fp16.enabled: True is not supported by qwz yet (it needs dynamic loss scaling); "
+            "use bf16 or fp32"
+        )
+    if config.optimizer is None:
+        raise ConfigError(
+            "optimizer: None is invalid: qwz builds the optimizer from the config; "
+            'add {"type": "AdamW", "params": {"lr": ...}}'
+        )
+
+
+def _check_batch_sizes(config: QwzConfig, world_size: int) -> None:
+    if config.train_batch_size is None or config.micro_batch_size is None:
+        return
+    expected = config.micro_batch_size * config.gradient_accumulation_steps * world_size
+    if config.train_batch_size != expected:
+        raise ConfigError(
+            f"train_batch_size: {config.train_batch_size} is invalid: it must equal "
+            f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
+            f"= {config.micro_batch_size} x {config.gradient_accumulation_steps} x "
+            f"{world_size} = {expected}"
+        )
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: Mapping[str, Any] | str | QwzConfig,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    compile_kernels: bool = False,
+) -> Engine:
+    """Build an :class:`Engine` from a DeepSpeed-style config (dict, JSON path or JSON text).
+
+    Uses the default process group unless `process_group` is given; without an
+    initialised process group it runs on one rank with the collectives skipped.
+    `compile_kernels` fuses the quantize/dequantize kernels with ``torch.compile``.
+    """
+    parsed = config if isinstance(config, QwzConfig) else QwzConfig.from_deepspeed(config)
+    return Engine(model, parsed, process_group=process_group, compile_kernels=compile_kernels)

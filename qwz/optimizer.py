@@ -1,0 +1,366 @@
+"""ZeroOptimizer: ZeRO-1/2 data parallelism with a bounded, quantized weight all-gather.
+
+Design
+======
+
+Every rank holds a full *working copy* of the model (bf16 or fp32) for forward
+and backward, but only 1/W of the *optimizer*: an fp32 master copy of its own
+shard of the parameters and the optimizer state (Adam moments) for that shard.
+
+Buffers
+-------
+The trainable parameters are packed into flat working buffers, and every
+module parameter becomes a view into one of them (so the model sees the
+gathered values without copies). There are two buffers, called regions:
+
+* ``quantized`` -- parameters with more than ``preserve_numel`` elements. Its
+  gather sends int8 codes + fp32 scales (or, with quantization off, the
+  working dtype through the very same chunking: the reference arm).
+* ``exact`` -- the small parameters (biases, norms). Always gathered exactly
+  in the working dtype: they are cheap, and quantizing a norm's few values
+  buys nothing.
+
+Each region is padded per [Note: padding rule] (layout.py): rank ``r`` owns the
+slice ``[r * shard_numel, (r + 1) * shard_numel)`` of it, and in the quantized
+region that slice is a whole number of quantization groups, so a group never
+spans two owners.
+
+One optimizer step, in communication phases
+-------------------------------------------
+1. *Gradient reduction.* Stage 1 keeps a full fp32 gradient accumulator and
+   all-reduces it at the accumulation boundary, in buckets of
+   ``reduce_bucket_size`` elements; each rank then reads its own shard.
+   Stage 2 reduce-scatters after *every* backward (bucketed the same way) into
+   an fp32 accumulator of the owned shard only, and frees the full gradients,
+   so no rank ever keeps a full fp32 gradient. Both average over ranks.
+2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
+   gives the global gradient norm (reported per step). A non-finite norm
+   raises :class:`NonFiniteError` on every rank, naming the step and the
+   affected parameters (all ranks take the branch together, since they see the
+   same reduced value, so nobody hangs). Then gradients are clipped to
+   ``gradient_clipping`` if set.
+3. *Shard update.* The torch optimizer (AdamW, Adam or SGD) steps the fp32
+   master shard only. Non-finite updated weights raise on every rank before
+   any working copy is touched.
+4. *Weight gather.* ``collectives.gather_shards`` moves every master shard
+   into every working buffer, chunk by chunk, with staging bounded by
+   ``allgather_bucket_size`` ([Note: staging bound], layout.py). Every rank,
+   the owner included, writes the decoded values, so replicas are
+   bit-identical after every step while the master stays exact
+   ([Note: replica consistency], collectives.py).
+
+With ``world_size == 1`` the same code runs and the collectives are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qwz import collectives, layout
+from qwz.collectives import GatherStats
+from qwz.quant import EAGER_KERNELS, compiled_kernels
+
+WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class NonFiniteError(FloatingPointError):
+    """A gradient or an updated weight is NaN/Inf; raised on every rank with the same text."""
+
+
+@dataclass
+class Region:
+    """One flat working buffer, its layout, this rank's master shard and gradient accumulator."""
+
+    name: str
+    layout: layout.FlatLayout
+    params: list[torch.nn.Parameter]
+    working: torch.Tensor
+    """(padded_numel,) working dtype; every parameter of the region is a view into it."""
+    master: torch.nn.Parameter
+    """(shard_numel,) fp32: this rank's shard, the only copy the optimizer steps."""
+    grad_accumulator: torch.Tensor
+    """fp32: (padded_numel,) with stage 1, (shard_numel,) with stage 2."""
+    plan: layout.ChunkPlan
+    quantize: bool
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return self.layout.shard_range(rank)
+
+
+def _build_torch_optimizer(
+    kind: str, params: dict[str, Any], masters: list[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    params = dict(params)
+    params.pop("torch_adam", None)  # implementation choice in DeepSpeed; no numeric effect
+    adam_w_mode = params.pop("adam_w_mode", True)
+    if kind == "sgd":
+        return torch.optim.SGD(masters, **params)
+    if kind == "adamw" or (kind == "adam" and adam_w_mode):
+        return torch.optim.AdamW(masters, **params)
+    return torch.optim.Adam(masters, **params)
+
+
+class ZeroOptimizer:
+    """ZeRO-1/2 over `named_params` (all of one working dtype); see the module docstring."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        stage: int,
+        optimizer_type: str,
+        optimizer_params: dict[str, Any],
+        quantize_weights: bool,
+        group_size: int,
+        preserve_numel: int,
+        allgather_bucket_size: int,
+        reduce_bucket_size: int,
+        gradient_clipping: float = 0.0,
+        process_group: dist.ProcessGroup | None = None,
+        compile_kernels: bool = False,
+    ):
+        if stage not in (1, 2):
+            raise ValueError(f"stage: {stage} is invalid: ZeroOptimizer implements stages 1 and 2")
+        if not named_params:
+            raise ValueError("named_params: empty; there is nothing to optimize")
+        self.stage = stage
+        self.group_size = group_size
+        self.quantize_weights = quantize_weights
+        self.gradient_clipping = gradient_clipping
+        self.reduce_bucket_size = reduce_bucket_size
+        self.process_group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(process_group) if distributed else 1
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self.kernels = compiled_kernels() if compile_kernels else EAGER_KERNELS
+        self.dtype = named_params[0][1].dtype
+        self.device = named_params[0][1].device
+        for name, param in named_params:
+            if param.dtype != self.dtype:
+                raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
+
+        exact, large = layout.split_by_size(
+            [(name, param.shape) for name, param in named_params], preserve_numel
+        )
+        by_name = dict(named_params)
+        budget_bytes = allgather_bucket_size * torch.finfo(self.dtype).bits // 8
+        self.regions: list[Region] = []
+        for region_name, members, alignment, quantize in (
+            ("exact", exact, 1, False),
+            ("quantized", large, group_size, quantize_weights),
+        ):
+            if members:
+                self.regions.append(
+                    self._build_region(
+                        region_name, members, by_name, alignment, quantize, budget_bytes
+                    )
+                )
+        self.optimizer = _build_torch_optimizer(
+            optimizer_type, optimizer_params, [region.master for region in self.regions]
+        )
+        self.last_gather: dict[str, GatherStats] = {}
+        self._has_gradients = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_region(
+        self,
+        name: str,
+        members: list[tuple[str, torch.Size]],
+        by_name: dict[str, torch.nn.Parameter],
+        alignment: int,
+        quantize: bool,
+        budget_bytes: int,
+    ) -> Region:
+        flat = layout.build_layout(members, self.world_size, alignment)
+        working = torch.zeros(flat.padded_numel, dtype=self.dtype, device=self.device)
+        params = [by_name[slot.name] for slot in flat.slots]
+        with torch.no_grad():
+            for slot, param in zip(flat.slots, params, strict=True):
+                working[slot.offset : slot.end].copy_(param.reshape(-1))
+                param.data = working[slot.offset : slot.end].view(slot.shape)
+            # Replicas start identical: rank 0's initial weights win, exactly.
+            if self.world_size > 1:
+                dist.broadcast(working, src=self._global_rank(0), group=self.process_group)
+        start, end = flat.shard_range(self.rank)
+        master = torch.nn.Parameter(working[start:end].to(torch.float32).clone())
+        accumulator_numel = flat.padded_numel if self.stage == 1 else flat.shard_numel
+        if quantize:
+            unit_numel, unit_bytes = alignment, layout.quantized_unit_bytes(alignment)
+        else:
+            unit_numel, unit_bytes = alignment, alignment * working.element_size()
+        plan = layout.plan_chunks(
+            flat.shard_numel, self.world_size, unit_numel, unit_bytes, budget_bytes
+        )
+        return Region(
+            name=name,
+            layout=flat,
+            params=params,
+            working=working,
+            master=master,
+            grad_accumulator=torch.zeros(
+                accumulator_numel, dtype=torch.float32, device=self.device
+            ),
+            plan=plan,
+            quantize=quantize,
+        )
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
+
+    # ------------------------------------------------------------- public API
+
+    @property
+    def quantization_group_size(self) -> int | None:
+        """The group size in force for the weight gather on this rank; None when not quantizing."""
+        return self.group_size if self.quantize_weights else None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's param groups (to read or change `lr`)."""
+        return self.optimizer.param_groups
+
+    def accumulate_gradients(self) -> None:
+        """Move this micro-batch's gradients into the fp32 accumulators and free them.
+
+        Stage 1 adds the full gradient locally; stage 2 reduce-scatters it so only the
+        owned shard is kept (phase 1 of the module docstring)."""
+        for region in self.regions:
+            flat_grad = self._flatten_grads(region)
+            if self.stage == 1:
+                region.grad_accumulator.add_(flat_grad)
+            else:
+                collectives.reduce_scatter_in_buckets(
+                    flat_grad,
+                    region.grad_accumulator,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    bucket_numel=self.reduce_bucket_size,
+                    group=self.process_group,
+                )
+            for param in region.params:
+                param.grad = None
+        self._has_gradients = True
+
+    def step(self, step_index: int) -> torch.Tensor:
+        """Reduce, clip, update the master shards and gather the new weights.
+
+        `step_index` (1-based) only names the step in errors. Returns the global gradient
+        norm (before clipping) as a 0-dim fp32 tensor."""
+        if not self._has_gradients:
+            raise RuntimeError(
+                f"step {step_index}: no gradients were accumulated since the last step"
+            )
+        shard_grads = [self._reduced_shard_grad(region) for region in self.regions]
+        squares = torch.stack([grad.pow(2).sum() for grad in shard_grads]).sum()
+        grad_norm = collectives.all_reduce_sum(squares, self.world_size, self.process_group).sqrt()
+        if not torch.isfinite(grad_norm):
+            self._raise_non_finite(step_index, "gradient", shard_grads, f"norm {grad_norm.item()}")
+        if self.gradient_clipping > 0:
+            clip_coef = torch.clamp(self.gradient_clipping / (grad_norm + 1e-6), max=1.0)
+            for grad in shard_grads:
+                grad.mul_(clip_coef)
+        for region, grad in zip(self.regions, shard_grads, strict=True):
+            region.master.grad = grad
+        self.optimizer.step()
+        masters = [region.master.detach() for region in self.regions]
+        bad = torch.stack([(~torch.isfinite(m)).sum() for m in masters]).sum().float()
+        if collectives.all_reduce_sum(bad, self.world_size, self.process_group) > 0:
+            self._raise_non_finite(step_index, "updated weight", masters, "after the update")
+        self.gather_weights()
+        for region in self.regions:
+            region.master.grad = None
+            region.grad_accumulator.zero_()
+        self._has_gradients = False
+        return grad_norm
+
+    def gather_weights(self) -> dict[str, GatherStats]:
+        """Phase 4: write every rank's master shard into every working copy."""
+        self.last_gather = {
+            region.name: collectives.gather_shards(
+                region.master.detach(),
+                region.working,
+                plan=region.plan,
+                rank=self.rank,
+                quantize=region.quantize,
+                group=self.process_group,
+                kernels=self.kernels,
+            )
+            for region in self.regions
+        }
+        return self.last_gather
+
+    def master_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's fp32 master shard of each region (read-only views)."""
+        return {region.name: region.master.detach() for region in self.regions}
+
+    def element_scales(self, param_name: str) -> torch.Tensor:
+        """The quantization scale of the group each element of `param_name` belongs to, as
+        implied by the current working copy (absmax / 127); zeros where it travels exactly."""
+        for region in self.regions:
+            for slot in region.layout.slots:
+                if slot.name != param_name:
+                    continue
+                if not region.quantize:
+                    return torch.zeros(slot.shape, dtype=torch.float32, device=self.device)
+                size = self.group_size
+                first, last = slot.offset // size, (slot.end - 1) // size + 1
+                groups = region.working[first * size : last * size].float().view(-1, size)
+                scales = (groups.abs().amax(dim=1) / 127).repeat_interleave(size)
+                local = slot.offset - first * size
+                return scales[local : local + slot.numel].view(slot.shape)
+        raise KeyError(f"{param_name}: not a parameter of this optimizer")
+
+    # -------------------------------------------------------------- internals
+
+    def _flatten_grads(self, region: Region) -> torch.Tensor:
+        flat = torch.zeros(region.layout.padded_numel, dtype=torch.float32, device=self.device)
+        for slot, param in zip(region.layout.slots, region.params, strict=True):
+            if param.grad is not None:
+                flat[slot.offset : slot.end].copy_(param.grad.reshape(-1))
+        return flat
+
+    def _reduced_shard_grad(self, region: Region) -> torch.Tensor:
+        """This rank's shard of the rank-averaged gradient (fp32, shard_numel)."""
+        if self.stage == 1:
+            collectives.all_reduce_in_buckets(
+                region.grad_accumulator,
+                bucket_numel=self.reduce_bucket_size,
+                world_size=self.world_size,
+                group=self.process_group,
+            )
+            start, end = region.shard_range(self.rank)
+            shard = region.grad_accumulator[start:end].clone()
+        else:
+            shard = region.grad_accumulator.clone()
+        return shard.div_(self.world_size)
+
+    def _raise_non_finite(
+        self, step_index: int, what: str, shards: list[torch.Tensor], detail: str
+    ) -> None:
+        """Gather the names of the affected parameters from every rank and raise on all."""
+        local: list[str] = []
+        for region, shard in zip(self.regions, shards, strict=True):
+            start, _ = region.shard_range(self.rank)
+            bad = (~torch.isfinite(shard)).nonzero().flatten().cpu() + start
+            slots = region.layout.slots
+            ends = torch.tensor([slot.end for slot in slots])
+            owners = torch.searchsorted(ends, bad, right=True).unique()
+            local += [slots[index].name for index in owners.tolist() if index < len(slots)]
+        names: list[list[str]] = [local]
+        if self.world_size > 1:
+            names = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(names, local, group=self.process_group)
+        affected = sorted({name for per_rank in names for name in per_rank})
+        raise NonFiniteError(
+            f"step {step_index}: non-finite {what} ({detail}) in parameters: "
+            f"{', '.join(affected) if affected else '(none found in the shards)'}; "
+            "no working copy was changed by this step"
+        )
