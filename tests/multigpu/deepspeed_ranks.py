@@ -1,0 +1,314 @@
+"""Rank-side functions for the DeepSpeed integration tests (run on every rank by LocalWorld).
+
+Each function builds a tiny model from a seed, trains it with DeepSpeed (through
+``qwz.integrations.deepspeed.initialize`` or plain ``deepspeed.initialize``) and
+returns plain data -- losses, hashes, byte counts, bound violations -- for the
+test process to assert on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import qwz
+from qwz.integrations import deepspeed as qwz_deepspeed
+from qwz.tolerance import element_bound, half_ulp
+
+IN_FEATURES = 263
+HIDDEN = 509  # up.weight: 263 * 509 = 133,867 elements > 65,536: quantized
+NARROW = 131  # down.weight: 509 * 131 = 66,679 > 65,536: quantized
+OUT_FEATURES = 3
+MICRO_BATCH = 4
+LR = 1e-3
+BETAS = (0.9, 0.999)
+WEIGHT_DECAY = 0.01
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class TinyMLP(torch.nn.Module):
+    """Two quantized Linears around a LayerNorm, then a small exact head.
+
+    202,600 parameters, 2,054 of them in parameters of at most 65,536 elements (the
+    biases, the norm and the head), so both the quantized and the exact stream move.
+    DeepSpeed's partitions are 101,300 (2 ranks) and 50,650 (4 ranks) elements: not
+    multiples of 64 or 8192, and ``up.weight`` spans several partitions.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(IN_FEATURES, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, NARROW)
+        self.head = torch.nn.Linear(NARROW, OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(torch.nn.functional.gelu(self.up(x)))
+        return self.head(torch.tanh(self.down(hidden)))
+
+
+def build_model(seed: int) -> TinyMLP:
+    torch.manual_seed(seed)
+    return TinyMLP()
+
+
+def batch(seed: int, step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic (inputs, targets) for one (seed, step, rank)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    inputs = torch.randn(MICRO_BATCH, IN_FEATURES, generator=generator)
+    targets = torch.randn(MICRO_BATCH, OUT_FEATURES, generator=generator)
+    return inputs.to(dtype), targets
+
+
+def ds_config(
+    *,
+    stage: int,
+    dtype: str = "bf16",
+    quantized: bool = True,
+    group_size: int | None = None,
+    bucket: float = 5e8,
+    preserve: int | None = None,
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "allgather_bucket_size": bucket,
+        "reduce_bucket_size": 5e8,
+    }
+    if quantized:
+        zero["zero_quantized_weights"] = True
+    if group_size is not None:
+        zero["zero_quantized_weights_group_size"] = group_size
+    if preserve is not None:
+        zero["zero_quantized_weights_preserve_numel"] = preserve
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1_000_000,
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": LR,
+                "betas": list(BETAS),
+                "eps": 1e-8,
+                "weight_decay": WEIGHT_DECAY,
+                "torch_adam": True,  # torch.optim.AdamW: no JIT-built op, same math as qwz
+            },
+        },
+    }
+
+
+def _quiet() -> None:
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def _build(config: dict[str, Any], seed: int, *, plain: bool = False, **kwargs: Any) -> Any:
+    _quiet()
+    model = build_model(seed)
+    if plain:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+    else:
+        engine, *_ = qwz_deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config, **kwargs
+        )
+    return engine
+
+
+def _forward_backward(engine: Any, seed: int, step: int) -> float:
+    dtype = next(engine.module.parameters()).dtype
+    inputs, targets = batch(seed, step, dist.get_rank(), dtype)
+    loss = torch.nn.functional.mse_loss(engine(inputs).float(), targets)
+    engine.backward(loss)
+    return loss.item()
+
+
+def _own_partition_expected(optimizer: Any, group: int) -> torch.Tensor:
+    """This rank's partition as qwz's gather must leave it, computed independently with
+    qwz.quantize: the master zero-padded to whole groups, small-parameter elements zeroed
+    and then sent exactly, decoded and cast to the working dtype."""
+    plan = optimizer.qwz_plans[group]
+    flat = optimizer.bit16_groups_flat[group]
+    master = optimizer.single_partition_of_fp32_groups[group].detach()
+    group_size = optimizer.quantization_group_size
+    exact = plan.exact_positions[plan.rank]
+    source = master.clone()
+    source[exact] = 0
+    decoded = qwz.dequantize(qwz.quantize(source, group_size), flat.dtype)
+    decoded[exact] = master[exact].to(flat.dtype)
+    return decoded
+
+
+def train(
+    config: dict[str, Any],
+    steps: int,
+    seed: int = 0,
+    *,
+    qwz_gather: bool | None = None,
+    check_decode: bool = True,
+) -> dict[str, Any]:
+    """Train `steps` steps; per step record the loss, grad norm, hash and the wire check."""
+    engine = _build(config, seed, qwz_gather=qwz_gather)
+    optimizer = engine.optimizer
+    result: dict[str, Any] = {
+        "losses": [],
+        "grad_norms": [],
+        "hashes": [],
+        "checks": [],
+        "reported_stats": [],
+        "decode_matches": [],
+        "group_size": getattr(optimizer, "quantization_group_size", "missing"),
+        "optimizer": type(optimizer).__name__,
+        "partition_numels": [
+            partitions[0].numel() for partitions in optimizer.parallel_partitioned_bit16_groups
+        ],
+        "working_dtype": str(optimizer.bit16_groups_flat[0].dtype),
+        "allgather_bucket_size": optimizer.allgather_bucket_size,
+    }
+    for step in range(1, steps + 1):
+        result["losses"].append(_forward_backward(engine, seed, step))
+        check = qwz_deepspeed.measure_weight_gather(engine)
+        result["checks"].append({**check._asdict(), "in_effect": check.in_effect})
+        result["grad_norms"].append(float(engine.get_global_grad_norm()))
+        result["hashes"].append(qwz.param_hash(engine.module))
+        stats = getattr(optimizer, "qwz_gather_stats", None)
+        result["reported_stats"].append(None if stats is None else stats._asdict())
+        if check_decode and hasattr(optimizer, "qwz_plans"):
+            rank = dist.get_rank(group=optimizer.real_dp_process_group[0])
+            result["decode_matches"].append(
+                all(
+                    torch.equal(
+                        optimizer.parallel_partitioned_bit16_groups[i][rank],
+                        _own_partition_expected(optimizer, i),
+                    )
+                    for i in range(len(optimizer.bit16_groups_flat))
+                )
+            )
+    result["exact_counts"] = [
+        [positions.numel() for positions in plan.exact_positions]
+        for plan in getattr(optimizer, "qwz_plans", [])
+    ]
+    return result
+
+
+def compare_with_stock(
+    stage: int, dtype: str, steps: int, group_size: int = 64, seed: int = 0
+) -> dict[str, Any]:
+    """Stock DeepSpeed and DeepSpeed + qwz side by side from identical weights and data.
+
+    Each rank compares every element of its own partition of the flat buffer (replicas
+    are identical, so together the ranks cover the whole model) against
+    ``qwz.tolerance.element_bound``; after step 1, where both masters are still equal,
+    also against the tighter ``scale / 2 + two half-ulps``.
+    """
+    stock = _build(ds_config(stage=stage, dtype=dtype, quantized=False), seed, plain=True)
+    candidate = _build(ds_config(stage=stage, dtype=dtype, group_size=group_size), seed)
+    working_dtype = DTYPES[dtype]
+    rank = dist.get_rank()
+    violations = checked = step1_violations = 0
+    worst_ratio = 0.0
+    max_error = 0.0
+    exact_equal_after_step1 = masters_equal_after_step1 = None
+    for step in range(1, steps + 1):
+        for engine in (stock, candidate):
+            _forward_backward(engine, seed, step)
+            engine.step()
+        for i, plan in enumerate(candidate.optimizer.qwz_plans):
+            reference = stock.optimizer.parallel_partitioned_bit16_groups[i][rank].float()
+            values = candidate.optimizer.parallel_partitioned_bit16_groups[i][rank].float()
+            scales = _element_scales(candidate.optimizer, i)
+            error = (values - reference).abs()
+            bound = element_bound(step, LR, BETAS, scales, reference, values, working_dtype)
+            violations += int((error > bound).sum())
+            checked += error.numel()
+            worst_ratio = max(worst_ratio, float((error / bound).max()))
+            max_error = max(max_error, float(error.max()))
+            if step == 1:
+                tight = (
+                    scales / 2
+                    + half_ulp(reference, working_dtype)
+                    + half_ulp(values, working_dtype)
+                )
+                step1_violations += int((error > tight).sum())
+                exact = plan.exact_positions[plan.rank]
+                exact_equal_after_step1 = bool(torch.equal(values[exact], reference[exact]))
+                masters_equal_after_step1 = bool(
+                    torch.equal(
+                        stock.optimizer.single_partition_of_fp32_groups[i],
+                        candidate.optimizer.single_partition_of_fp32_groups[i],
+                    )
+                )
+    return {
+        "violations": violations,
+        "step1_violations": step1_violations,
+        "checked": checked,
+        "worst_ratio": worst_ratio,
+        "max_error": max_error,
+        "exact_equal_after_step1": exact_equal_after_step1,
+        "masters_equal_after_step1": masters_equal_after_step1,
+        "final_hashes": (qwz.param_hash(stock.module), qwz.param_hash(candidate.module)),
+    }
+
+
+def _element_scales(optimizer: Any, group: int) -> torch.Tensor:
+    """(P,) fp32: the quantization scale behind each element of this rank's partition
+    (0 for elements of small parameters, which travel exactly)."""
+    plan = optimizer.qwz_plans[group]
+    master = optimizer.single_partition_of_fp32_groups[group].detach().float()
+    group_size = optimizer.quantization_group_size
+    exact = plan.exact_positions[plan.rank]
+    source = master.clone()
+    source[exact] = 0
+    scales = qwz.quantize(source, group_size).scales
+    per_element = scales.repeat_interleave(group_size)[: master.numel()].clone()
+    per_element[exact] = 0
+    return per_element
+
+
+def plain_engine_stays_stock(steps: int = 2) -> dict[str, Any]:
+    """A qwz engine and a plain deepspeed.initialize engine in one process, interleaved."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    module_gather = stage_1_and_2.all_gather_dp_groups
+    candidate = _build(ds_config(stage=2, group_size=64), seed=0)
+    plain = _build(ds_config(stage=2, quantized=False), seed=0, plain=True)
+    checks: dict[str, list[dict[str, Any]]] = {"qwz": [], "plain": []}
+    for step in range(1, steps + 1):
+        for name, engine in (("qwz", candidate), ("plain", plain)):
+            _forward_backward(engine, 0, step)
+            check = qwz_deepspeed.measure_weight_gather(engine)
+            checks[name].append({**check._asdict(), "in_effect": check.in_effect})
+    return {
+        "checks": checks,
+        "module_gather_restored": stage_1_and_2.all_gather_dp_groups is module_gather,
+        "plain_step_is_class_step": "step" not in vars(plain.optimizer),
+        "qwz_step_is_replaced": "step" in vars(candidate.optimizer),
+        "plain_has_no_group_size": not hasattr(plain.optimizer, "quantization_group_size"),
+    }
+
+
+def bare_probe_sees(steps: int = 1) -> dict[str, int]:
+    """What a bare WireProbe sees of a stock DeepSpeed step, against the DeepSpeed-aware one."""
+    from qwz.probe import WireProbe
+
+    plain = _build(ds_config(stage=2, quantized=False), seed=0, plain=True)
+    _forward_backward(plain, 0, 1)
+    with WireProbe() as bare:
+        plain.step()
+    _forward_backward(plain, 0, 2)
+    with qwz_deepspeed.probe_deepspeed_collectives() as aware:
+        plain.step()
+    return {
+        "bare": bare.bytes["gather"],
+        "aware": aware.bytes["gather"],
+        "unquantized": qwz_deepspeed.unquantized_gather_bytes(plain.optimizer),
+    }

@@ -1,0 +1,428 @@
+"""DeepSpeed's own ZeRO-1/2 optimizer with qwz's quantized weight gather (qwz.integrations).
+
+Real DeepSpeed engines on real process groups (gloo on CPU, 2 and 4 ranks), a
+tiny MLP whose two large Linears are quantized and whose biases, LayerNorm and
+head travel exactly (see ``deepspeed_ranks.TinyMLP``). Runs are cached per
+configuration, so several properties are asserted on one trajectory.
+
+Tolerance against stock DeepSpeed (``test_matches_stock_deepspeed_within_bound``):
+both engines start from bit-identical weights and see identical batches, so the
+first forward, backward and optimizer step are identical and the fp32 masters
+are still equal after step 1 (asserted). The working copies then differ only by
+the gather: qwz decodes within ``scale / 2`` of the master ([Note: quantization
+math]) and each side rounds once to the working dtype, so after step 1 every
+element satisfies ``|w_qwz - w_stock| <= scale / 2 + half_ulp(w_stock) +
+half_ulp(w_qwz)``, with ``scale = 0`` for exactly-sent elements, which must be
+bit-identical. From step 2 on the gradients differ, and each Adam(W) step moves
+an element by at most ``lr * C_t`` in either run (``C_t`` from Cauchy-Schwarz on
+Adam's two moving averages, ``C_1 = 1``; decoupled weight decay only shrinks
+differences), so the masters drift apart by at most ``2 * lr * sum_k C_k``. That
+is ``qwz.tolerance.element_bound`` ([Note: parameter-sample tolerance]), checked
+on every element of every partition after every step: zero violations allowed.
+
+Wire bytes (``test_weight_gather_wire_bytes``): per rank and step qwz sends
+``P_pad * (1 + 4/G)`` (``P`` rounded up to whole groups) plus the exact stream
+(the longest rank's small-parameter elements, 2 bytes each in bf16), against
+``2 * P`` for stock bf16; the test asserts that formula to the byte. Measured
+ratios on this model (ideal ``(1 + 4/G) / 2``: 0.531 at G=64, 0.500 at 8192):
+
+    world 2 (P = 101,300): G=64 0.552, G=8192 0.546
+    world 4 (P =  50,650): G=64 0.562, G=8192 0.597
+
+The excess is group padding (a partition of 50,650 elements is only 6.2 groups
+of 8192, padded to 7: +13%) and the exact stream (up to 1,527 elements on one
+rank); on a real model both are a rounding error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import os
+
+import pytest
+import torch
+
+deepspeed = pytest.importorskip(
+    "deepspeed", reason="the DeepSpeed integration tests need deepspeed (pip install .[deepspeed])"
+)
+
+import qwz  # noqa: E402
+from qwz.config import DEFAULT_PRESERVE_NUMEL, QuantizedWeights  # noqa: E402
+from qwz.integrations import deepspeed as qwz_deepspeed  # noqa: E402
+from qwz.launch import LocalWorld  # noqa: E402
+from qwz.layout import quantized_unit_bytes  # noqa: E402
+from tests.multigpu import deepspeed_ranks as ranks  # noqa: E402
+
+pytestmark = [pytest.mark.multigpu]
+
+STEPS = 12
+RANK_TIMEOUT_S = float(os.environ.get("QWZ_RANK_TIMEOUT_S", "240"))
+BF16_BYTES = 2
+
+TRAINING = [
+    (2, 1, "bf16"),
+    (2, 2, "bf16"),
+    (4, 1, "bf16"),
+    (4, 2, "bf16"),
+    (2, 2, "fp32"),
+    (4, 1, "fp32"),
+]
+MEASURED_RATIOS = {(2, 64): 0.552, (2, 8192): 0.546, (4, 64): 0.562, (4, 8192): 0.597}
+"""Rank 0's gathered / stock bf16 bytes per step on TinyMLP (see the module docstring)."""
+
+TRAINING_IDS = [f"w{w}-stage{s}-{d}" for w, s, d in TRAINING]
+
+
+class _Worlds:
+    """One LocalWorld per world size for this module, recreated after a failure broke it."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, LocalWorld] = {}
+
+    def get(self, world_size: int) -> LocalWorld:
+        world = self._worlds.get(world_size)
+        if world is None or world.broken:
+            world = LocalWorld(world_size, timeout_s=RANK_TIMEOUT_S)
+            self._worlds[world_size] = world
+        return world
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close()
+
+
+@pytest.fixture(scope="module")
+def ds_worlds():
+    pool = _Worlds()
+    yield pool
+    pool.close()
+
+
+_CACHE: dict[tuple, list[dict]] = {}
+
+
+def _train(ds_worlds, world_size: int, steps: int = STEPS, run: int = 0, **options) -> list[dict]:
+    """Per-rank results of ``deepspeed_ranks.train``; `run` distinguishes deliberate reruns."""
+    qwz_gather = options.pop("qwz_gather", None)
+    key = (world_size, steps, run, qwz_gather, tuple(sorted(options.items())))
+    if key not in _CACHE:
+        _CACHE[key] = ds_worlds.get(world_size).run(
+            ranks.train, ranks.ds_config(**options), steps, qwz_gather=qwz_gather
+        )
+    return _CACHE[key]
+
+
+def _expected_qwz_bytes(result: dict, world_size: int, group_size: int, element_size: int) -> int:
+    """Bytes one rank puts on the wire per step, from first principles (module docstring)."""
+    total = 0
+    for partition_numel, exact_counts in zip(
+        result["partition_numels"], result["exact_counts"], strict=True
+    ):
+        padded = -(-partition_numel // group_size) * group_size
+        total += padded // group_size * quantized_unit_bytes(group_size)
+        total += max(exact_counts) * element_size
+    return total
+
+
+# --------------------------------------------------------------------------- #
+# Config handling and refusals: no process group needed, DeepSpeed is never reached
+# --------------------------------------------------------------------------- #
+
+
+def _config(**zero) -> dict:
+    config = ranks.ds_config(stage=zero.pop("stage", 2), group_size=64)
+    config["zero_optimization"].update(zero)
+    return config
+
+
+REFUSALS = [
+    ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
+    ({"offload_param": {"device": "nvme"}}, "offload_param"),
+    ({"cpu_offload": True}, "cpu_offload"),
+    ({"zenflow": {"topk_ratio": 0.1}}, "zenflow"),
+    ({"stage": 3, "zero_quantized_weights_group_size": 128}, "stage 3 supports only"),
+    ({"stage": 3, "zero_quantized_weights_preserve_numel": 10}, "only qwz's stage 1/2"),
+    ({"stage": 0}, "needs ZeRO stage 1, 2 or 3"),
+    ({"zero_quantized_weights_group_size": 12}, "positive multiple of 8"),
+    ({"zero_quantized_weights_group_size": True}, "a bool is not an integer"),
+    ({"zero_quantized_weights_preserve_numel": -1}, "non-negative"),
+]
+
+
+@pytest.mark.parametrize(("zero", "message"), REFUSALS, ids=[m for _, m in REFUSALS])
+def test_unsupported_configurations_are_refused_with_config_error(zero, message):
+    with pytest.raises(qwz.ConfigError, match=message):
+        qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(**zero))
+
+
+def test_switched_off_offload_and_zenflow_are_not_refused(monkeypatch):
+    captured = _capture_deepspeed(monkeypatch)
+    config = _config(
+        offload_optimizer={"device": "none"}, offload_param={"device": "none"}, zenflow=None
+    )
+    qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert captured["config"]["zero_optimization"]["offload_optimizer"] == {"device": "none"}
+
+
+def test_bf16_stage1_with_fp32_grad_accumulation_is_refused():
+    config = _config(stage=1)
+    config["data_types"] = {"grad_accum_dtype": "fp32"}
+    with pytest.raises(qwz.ConfigError, match="BF16_Optimizer"):
+        qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+
+
+@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.19.0", "dev"])
+def test_unsupported_deepspeed_version_is_refused(monkeypatch, version):
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    with pytest.raises(qwz.ConfigError, match=r"supported: >=0\.19, <0\.20"):
+        qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config())
+
+
+def test_installed_deepspeed_is_in_the_supported_range():
+    low, high = qwz_deepspeed.SUPPORTED_DEEPSPEED
+    assert low <= qwz_deepspeed._version_tuple(deepspeed.__version__) < high
+
+
+def test_only_deepspeeds_zero_optimizer_is_taken_over():
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(qwz.ConfigError, match="DeepSpeedZeroOptimizer"):
+        qwz_deepspeed._take_over(other, QuantizedWeights(enabled=True))
+
+
+class _FakeEngine:
+    optimizer = None
+
+
+def _capture_deepspeed(monkeypatch) -> dict:
+    """Replace deepspeed.initialize by a recorder and the takeover by a no-op recorder."""
+    captured: dict = {}
+    real = deepspeed.initialize
+    signature = inspect.signature(real)
+
+    @functools.wraps(real)
+    def fake_initialize(*args, **kwargs):
+        captured.update(signature.bind(*args, **kwargs).arguments)
+        return (_FakeEngine(), None, None, None)
+
+    monkeypatch.setattr(deepspeed, "initialize", fake_initialize)
+    monkeypatch.setattr(
+        qwz_deepspeed, "_take_over", lambda optimizer, requested: captured.update(took=requested)
+    )
+    return captured
+
+
+def test_qwz_keys_are_validated_then_stripped_and_the_takeover_requested(monkeypatch):
+    captured = _capture_deepspeed(monkeypatch)
+    config = _config(zero_quantized_weights_group_size=128)
+    before = json.dumps(config, sort_keys=True)
+    result = qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=config)
+    zero = captured["config"]["zero_optimization"]
+    assert not {k for k in zero if k.startswith("zero_quantized_weights")}, zero
+    assert captured["took"] == QuantizedWeights(True, 128, DEFAULT_PRESERVE_NUMEL)
+    assert isinstance(result[0], _FakeEngine) and len(result) == 4
+    assert json.dumps(config, sort_keys=True) == before, "the caller's config was mutated"
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_takeover_can_be_disabled_keeping_the_request_for_stock_deepspeed(monkeypatch, how):
+    captured = _capture_deepspeed(monkeypatch)
+    kwargs = {}
+    if how == "argument":
+        kwargs["qwz_gather"] = False
+    else:
+        monkeypatch.setenv(qwz_deepspeed.GATHER_ENV, "0")
+    qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(), **kwargs)
+    zero = captured["config"]["zero_optimization"]
+    assert zero["zero_quantized_weights"] is True
+    assert "zero_quantized_weights_group_size" not in zero
+    assert "took" not in captured
+
+
+def test_stage3_keeps_deepspeeds_own_qwz_and_is_not_taken_over(monkeypatch):
+    captured = _capture_deepspeed(monkeypatch)
+    qwz_deepspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(stage=3))
+    zero = captured["config"]["zero_optimization"]
+    assert zero["zero_quantized_weights"] is True
+    assert "zero_quantized_weights_group_size" not in zero
+    assert "took" not in captured
+
+
+def test_config_from_args_deepspeed_config_file(monkeypatch, tmp_path):
+    captured = _capture_deepspeed(monkeypatch)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(zero_quantized_weights_group_size=8192)))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    qwz_deepspeed.initialize(args, torch.nn.Linear(2, 2))
+    assert captured["args"].deepspeed_config is None
+    assert args.deepspeed_config == str(path), "the caller's args were mutated"
+    assert captured["took"].group_size == 8192
+    assert "zero_quantized_weights_group_size" not in captured["config"]["zero_optimization"]
+
+
+def test_plan_of_a_small_parameter_straddling_two_partitions():
+    # Flat buffer of 3 ranks x 10 elements: a large parameter [0, 14), a small one [14, 23)
+    # that straddles ranks 1 and 2, and a small one [23, 30).
+    plan = qwz_deepspeed.plan_flat_group(
+        [(0, 14), (14, 9), (23, 7)],
+        10,
+        rank=1,
+        world_size=3,
+        process_group=None,
+        group_size=8,
+        preserve_numel=9,
+        budget_bytes=3 * 2 * quantized_unit_bytes(8),
+        element_size=2,
+    )
+    assert [p.tolist() for p in plan.exact_positions] == [[], [4, 5, 6, 7, 8, 9], list(range(10))]
+    assert list(plan.quantized_plan.chunks()) == [(0, 16)]  # 10 padded to 16: two groups/rank
+    assert plan.own_exact_bounds == ((0, 6),)
+    assert plan.exact_plan.shard_numel == 10  # the longest rank's exact count
+
+
+# --------------------------------------------------------------------------- #
+# Training with the takeover
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(("world_size", "stage", "dtype"), TRAINING, ids=TRAINING_IDS)
+def test_training_is_finite_replica_consistent_and_quantized(ds_worlds, world_size, stage, dtype):
+    results = _train(ds_worlds, world_size, stage=stage, dtype=dtype, group_size=64)
+    for rank, result in enumerate(results):
+        assert result["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert result["working_dtype"] == str(ranks.DTYPES[dtype])
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), (rank, result["losses"])
+        assert all(torch.isfinite(torch.tensor(result["grad_norms"]))), rank
+        assert result["group_size"] == 64, rank
+        assert all(result["decode_matches"]), f"rank {rank}: own partition != decode of master"
+        for step, check in enumerate(result["checks"], start=1):
+            assert check["qwz_gathers"] == 1 and check["in_effect"], (rank, step, check)
+            reported = result["reported_stats"][step - 1]
+            assert reported["bytes_sent"] == check["gathered_bytes"], (rank, step)
+    for step in range(STEPS):
+        hashes = {result["hashes"][step] for result in results}
+        assert len(hashes) == 1, f"step {step + 1}: ranks disagree: {hashes}"
+    assert results[0]["hashes"][0] != results[0]["hashes"][-1], "training did not move weights"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_partitions_are_not_multiples_of_the_group_size(ds_worlds, world_size):
+    for group_size in (64, 8192):
+        results = _train(ds_worlds, world_size, stage=2, group_size=group_size)
+        (partition_numel,) = results[0]["partition_numels"]
+        assert partition_numel % group_size, (world_size, group_size, partition_numel)
+        assert all(all(result["decode_matches"]) for result in results)
+        assert len({result["hashes"][-1] for result in results}) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("group_size", [64, 8192])
+def test_weight_gather_wire_bytes(ds_worlds, world_size, group_size):
+    results = _train(ds_worlds, world_size, stage=2, group_size=group_size)
+    ideal = (1 + 4 / group_size) / 2
+    for rank, result in enumerate(results):
+        expected = _expected_qwz_bytes(result, world_size, group_size, BF16_BYTES)
+        for check in result["checks"]:
+            assert check["gathered_bytes"] == expected, (rank, check, expected)
+            assert check["unquantized_bytes"] == result["partition_numels"][0] * BF16_BYTES
+            ratio = check["gathered_bytes"] / check["unquantized_bytes"]
+            assert ratio >= ideal, (rank, ratio, ideal)
+    measured = (
+        results[0]["checks"][0]["gathered_bytes"] / results[0]["checks"][0]["unquantized_bytes"]
+    )
+    assert round(measured, 3) == MEASURED_RATIOS[world_size, group_size], measured
+
+
+@pytest.mark.parametrize(
+    ("world_size", "stage", "dtype"), [(2, 2, "bf16"), (4, 1, "bf16"), (2, 1, "fp32")]
+)
+def test_matches_stock_deepspeed_within_bound(ds_worlds, world_size, stage, dtype):
+    results = ds_worlds.get(world_size).run(ranks.compare_with_stock, stage, dtype, STEPS)
+    for rank, result in enumerate(results):
+        assert result["masters_equal_after_step1"], rank
+        assert result["exact_equal_after_step1"], rank
+        assert result["step1_violations"] == 0, (rank, result)
+        assert result["violations"] == 0, (rank, result)
+        assert result["max_error"] > 0, "no difference at all: was anything quantized?"
+        stock_hash, qwz_hash = result["final_hashes"]
+        assert stock_hash != qwz_hash
+
+
+def test_identical_runs_give_identical_final_hashes(ds_worlds):
+    first = _train(ds_worlds, 2, stage=2, group_size=64)
+    second = _train(ds_worlds, 2, stage=2, group_size=64, run=1)
+    assert [r["hashes"] for r in first] == [r["hashes"] for r in second]
+
+
+def test_group_sizes_64_and_8192_differ_and_every_rank_reports_its_own(ds_worlds):
+    for world_size in (2, 4):
+        small = _train(ds_worlds, world_size, stage=2, group_size=64)
+        large = _train(ds_worlds, world_size, stage=2, group_size=8192)
+        assert [r["group_size"] for r in small] == [64] * world_size
+        assert [r["group_size"] for r in large] == [8192] * world_size
+        assert small[0]["hashes"][-1] != large[0]["hashes"][-1]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("bucket", [64, 1000, 5e8], ids=["below-one-group", "small", "large"])
+def test_staging_bound_respected(ds_worlds, world_size, bucket):
+    group_size = 64
+    results = _train(ds_worlds, world_size, steps=2, stage=2, group_size=group_size, bucket=bucket)
+    budget_bytes = int(bucket) * BF16_BYTES
+    minimum_bytes = world_size * quantized_unit_bytes(group_size)  # one group per rank
+    flat_bytes = world_size * results[0]["partition_numels"][0] * BF16_BYTES
+    for rank, result in enumerate(results):
+        assert result["allgather_bucket_size"] == int(bucket)
+        for check in result["checks"]:
+            largest = check["largest_gather_output_bytes"]
+            assert largest <= max(budget_bytes, minimum_bytes), (rank, largest, budget_bytes)
+            if bucket == 64:
+                assert largest == minimum_bytes  # the one-group-per-rank minimum, by design
+            if bucket == 5e8:
+                assert largest < flat_bytes  # one chunk, and still smaller than stock's gather
+            assert check["in_effect"]
+        assert all(result["decode_matches"]), rank
+    # Chunking never changes values: the same run with any bucket size ends identically.
+    reference = _train(ds_worlds, world_size, steps=2, stage=2, group_size=group_size, bucket=5e8)
+    assert results[0]["hashes"] == reference[0]["hashes"]
+
+
+# --------------------------------------------------------------------------- #
+# Stock behaviour stays available and detectable
+# --------------------------------------------------------------------------- #
+
+
+def test_disabled_takeover_is_stock_and_detected_as_not_in_effect(ds_worlds):
+    disabled = _train(ds_worlds, 2, stage=2, group_size=64, qwz_gather=False)
+    unrequested = _train(ds_worlds, 2, stage=2, quantized=False)
+    for result in disabled:
+        assert result["group_size"] is None
+        for check in result["checks"]:
+            assert check["gathered_bytes"] == check["unquantized_bytes"] > 0
+            assert check["qwz_gathers"] == 0 and not check["in_effect"]
+        fields = qwz_deepspeed.WeightGatherCheck._fields
+        check = qwz_deepspeed.WeightGatherCheck(**{k: result["checks"][0][k] for k in fields})
+        with pytest.raises(RuntimeError, match="quantized weights requested but not in effect"):
+            qwz_deepspeed.require_quantized_weights(check)
+    # DeepSpeed silently ignores zero_quantized_weights at stage 2: bit-identical to not asking.
+    assert [r["hashes"] for r in disabled] == [r["hashes"] for r in unrequested]
+
+
+def test_plain_deepspeed_initialize_in_the_same_process_stays_stock(ds_worlds):
+    for result in ds_worlds.get(2).run(ranks.plain_engine_stays_stock):
+        assert result["module_gather_restored"]
+        assert result["plain_step_is_class_step"] and result["qwz_step_is_replaced"]
+        assert result["plain_has_no_group_size"]
+        for check in result["checks"]["plain"]:
+            assert check["gathered_bytes"] == check["unquantized_bytes"] > 0
+            assert not check["in_effect"]
+        for check in result["checks"]["qwz"]:
+            assert check["in_effect"] and check["gathered_bytes"] < check["unquantized_bytes"]
+
+
+def test_bare_wire_probe_misses_deepspeeds_cached_gather_the_aware_probe_does_not(ds_worlds):
+    for result in ds_worlds.get(2).run(ranks.bare_probe_sees):
+        assert result["bare"] == 0  # DeepSpeed cached torch's function before the probe
+        assert result["aware"] == result["unquantized"] > 0
