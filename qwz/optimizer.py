@@ -354,13 +354,23 @@ class ZeroOptimizer:
             ends = torch.tensor([slot.end for slot in slots])
             owners = torch.searchsorted(ends, bad, right=True).unique()
             local += [slots[index].name for index in owners.tolist() if index < len(slots)]
-        names: list[list[str]] = [local]
+        # Where did it come from? A non-finite working weight (say, written by the user)
+        # poisons every gradient; name it so the error points at the cause.
+        weights = [
+            f"{slot.name} (rank {self.rank})"
+            for region in self.regions
+            for slot, param in zip(region.layout.slots, region.params, strict=True)
+            if not bool(torch.isfinite(param.detach()).all())
+        ]
+        reports: list[tuple[list[str], list[str]]] = [(local, weights)]
         if self.world_size > 1:
-            names = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(names, local, group=self.process_group)
-        affected = sorted({name for per_rank in names for name in per_rank})
+            reports = [([], []) for _ in range(self.world_size)]
+            dist.all_gather_object(reports, (local, weights), group=self.process_group)
+        affected = sorted({name for names, _ in reports for name in names})
+        bad_weights = sorted({name for _, names in reports for name in names})
+        cause = f"; non-finite working weights: {', '.join(bad_weights)}" if bad_weights else ""
         raise NonFiniteError(
             f"step {step_index}: non-finite {what} ({detail}) in parameters: "
-            f"{', '.join(affected) if affected else '(none found in the shards)'}; "
+            f"{', '.join(affected) if affected else '(none found in the shards)'}{cause}; "
             "no working copy was changed by this step"
         )

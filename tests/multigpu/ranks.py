@@ -1,0 +1,242 @@
+"""Rank-side functions for the multigpu engine tests (run on every rank by LocalWorld).
+
+Each function builds a tiny model from a seed, trains it with qwz's engine and
+returns plain data (losses, hashes, samples, byte counts) for the test process
+to assert on. Models are tiny on purpose: the whole CPU suite stays in minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import qwz
+from qwz.probe import WireProbe
+from qwz.tolerance import element_bound
+
+IN_FEATURES = 263
+HIDDEN = 257  # 263 * 257 = 67,591 > 65,536: quantized; not a multiple of 8, 64 or 4
+WIDE = 96
+OUT_FEATURES = 3  # a 3-element bias: smaller than one group and than world size 4
+MICRO_BATCH = 4
+LR = 1e-3
+BETAS = (0.9, 0.999)
+
+
+class TinyMLP(torch.nn.Module):
+    """Linear 263->257 (quantized), Linear 257->96, LayerNorm, Linear 96->3 (exact)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(IN_FEATURES, HIDDEN)
+        self.mid = torch.nn.Linear(HIDDEN, WIDE)
+        self.norm = torch.nn.LayerNorm(WIDE)
+        self.head = torch.nn.Linear(WIDE, OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.gelu(self.up(x))
+        return self.head(self.norm(torch.tanh(self.mid(hidden))))
+
+
+def build_model(seed: int) -> TinyMLP:
+    torch.manual_seed(seed)
+    return TinyMLP()
+
+
+def batch(seed: int, step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic (inputs, targets) for one (seed, step, rank)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    inputs = torch.randn(MICRO_BATCH, IN_FEATURES, generator=generator)
+    targets = torch.randn(MICRO_BATCH, OUT_FEATURES, generator=generator)
+    return inputs.to(dtype), targets
+
+
+def ds_config(
+    *,
+    stage: int,
+    quantized: bool,
+    dtype: str,
+    group_size: int = 64,
+    bucket: float = 5e8,
+    clipping: float = 0.0,
+    accumulation: int = 1,
+    lr: float = LR,
+    preserve: int | None = None,
+    eps: float = 1e-8,
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "zero_quantized_weights": quantized,
+        "zero_quantized_weights_group_size": group_size,
+        "allgather_bucket_size": bucket,
+        "reduce_bucket_size": 5e8,
+    }
+    if preserve is not None:
+        zero["zero_quantized_weights_preserve_numel"] = preserve
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clipping,
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(BETAS), "eps": eps}},
+    }
+
+
+def _loss(engine: qwz.Engine, seed: int, step: int, micro: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    dtype = next(engine.module.parameters()).dtype
+    inputs, targets = batch(seed, step * 100 + micro, rank, dtype)
+    return torch.nn.functional.mse_loss(engine(inputs).float(), targets)
+
+
+def train(config: dict[str, Any], steps: int, seed: int = 0) -> dict[str, Any]:
+    """Train for `steps` optimizer steps; record losses, norms, per-step hashes, wire bytes."""
+    engine = qwz.initialize(build_model(seed), config=config)
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    result: dict[str, Any] = {
+        "losses": [],
+        "grad_norms": [],
+        "hashes": [],
+        "gather_bytes": [],
+        "gather_calls": [],
+        "largest_gather_output_bytes": 0,
+        "group_size": engine.optimizer.quantization_group_size,
+        "stage": engine.optimizer.stage,
+        "reported": [],
+    }
+    for step in range(steps):
+        for micro in range(accumulation):
+            loss = _loss(engine, seed, step, micro)
+            result["losses"].append(loss.item())
+            engine.backward(loss)
+            with WireProbe() as probe:
+                stepped = engine.step()
+            assert stepped == (micro == accumulation - 1), (step, micro, stepped)
+        result["grad_norms"].append(engine.global_grad_norm)
+        result["hashes"].append(qwz.param_hash(engine.module))
+        result["gather_bytes"].append(probe.bytes["gather"])
+        result["gather_calls"].append(probe.calls["gather"])
+        result["largest_gather_output_bytes"] = max(
+            result["largest_gather_output_bytes"], probe.largest_gather_output_bytes
+        )
+        result["reported"].append(
+            {name: stats._asdict() for name, stats in engine.optimizer.last_gather.items()}
+        )
+    result["final_params"] = {
+        name: param.detach().float().clone() for name, param in engine.module.named_parameters()
+    }
+    result["regions"] = {
+        region.name: {
+            "shard_numel": region.layout.shard_numel,
+            "numel": region.layout.numel,
+            "chunks": region.plan.num_chunks,
+            "quantize": region.quantize,
+        }
+        for region in engine.optimizer.regions
+    }
+    return result
+
+
+def compare_arms(
+    stage: int, dtype: str, steps: int, group_size: int = 64, seed: int = 0, sample: int = 512
+) -> dict[str, Any]:
+    """Run the reference (unquantized) and candidate (quantized) arms side by side and check a
+    fixed sample of parameter elements against the [Note: parameter-sample tolerance] bound."""
+    reference = qwz.initialize(
+        build_model(seed), config=ds_config(stage=stage, quantized=False, dtype=dtype)
+    )
+    candidate = qwz.initialize(
+        build_model(seed),
+        config=ds_config(stage=stage, quantized=True, dtype=dtype, group_size=group_size),
+    )
+    working_dtype = next(candidate.module.parameters()).dtype
+    generator = torch.Generator().manual_seed(seed)
+    names = [name for name, _ in candidate.module.named_parameters()]
+    samples = {}
+    for name, param in candidate.module.named_parameters():
+        count = min(sample, param.numel())
+        samples[name] = torch.randperm(param.numel(), generator=generator)[:count]
+    violations = checked = 0
+    worst_ratio = 0.0
+    master_equal_after_step1 = None
+    master_on_grid = None
+    for step in range(1, steps + 1):
+        for engine in (reference, candidate):
+            loss = _loss(engine, seed, step, 0)
+            engine.backward(loss)
+            engine.step()
+        if step == 1:
+            ref_master = reference.optimizer.master_shards()
+            cand_master = candidate.optimizer.master_shards()
+            master_equal_after_step1 = all(
+                torch.equal(ref_master[k], cand_master[k]) for k in ref_master
+            )
+            quantized_master = cand_master["quantized"]
+            regrid = qwz.dequantize(qwz.quantize(quantized_master, group_size), torch.float32)
+            master_on_grid = bool(torch.equal(regrid, quantized_master))
+        ref_params = dict(reference.module.named_parameters())
+        cand_params = dict(candidate.module.named_parameters())
+        for name in names:
+            index = samples[name]
+            ref_values = ref_params[name].detach().reshape(-1)[index].float()
+            cand_values = cand_params[name].detach().reshape(-1)[index].float()
+            scales = candidate.optimizer.element_scales(name).reshape(-1)[index]
+            bound = element_bound(step, LR, BETAS, scales, ref_values, cand_values, working_dtype)
+            error = (cand_values - ref_values).abs()
+            violations += int((error > bound).sum())
+            checked += index.numel()
+            worst_ratio = max(worst_ratio, float((error / bound).max()))
+    return {
+        "violations": violations,
+        "checked": checked,
+        "worst_ratio": worst_ratio,
+        "master_equal_after_step1": master_equal_after_step1,
+        "master_on_grid": master_on_grid,
+        "final_hashes": (qwz.param_hash(reference.module), qwz.param_hash(candidate.module)),
+    }
+
+
+def non_finite(kind: str, bad_rank: int, bad_step: int, steps: int = 5) -> dict[str, Any]:
+    """Inject a non-finite gradient / weight / update on one rank and report what was raised."""
+    engine = qwz.initialize(build_model(0), config=ds_config(stage=2, quantized=True, dtype="fp32"))
+    rank = dist.get_rank()
+    hash_before = None
+    for step in range(1, steps + 1):
+        if kind == "weight" and step == bad_step and rank == bad_rank:
+            with torch.no_grad():
+                engine.module.mid.weight[0, 0] = float("nan")
+        hash_before = qwz.param_hash(engine.module)
+        loss = _loss(engine, 0, step, 0)
+        if kind == "gradient" and step == bad_step and rank == bad_rank:
+            loss = loss + engine.module.norm.bias.sum() * float("inf")
+        if kind == "update" and step == bad_step and rank == bad_rank:
+            # Corrupt this rank's Adam state: the gradients stay finite, the update does not.
+            state = engine.optimizer.optimizer.state
+            for region in engine.optimizer.regions:
+                state[region.master]["exp_avg"][:1] = float("inf")
+        engine.backward(loss)
+        try:
+            engine.step()
+        except qwz.NonFiniteError as error:
+            return {
+                "step": step,
+                "message": str(error),
+                "hash_before": hash_before,
+                "hash_after": qwz.param_hash(engine.module),
+            }
+    return {"step": None, "message": None}
+
+
+def die_at_step(dying_rank: int, step_to_die: int) -> str:
+    """Train; `dying_rank` exits abruptly at `step_to_die`, the others must not hang."""
+    engine = qwz.initialize(build_model(0), config=ds_config(stage=2, quantized=True, dtype="fp32"))
+    for step in range(1, 10):
+        if step == step_to_die and dist.get_rank() == dying_rank:
+            os._exit(17)
+        engine.backward(_loss(engine, 0, step, 0))
+        engine.step()
+    return "finished"
