@@ -1,0 +1,4 @@
+"""The requalification harness: run reference and candidate arms, check, record, report, compare.
+
+Entry points: ``qwz-qualify`` / ``python -m qwz.qualify`` (cli.py).
+"""

@@ -1,0 +1,243 @@
+"""The evidence record: a pydantic model, its digest, and loading that never silently passes.
+
+A record is written once by ``qwz-qualify run`` and read by ``report`` and
+``compare``. It is bound to the code under test by ``head`` (repository, SHA,
+dirty flag) and to itself by ``digest``: the sha256 of its canonical JSON
+without the digest. Loading validates the schema (unknown or missing fields,
+wrong types, a truncated file are errors), recomputes the digest (an edited
+record is an error), and checks that the verdict is the conjunction of the
+checks. Every failure is a :class:`RecordError` naming the file and the cause.
+
+``python -m qwz.qualify.record`` regenerates ``record.schema.json`` (the
+published JSON Schema) from the models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
+
+
+class RecordError(ValueError):
+    """A record could not be trusted: unreadable, invalid, edited, or inconsistent."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Head(_Model):
+    """The code under test."""
+
+    repository: str
+    sha: str = Field(description="Full git SHA of HEAD, or 'unknown' outside a git checkout")
+    dirty: bool = Field(description="Uncommitted changes to tracked files")
+
+
+class Subject(_Model):
+    """Which implementation ran the arms."""
+
+    name: Literal["qwz", "deepspeed"]
+    version: str
+    sha: str | None = Field(None, description="Git SHA when installed from a checkout")
+
+
+class Environment(_Model):
+    python: str
+    torch: str
+    deepspeed: str | None
+    transformers: str | None
+    backend: str
+    device_names: list[str]
+    world_size: int
+    node_count: int
+    platform: str
+
+    def fingerprint(self) -> str:
+        """What must match for hashes to be reproducible: versions, backend, devices, ranks."""
+        payload = self.model_dump(exclude={"platform"})
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Workload(_Model):
+    name: str
+    params: dict[str, Any]
+    num_parameters: int
+    steps: int
+    seed: int
+
+
+class Arm(_Model):
+    """One configuration that was trained: the reference or a candidate."""
+
+    name: str
+    quantized: bool
+    group_size: int | None
+    stage: int
+    dtype: str
+    config: dict[str, Any] = Field(description="The DeepSpeed-style config given to the engine")
+
+
+class Trajectory(_Model):
+    arm: str
+    losses: list[float] = Field(description="Loss per step, averaged over ranks")
+    grad_norms: list[float] = Field(description="Global gradient norm per step")
+
+
+class Tolerance(_Model):
+    arm: str
+    bound: str
+    samples_per_step: int
+    steps: int
+    checked: int
+    violations: int
+    max_ratio: float = Field(description="Largest |candidate - reference| / bound seen")
+    max_abs_error: float
+
+
+class Hashes(_Model):
+    arm: str
+    per_rank: list[str]
+    ledger_status: Literal["reproduced", "recorded", "mismatch", "not-checked"]
+    ledger_previous: str | None = None
+
+
+class Probe(_Model):
+    arm: str
+    requested_group_size: int | None
+    reported_group_sizes: list[int | None]
+    gather_bytes_per_step: int = Field(description="Bytes rank 0 sent in the weight gather")
+    reference_gather_bytes_per_step: int
+
+
+class Block(_Model):
+    index: int
+    order: Literal["AB", "BA"]
+    reference_step_s: float = Field(description="Median step time of the reference in the block")
+    candidate_step_s: float
+    speedup: float = Field(description="reference_step_s / candidate_step_s")
+
+
+class Memory(_Model):
+    rank: int
+    kind: Literal["cuda", "rss"]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None = None
+
+
+class Performance(_Model):
+    arm: str
+    block_steps: int
+    warmup_steps: int
+    blocks: list[Block]
+    median_speedup: float
+    ci_low: float
+    ci_high: float
+    ci_method: str
+    p_value: float
+    test: str
+    memory: list[Memory]
+
+
+class Check(_Model):
+    name: str
+    passed: bool
+    detail: str
+    numbers: dict[str, Any] = Field(default_factory=dict)
+
+
+class Verdict(_Model):
+    passed: bool
+    failed: list[str]
+
+
+class Record(_Model):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    created_at: str
+    head: Head
+    subject: Subject
+    environment: Environment
+    workload: Workload
+    arms: list[Arm]
+    trajectories: list[Trajectory]
+    tolerance: list[Tolerance]
+    hashes: list[Hashes]
+    probes: list[Probe]
+    performance: list[Performance]
+    checks: list[Check]
+    verdict: Verdict
+    digest: str = Field(description="sha256 of the canonical JSON of the record without digest")
+
+
+def canonical_digest(payload: dict[str, Any]) -> str:
+    body = {key: value for key, value in payload.items() if key != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def verdict_of(checks: list[Check]) -> Verdict:
+    failed = [check.name for check in checks if not check.passed]
+    return Verdict(passed=not failed, failed=failed)
+
+
+def seal(payload: dict[str, Any]) -> Record:
+    """Validate a record payload (without digest) and return it with its digest set."""
+    payload = dict(payload, digest="")
+    payload["digest"] = canonical_digest(payload)
+    try:
+        return Record.model_validate(payload)
+    except ValidationError as error:
+        raise RecordError(f"record payload is invalid: {error}") from None
+
+
+def save(record: Record, path: pathlib.Path) -> None:
+    path.write_text(json.dumps(record.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")
+
+
+def load(path: str | pathlib.Path) -> Record:
+    """Read and verify a record; any problem is a RecordError naming the file."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise RecordError(f"{path}: cannot read record: {error}") from None
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RecordError(f"{path}: not valid JSON (truncated or corrupt?): {error}") from None
+    if not isinstance(payload, dict):
+        raise RecordError(f"{path}: a record is a JSON object, not {type(payload).__name__}")
+    version = payload.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise RecordError(
+            f"{path}: schema_version {version!r} is not supported (this qwz reads {SCHEMA_VERSION})"
+        )
+    try:
+        record = Record.model_validate(payload)
+    except ValidationError as error:
+        raise RecordError(f"{path}: does not match the record schema:\n{error}") from None
+    expected = canonical_digest(payload)
+    if record.digest != expected:
+        raise RecordError(
+            f"{path}: digest mismatch: the record was edited after it was written "
+            f"(stored {record.digest[:16]}..., content {expected[:16]}...)"
+        )
+    if record.verdict != verdict_of(record.checks):
+        raise RecordError(f"{path}: the verdict does not follow from the checks")
+    return record
+
+
+def json_schema() -> dict[str, Any]:
+    return Record.model_json_schema()
+
+
+if __name__ == "__main__":
+    SCHEMA_PATH.write_text(json.dumps(json_schema(), indent=2) + "\n")
+    print(f"wrote {SCHEMA_PATH}")
