@@ -288,23 +288,38 @@ def test_plan_of_a_small_parameter_straddling_two_partitions():
 
 
 @pytest.mark.parametrize(("world_size", "stage", "dtype"), TRAINING, ids=TRAINING_IDS)
-def test_training_is_finite_replica_consistent_and_quantized(ds_worlds, world_size, stage, dtype):
+def test_losses_and_grad_norms_finite_with_the_group_size_in_force(
+    ds_worlds, world_size, stage, dtype
+):
     results = _train(ds_worlds, world_size, stage=stage, dtype=dtype, group_size=64)
     for rank, result in enumerate(results):
         assert result["optimizer"] == "DeepSpeedZeroOptimizer"
         assert result["working_dtype"] == str(ranks.DTYPES[dtype])
+        assert len(result["losses"]) == STEPS
         assert all(torch.isfinite(torch.tensor(result["losses"]))), (rank, result["losses"])
         assert all(torch.isfinite(torch.tensor(result["grad_norms"]))), rank
         assert result["group_size"] == 64, rank
-        assert all(result["decode_matches"]), f"rank {rank}: own partition != decode of master"
-        for step, check in enumerate(result["checks"], start=1):
-            assert check["qwz_gathers"] == 1 and check["in_effect"], (rank, step, check)
-            reported = result["reported_stats"][step - 1]
-            assert reported["bytes_sent"] == check["gathered_bytes"], (rank, step)
+
+
+@pytest.mark.parametrize(("world_size", "stage", "dtype"), TRAINING, ids=TRAINING_IDS)
+def test_replicas_bit_identical_after_every_step(ds_worlds, world_size, stage, dtype):
+    results = _train(ds_worlds, world_size, stage=stage, dtype=dtype, group_size=64)
     for step in range(STEPS):
         hashes = {result["hashes"][step] for result in results}
         assert len(hashes) == 1, f"step {step + 1}: ranks disagree: {hashes}"
     assert results[0]["hashes"][0] != results[0]["hashes"][-1], "training did not move weights"
+
+
+@pytest.mark.parametrize(("world_size", "stage", "dtype"), TRAINING, ids=TRAINING_IDS)
+def test_every_step_gathers_the_decoded_master_through_qwz(ds_worlds, world_size, stage, dtype):
+    results = _train(ds_worlds, world_size, stage=stage, dtype=dtype, group_size=64)
+    for rank, result in enumerate(results):
+        for step, check in enumerate(result["checks"], start=1):
+            assert check["qwz_gathers"] == 1 and check["in_effect"], (rank, step, check)
+            reported = result["reported_stats"][step - 1]
+            assert reported["bytes_sent"] == check["gathered_bytes"], (rank, step)
+        # Independently recomputed with qwz.quantize from this rank's fp32 master.
+        assert all(result["decode_matches"]), f"rank {rank}: own partition != decode of master"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -333,6 +348,28 @@ def test_weight_gather_wire_bytes(ds_worlds, world_size, group_size):
         results[0]["checks"][0]["gathered_bytes"] / results[0]["checks"][0]["unquantized_bytes"]
     )
     assert round(measured, 3) == MEASURED_RATIOS[world_size, group_size], measured
+
+
+def test_preserve_numel_above_every_parameter_reproduces_stock_bit_for_bit(ds_worlds):
+    everything_exact = _train(ds_worlds, 2, stage=2, group_size=64, preserve=10**9)
+    stock = _train(ds_worlds, 2, stage=2, quantized=False)
+    assert [r["hashes"] for r in everything_exact] == [r["hashes"] for r in stock]
+    for result in everything_exact:
+        for check in result["checks"]:
+            # Only the exact stream moves: the longest rank's partition, as stock sends it.
+            assert check["qwz_gathers"] == 1
+            assert check["gathered_bytes"] == check["unquantized_bytes"]
+
+
+def test_preserve_numel_zero_quantizes_every_parameter(ds_worlds):
+    group_size = 64
+    results = _train(ds_worlds, 2, stage=2, group_size=group_size, preserve=0)
+    assert len({r["hashes"][-1] for r in results}) == 1
+    for result in results:
+        assert all(result["decode_matches"])
+        padded = -(-result["partition_numels"][0] // group_size) * group_size
+        expected = padded // group_size * quantized_unit_bytes(group_size)
+        assert all(check["gathered_bytes"] == expected for check in result["checks"])
 
 
 @pytest.mark.parametrize(
