@@ -1,0 +1,58 @@
+"""The hash ledger: final parameter hashes stored under (head SHA, environment, workload, arm).
+
+A later run of the same head in the same environment must reproduce the stored
+hashes exactly. A mismatch never overwrites the stored entry, so the failure
+stays visible until someone removes the entry on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from typing import Any, Literal, NamedTuple
+
+
+class LedgerResult(NamedTuple):
+    status: Literal["reproduced", "recorded", "mismatch"]
+    previous: str | None
+    """The stored hash (for 'reproduced' and 'mismatch')."""
+
+
+def _key(head_sha: str, fingerprint: str, workload: dict[str, Any], arm: dict[str, Any]) -> str:
+    payload = {"head": head_sha, "environment": fingerprint, "workload": workload, "arm": arm}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check_and_record(
+    directory: pathlib.Path,
+    *,
+    head_sha: str,
+    fingerprint: str,
+    workload: dict[str, Any],
+    arm: dict[str, Any],
+    final_hash: str,
+) -> LedgerResult:
+    """Compare `final_hash` with the stored one for this key, storing it if there is none."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{_key(head_sha, fingerprint, workload, arm)}.json"
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())["final_hash"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"{path}: corrupt ledger entry ({error}); remove it to re-record"
+            ) from None
+        if stored == final_hash:
+            return LedgerResult("reproduced", stored)
+        return LedgerResult("mismatch", stored)
+    entry = {
+        "head": head_sha,
+        "environment": fingerprint,
+        "workload": workload,
+        "arm": arm,
+        "final_hash": final_hash,
+    }
+    path.write_text(json.dumps(entry, indent=2, sort_keys=True) + "\n")
+    return LedgerResult("recorded", None)

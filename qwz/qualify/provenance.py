@@ -1,0 +1,93 @@
+"""Where a record comes from: the code under test (git head) and the environment."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import platform
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from qwz.qualify.record import Environment, Head, Subject
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _git(directory: pathlib.Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(directory), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def git_head(directory: pathlib.Path = PACKAGE_DIR) -> Head:
+    """Repository, SHA and dirty flag of the checkout holding `directory`."""
+    sha = _git(directory, "rev-parse", "HEAD")
+    if sha is None:
+        return Head(repository=str(directory), sha="unknown", dirty=False)
+    top = _git(directory, "rev-parse", "--show-toplevel") or str(directory)
+    remote = _git(directory, "config", "--get", "remote.origin.url")
+    status = _git(directory, "status", "--porcelain", "--untracked-files=no")
+    return Head(repository=remote or top, sha=sha, dirty=bool(status))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def subject(name: str) -> Subject:
+    """The implementation under test: qwz itself, or DeepSpeed (with its git SHA if known)."""
+    if name == "qwz":
+        import qwz
+
+        return Subject(name="qwz", version=qwz.__version__, sha=git_head().sha)
+    import deepspeed
+
+    sha = None
+    try:
+        from deepspeed import git_version_info
+
+        sha = getattr(git_version_info, "git_hash", None)
+    except ImportError:
+        pass
+    if sha in (None, "", "unknown", "[none]"):
+        sha = _git(pathlib.Path(deepspeed.__file__).resolve().parent, "rev-parse", "HEAD")
+    return Subject(name="deepspeed", version=deepspeed.__version__, sha=sha)
+
+
+def device_name() -> str:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return f"cpu ({platform.machine()})"
+
+
+def environment(device_names: list[str]) -> Environment:
+    """Versions, backend, device names (one per rank) and world shape of this run."""
+    import os
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return Environment(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        deepspeed=_version("deepspeed"),
+        transformers=_version("transformers"),
+        backend=dist.get_backend() if dist.is_initialized() else "none",
+        device_names=device_names,
+        world_size=world_size,
+        node_count=max(1, world_size // max(1, local)),
+        platform=f"{platform.system()} {platform.release()} ({sys.platform})",
+    )

@@ -1,0 +1,135 @@
+"""Workloads for qualification: a model built from a seed and deterministic batches.
+
+Every workload is defined by data (a name and params) so a record can say
+exactly what ran. Batches depend only on (seed, step, rank), never on the
+arm, so the reference and candidate arms see the same data, and two runs of
+the same head see the same data.
+
+Presets:
+
+* ``qwen3-tiny`` (default): a 2-layer Qwen3 causal LM built by ``transformers``
+  from a config (random init, no download), 2.6 M parameters, sequence 128.
+  Its embeddings, MLP projections and LM head exceed 65,536 elements, so the
+  quantized gather is exercised; attention projections and norms travel exactly.
+* ``qwen3-0.6b``: a Qwen3-0.6B-shaped config (28 layers, hidden 1024, vocab
+  151,936), sequence 2048, for GPU runners.
+* ``qwen3-4b``: the upstream evidence's shape (36 layers, hidden 2560), sequence 2048.
+* ``mlp``: a plain MLP without ``transformers``, for quick runs and tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+QWEN3_PRESETS: Mapping[str, dict[str, Any]] = {
+    "qwen3-tiny": {
+        "model": dict(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+        "seq_len": 128,
+        "micro_batch": 4,
+    },
+    "qwen3-0.6b": {
+        "model": dict(
+            vocab_size=151_936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        "seq_len": 2048,
+        "micro_batch": 1,
+    },
+    "qwen3-4b": {
+        "model": dict(
+            vocab_size=151_936,
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        "seq_len": 2048,
+        "micro_batch": 1,
+    },
+}
+
+MLP_PRESET: dict[str, Any] = {"sizes": [263, 1031, 257, 3], "micro_batch": 8}
+
+WORKLOAD_NAMES = (*QWEN3_PRESETS, "mlp")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named model + data recipe; `params` says everything that defines it."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def build_model(self, seed: int) -> torch.nn.Module:
+        """The model, initialised from `seed` alone (identical on every rank)."""
+        torch.manual_seed(seed)
+        if self.name == "mlp":
+            return _mlp(self.params["sizes"])
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(**self.params["model"])
+        config._attn_implementation = "eager"
+        return Qwen3ForCausalLM(config)
+
+    def loss(self, model: torch.nn.Module, *, seed: int, step: int, rank: int) -> torch.Tensor:
+        """The training loss of `model` on the batch of (seed, step, rank)."""
+        generator = torch.Generator().manual_seed(_batch_seed(seed, step, rank))
+        device = next(model.parameters()).device
+        batch = self.params["micro_batch"]
+        if self.name == "mlp":
+            sizes = self.params["sizes"]
+            dtype = next(model.parameters()).dtype
+            inputs = torch.randn(batch, sizes[0], generator=generator).to(device, dtype)
+            targets = torch.randn(batch, sizes[-1], generator=generator).to(device)
+            return torch.nn.functional.mse_loss(model(inputs).float(), targets)
+        vocab = self.params["model"]["vocab_size"]
+        tokens = torch.randint(0, vocab, (batch, self.params["seq_len"]), generator=generator)
+        tokens = tokens.to(device)
+        return model(input_ids=tokens, labels=tokens).loss.float()
+
+
+def _batch_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
+def _mlp(sizes: list[int]) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for index, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        layers.append(torch.nn.Linear(fan_in, fan_out))
+        if index < len(sizes) - 2:
+            layers.append(torch.nn.GELU())
+    return torch.nn.Sequential(*layers)
+
+
+def get_workload(name: str) -> Workload:
+    if name == "mlp":
+        return Workload("mlp", dict(MLP_PRESET))
+    if name in QWEN3_PRESETS:
+        return Workload(name, dict(QWEN3_PRESETS[name]))
+    raise ValueError(f"workload: {name!r} is unknown; choose one of {', '.join(WORKLOAD_NAMES)}")
