@@ -40,3 +40,11 @@ def worlds():
     pool = Worlds()
     yield pool
     pool.close()
+
+
+def pytest_collection_modifyitems(items):
+    # Under `pytest -n N --dist loadgroup`, keep each multigpu file on one xdist worker so its
+    # ranks are spawned once, while different files (and the unit suite) run in parallel.
+    for item in items:
+        if item.get_closest_marker("multigpu") is not None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))

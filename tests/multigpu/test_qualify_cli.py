@@ -1,0 +1,136 @@
+"""End to end: `python -m qwz.qualify run`, `report` and `compare`, as users and CI call them.
+
+Small runs (the `mlp` workload, few steps and blocks) on 2 spawned ranks; the
+runs share one ledger so the hash-reproduction check is exercised in order:
+recorded, reproduced, then a doctored ledger entry that must be caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from qwz.qualify import record
+
+pytestmark = pytest.mark.multigpu
+
+SMALL_RUN = [
+    "--workload", "mlp", "--steps", "4", "--blocks", "2", "--block-steps", "2",
+    "--warmup-steps", "1", "--world-size", "2", "--no-compile",
+]  # fmt: skip
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "qwz.qualify", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """Three runs of the same head: first (recorded), second (reproduced), third against a
+    ledger whose entry for the candidate was doctored (mismatch)."""
+    root = tmp_path_factory.mktemp("qualify")
+    ledger = root / "ledger"
+    outputs = {}
+    for name in ("first", "second"):
+        done = _cli("run", "--out", str(root / name), "--ledger", str(ledger), *SMALL_RUN)
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs[name] = root / name
+    for entry in ledger.glob("*.json"):
+        data = json.loads(entry.read_text())
+        if data["arm"]["quantized"]:
+            data["final_hash"] = "0" * 64
+            entry.write_text(json.dumps(data))
+    done = _cli("run", "--out", str(root / "third"), "--ledger", str(ledger), *SMALL_RUN)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout
+    outputs["third"] = root / "third"
+    outputs["third_stderr"] = done.stderr
+    return outputs
+
+
+def test_run_writes_record_report_and_plots(runs):
+    out = runs["first"]
+    for name in ("record.json", "report.md", "loss.png", "speedup.png"):
+        assert (out / name).stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loaded = record.load(out / "record.json")
+    assert loaded.verdict.passed, loaded.verdict
+    assert [arm.name for arm in loaded.arms] == ["reference", "candidate-g64"]
+    assert loaded.environment.world_size == 2 and loaded.environment.backend == "gloo"
+    assert len(loaded.head.sha) == 40 or loaded.head.sha == "unknown"
+    assert len(loaded.performance[0].blocks) == 2
+    assert [block.order for block in loaded.performance[0].blocks] == ["AB", "BA"]
+    report = (out / "report.md").read_text()
+    assert "PASS" in report and "candidate-g64" in report
+
+
+def test_rank0_shows_progress_and_other_ranks_stay_quiet(runs):
+    lines = [line for line in runs["third_stderr"].splitlines() if "[qwz-qualify" in line]
+    steps = [line for line in lines if "step 4/4" in line]
+    assert len(steps) == 1, lines  # printed once, by rank 0 alone
+
+
+def test_same_head_twice_reproduces_the_hashes(runs):
+    first = record.load(runs["first"] / "record.json")
+    second = record.load(runs["second"] / "record.json")
+    assert {h.ledger_status for h in first.hashes} == {"recorded"}
+    assert {h.ledger_status for h in second.hashes} == {"reproduced"}
+    assert [h.per_rank for h in first.hashes] == [h.per_rank for h in second.hashes]
+
+
+def test_changed_hash_for_the_same_head_fails_naming_both(runs):
+    third = record.load(runs["third"] / "record.json")
+    check = next(c for c in third.checks if c.name == "reproduced[candidate-g64]")
+    assert not check.passed and "MISMATCH" in check.detail
+    this_run = next(h for h in third.hashes if h.arm == "candidate-g64").per_rank[0]
+    assert this_run[:16] in check.detail and "0" * 16 in check.detail
+    assert third.verdict.failed == ["reproduced[candidate-g64]"]
+
+
+def test_report_prints_the_markdown(runs):
+    done = _cli("report", str(runs["first"] / "record.json"))
+    assert done.returncode == 0, done.stderr
+    assert "candidate-g64" in done.stdout and "PASS" in done.stdout
+
+
+def test_compare_same_head_is_not_a_regression(runs):
+    done = _cli("compare", str(runs["first"] / "record.json"), str(runs["second"] / "record.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compare_catches_a_check_that_now_fails(runs):
+    done = _cli("compare", str(runs["first"] / "record.json"), str(runs["third"] / "record.json"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "reproduced[candidate-g64]" in done.stdout
+
+
+def test_compare_and_report_refuse_a_tampered_record(runs, tmp_path):
+    payload = json.loads((runs["second"] / "record.json").read_text())
+    payload["trajectories"][1]["losses"][0] += 0.25
+    tampered = tmp_path / "record.json"
+    tampered.write_text(json.dumps(payload))
+    done = _cli("compare", str(runs["first"] / "record.json"), str(tampered))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "digest" in done.stdout + done.stderr
+    done = _cli("report", str(tampered))
+    assert done.returncode == 2 and "digest" in done.stderr
+
+
+def test_run_rejects_an_invalid_group_size():
+    done = _cli("run", "--out", "unused", "--group-size", "60")
+    assert done.returncode == 2
+    assert "multiple of 8" in done.stderr
