@@ -328,3 +328,92 @@ def bare_probe_sees(steps: int = 1) -> dict[str, int]:
         "aware": aware.bytes["gather"],
         "unquantized": qwz_deepspeed.unquantized_gather_bytes(plain.optimizer),
     }
+
+
+def refresh_through_update_lp_params(steps: int = 2) -> dict[str, Any]:
+    """update_lp_params (DeepSpeed's refresh after a universal-checkpoint load) also
+    gathers through qwz and, the masters being unchanged, rewrites the same values."""
+    engine = _build(ds_config(stage=2, group_size=64), seed=0)
+    for step in range(1, steps + 1):
+        _forward_backward(engine, 0, step)
+        engine.step()
+    before = (qwz.param_hash(engine.module), engine.optimizer.qwz_gathers)
+    engine.optimizer.update_lp_params()
+    return {
+        "hash_unchanged": qwz.param_hash(engine.module) == before[0],
+        "extra_gathers": engine.optimizer.qwz_gathers - before[1],
+    }
+
+
+def _full_flat_scales(engine: Any) -> dict[str, torch.Tensor]:
+    """Per parameter name: the scale behind each element in a DeepSpeed + qwz engine (all
+    ranks' partitions gathered, then sliced where the parameter points into the flat)."""
+    optimizer = engine.optimizer
+    scales: dict[str, torch.Tensor] = {}
+    for group, flat in enumerate(optimizer.bit16_groups_flat):
+        own = _element_scales(engine, group)
+        full = torch.empty(own.numel() * dist.get_world_size(), dtype=own.dtype)
+        dist.all_gather_into_tensor(full, own)
+        for name, param in engine.module.named_parameters():
+            offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
+            if 0 <= offset < flat.numel():
+                scales[name] = full[offset : offset + param.numel()].view(param.shape)
+    return scales
+
+
+def parity_with_qwz_engine(
+    stage: int, dtype: str, steps: int, *, quantized: bool, group_size: int = 64, seed: int = 0
+) -> dict[str, Any]:
+    """qwz's own engine against DeepSpeed (stock when not `quantized`, DeepSpeed + qwz
+    otherwise) with the same model, data, seed and AdamW; every element of every parameter
+    is compared after every step against the bound stated in test_deepspeed.py."""
+    config = ds_config(
+        stage=stage, dtype=dtype, quantized=quantized, group_size=group_size if quantized else None
+    )
+    own_engine = qwz.initialize(build_model(seed), config=config)
+    # Without quantization the reference is stock DeepSpeed, not qwz's passthrough.
+    deepspeed_engine = _build(config, seed, plain=not quantized)
+    working_dtype = DTYPES[dtype]
+    violations = checked = 0
+    worst_ratio = max_error = 0.0
+    identical_steps = []
+    losses: dict[str, list[float]] = {"qwz": [], "deepspeed": []}
+    grad_norms: dict[str, list[float]] = {"qwz": [], "deepspeed": []}
+    for step in range(1, steps + 1):
+        losses["qwz"].append(_forward_backward(own_engine, seed, step))
+        own_engine.step()
+        grad_norms["qwz"].append(float(own_engine.global_grad_norm))
+        losses["deepspeed"].append(_forward_backward(deepspeed_engine, seed, step))
+        deepspeed_engine.step()
+        grad_norms["deepspeed"].append(float(deepspeed_engine.get_global_grad_norm()))
+        deepspeed_scales = _full_flat_scales(deepspeed_engine) if quantized else {}
+        reference = dict(deepspeed_engine.module.named_parameters())
+        identical = True
+        for name, param in own_engine.module.named_parameters():
+            ours, theirs = param.detach().float(), reference[name].detach().float()
+            scales = torch.zeros_like(ours)
+            if quantized:  # each side decodes within half its own group's scale
+                scales = own_engine.optimizer.element_scales(name).float() + deepspeed_scales[name]
+            bound = element_bound(step, LR, BETAS, scales, theirs, ours, working_dtype)
+            error = (ours - theirs).abs()
+            violations += int((error > bound).sum())
+            checked += error.numel()
+            worst_ratio = max(worst_ratio, float((error / bound).max()))
+            max_error = max(max_error, float(error.max()))
+            identical = identical and torch.equal(ours, theirs)
+        identical_steps.append(identical)
+    return {
+        "violations": violations,
+        "checked": checked,
+        "worst_ratio": worst_ratio,
+        "max_error": max_error,
+        "identical_steps": identical_steps,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "group_sizes": (
+            own_engine.optimizer.quantization_group_size,
+            deepspeed_engine.optimizer.quantization_group_size
+            if quantized
+            else getattr(deepspeed_engine.optimizer, "quantization_group_size", None),
+        ),
+    }
