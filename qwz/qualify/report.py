@@ -1,0 +1,591 @@
+"""A record as the evidence section of a pull request: markdown tables, two plots, the method.
+
+``render_markdown`` only reads the record: every number it prints is in the
+record, so a reviewer can check the report against the file (whose digest the
+report prints). ``write_plots`` draws the loss curves and the per-block
+speed-ups with matplotlib's Agg canvas, without pyplot, so it never touches a
+global backend or opens a window.
+
+Number formats, used by ``compare`` as well: speed-ups with three decimals
+(``1.037x [1.036, 1.039]``), times and losses with four significant digits,
+memory in MiB or GiB, hashes shortened to 12 hex digits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .record import Arm, Performance, Record
+from .stats import METHOD_NOTE
+
+SHORT_HASH_CHARS = 12
+MIB = 1024**2
+GIB = 1024**3
+
+# --------------------------------------------------------------------------- #
+# Number formats
+# --------------------------------------------------------------------------- #
+
+
+def format_sig(value: float, digits: int = 4) -> str:
+    """``value`` with ``digits`` significant digits, positional (no exponent) unless tiny."""
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0.0 and abs(value) < 1e-3:
+        return f"{value:.{digits - 1}e}"
+    text = np.format_float_positional(
+        value, precision=digits, unique=False, fractional=False, trim="k"
+    )
+    return text.rstrip(".")
+
+
+def format_speedup(value: float) -> str:
+    return f"{value:.3f}x"
+
+
+def format_interval(low: float, high: float) -> str:
+    return f"[{low:.3f}, {high:.3f}]"
+
+
+def format_p(value: float) -> str:
+    return f"{value:.2g}" if value >= 1e-4 else f"{value:.1e}"
+
+
+def format_bytes(count: int | float) -> str:
+    if abs(count) >= GIB:
+        return f"{count / GIB:.2f} GiB"
+    if abs(count) >= MIB:
+        return f"{count / MIB:.1f} MiB"
+    return f"{count:,.0f} B"
+
+
+def short_hash(value: str | None) -> str:
+    return "—" if value is None else value[:SHORT_HASH_CHARS]
+
+
+def peak_allocated_bytes(performance: Performance) -> int:
+    """The largest peak allocation over ranks: the rank that decides whether a job fits."""
+    return max((memory.peak_allocated_bytes for memory in performance.memory), default=0)
+
+
+def reference_arm(record: Record) -> Arm | None:
+    """The arm that gathers unquantized (DESIGN.md: the reference of every comparison)."""
+    return next((arm for arm in record.arms if not arm.quantized), None)
+
+
+# --------------------------------------------------------------------------- #
+# Plots
+# --------------------------------------------------------------------------- #
+
+
+def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
+    """Write ``loss.png`` and (when the record has performance blocks) ``speedup.png``.
+
+    Returns plot name -> file name relative to ``out_dir``, as ``render_markdown``
+    takes it.
+    """
+    # matplotlib is an optional dependency (the ``qualify`` extra): import it only here.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {}
+
+    figure = Figure(figsize=(8.0, 6.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    _draw_losses(figure, record)
+    figure.savefig(out_dir / "loss.png", dpi=110)
+    plots["loss"] = "loss.png"
+
+    if record.performance:
+        columns = len(record.performance)
+        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
+        FigureCanvasAgg(figure)
+        _draw_speedups(figure, record)
+        figure.savefig(out_dir / "speedup.png", dpi=110)
+        plots["speedup"] = "speedup.png"
+    return plots
+
+
+def _draw_losses(figure, record: Record) -> None:
+    reference = reference_arm(record)
+    reference_losses = next(
+        (t.losses for t in record.trajectories if reference and t.arm == reference.name), None
+    )
+    candidates = [t for t in record.trajectories if reference is None or t.arm != reference.name]
+    with_difference = reference_losses is not None and bool(candidates)
+    if with_difference:
+        loss_axes, difference_axes = figure.subplots(
+            2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+        )
+    else:
+        loss_axes, difference_axes = figure.subplots(), None
+
+    for index, trajectory in enumerate(record.trajectories):
+        steps = np.arange(1, len(trajectory.losses) + 1)
+        is_reference = reference is not None and trajectory.arm == reference.name
+        loss_axes.plot(
+            steps,
+            trajectory.losses,
+            label=trajectory.arm,
+            color="black" if is_reference else f"C{index}",
+            linewidth=2.4 if is_reference else 1.4,
+            linestyle="-" if is_reference else "--",
+            marker=None if is_reference else "o",
+            markersize=3,
+        )
+    loss_axes.set_ylabel("loss (mean over ranks)")
+    loss_axes.legend(title="arm")
+    loss_axes.grid(alpha=0.3)
+    loss_axes.set_title(
+        f"Loss per step: {record.workload.name}, {record.environment.world_size} ranks, "
+        f"head {short_hash(record.head.sha)}"
+    )
+
+    if difference_axes is not None:
+        for index, trajectory in enumerate(record.trajectories):
+            if trajectory in candidates and len(trajectory.losses) == len(reference_losses):
+                steps = np.arange(1, len(trajectory.losses) + 1)
+                difference = np.subtract(trajectory.losses, reference_losses)
+                difference_axes.plot(steps, difference, color=f"C{index}", marker="o", markersize=3)
+        difference_axes.axhline(0.0, color="black", linewidth=0.8)
+        difference_axes.set_ylabel(f"loss − {reference.name}")
+        difference_axes.grid(alpha=0.3)
+        difference_axes.set_xlabel("step")
+    else:
+        loss_axes.set_xlabel("step")
+    (difference_axes or loss_axes).xaxis.get_major_locator().set_params(integer=True)
+
+
+def _draw_speedups(figure, record: Record) -> None:
+    all_axes = figure.subplots(1, len(record.performance), sharey=True, squeeze=False)[0]
+    for axes, performance in zip(all_axes, record.performance, strict=True):
+        blocks = np.array([block.index for block in performance.blocks])
+        speedups = np.array([block.speedup for block in performance.blocks])
+        axes.axhspan(
+            performance.ci_low,
+            performance.ci_high,
+            color="C0",
+            alpha=0.18,
+            label=f"95% interval {format_interval(performance.ci_low, performance.ci_high)}",
+        )
+        axes.axhline(
+            performance.median_speedup,
+            color="C0",
+            linewidth=1.8,
+            label=f"median {format_speedup(performance.median_speedup)}",
+        )
+        axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1.2, label="1.0 (no change)")
+        for order, marker, color in (("AB", "o", "C1"), ("BA", "s", "C2")):
+            chosen = np.array([block.order == order for block in performance.blocks], bool)
+            if chosen.any():
+                axes.scatter(
+                    blocks[chosen],
+                    speedups[chosen],
+                    marker=marker,
+                    color=color,
+                    s=48,
+                    zorder=3,
+                    label=f"block, {order} order",
+                )
+        axes.set_title(f"{performance.arm} (p = {format_p(performance.p_value)})")
+        axes.set_xlabel("block")
+        axes.set_xticks(blocks)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small", loc="best")
+        axes.margins(x=0.15)
+    # One y scale for every arm (the axes share it), with 1.0 in view so the distance to
+    # "no change" reads at a glance.
+    values = [1.0]
+    for performance in record.performance:
+        values += [block.speedup for block in performance.blocks]
+        values += [performance.ci_low, performance.ci_high, performance.median_speedup]
+    margin = 0.15 * (max(values) - min(values)) or 0.01
+    all_axes[0].set_ylim(min(values) - margin, max(values) + margin)
+    all_axes[0].set_ylabel("speed-up (reference / candidate step time)")
+    figure.suptitle(
+        f"Per-block speed-up: {record.workload.name}, {record.environment.world_size} ranks "
+        "(> 1: candidate faster)"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Markdown
+# --------------------------------------------------------------------------- #
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _devices(names: Sequence[str]) -> str:
+    return ", ".join(f"{count} × {name}" for name, count in Counter(names).items()) or "—"
+
+
+def _group_size(size: int | None) -> str:
+    return "off" if size is None else str(size)
+
+
+def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
+    """The record as markdown; ``plots`` (from ``write_plots``) are linked relative to it."""
+    verdict = "PASS" if record.verdict.passed else "FAIL"
+    environment = record.environment
+    arm_names = [arm.name for arm in record.arms]
+    lines = [
+        f"# qwz qualification: {verdict}",
+        "",
+        f"**{record.workload.name}**, arms {', '.join(f'`{name}`' for name in arm_names)}, "
+        f"{_devices(environment.device_names)} ({environment.backend}), "
+        f"head `{short_hash(record.head.sha)}`{' (dirty)' if record.head.dirty else ''}.",
+        "",
+    ]
+    if record.verdict.passed:
+        lines += [f"All {len(record.checks)} checks passed.", ""]
+    else:
+        failed = ", ".join(f"`{name}`" for name in record.verdict.failed)
+        lines += [f"**Failed checks:** {failed}.", ""]
+    lines += [
+        f"Record written {record.created_at}, schema version {record.schema_version}, "
+        f"digest `{short_hash(record.digest)}`.",
+        "",
+    ]
+    lines += _code_section(record)
+    lines += _environment_section(record)
+    lines += _workload_section(record)
+    lines += _arms_section(record)
+    lines += _trajectory_section(record)
+    lines += _tolerance_section(record)
+    lines += _hashes_section(record)
+    lines += _probe_section(record)
+    lines += _performance_section(record)
+    lines += ["## Checks", ""]
+    lines += _table(
+        ["check", "result", "detail"],
+        [
+            (f"`{check.name}`", "PASS" if check.passed else "**FAIL**", check.detail)
+            for check in record.checks
+        ],
+    )
+    if plots:
+        titles = {"loss": "Loss per step", "speedup": "Speed-up per block"}
+        lines += ["## Plots", ""]
+        for name, file_name in plots.items():
+            lines += [f"![{titles.get(name, name)}]({file_name})", ""]
+    lines += ["---", "", f"*Method.* {METHOD_NOTE}", ""]
+    return "\n".join(lines)
+
+
+def _code_section(record: Record) -> list[str]:
+    head, subject = record.head, record.subject
+    dirty = "**yes**: the SHA alone does not identify the code" if head.dirty else "no"
+    subject_text = f"{subject.name} {subject.version}"
+    if subject.sha:
+        subject_text += f" at `{short_hash(subject.sha)}`"
+    return [
+        "## Code under test",
+        "",
+        *_table(
+            ["", ""],
+            [
+                ("repository", head.repository),
+                ("head SHA", f"`{head.sha}`"),
+                ("uncommitted changes", dirty),
+                ("subject", subject_text),
+            ],
+        ),
+    ]
+
+
+def _environment_section(record: Record) -> list[str]:
+    environment = record.environment
+    return [
+        "## Environment",
+        "",
+        *_table(
+            ["", ""],
+            [
+                ("python", environment.python),
+                ("torch", environment.torch),
+                ("deepspeed", environment.deepspeed or "not installed"),
+                ("transformers", environment.transformers or "not installed"),
+                ("backend", environment.backend),
+                ("devices", _devices(environment.device_names)),
+                (
+                    "world size",
+                    f"{environment.world_size} ranks on {environment.node_count} "
+                    f"node{'s' if environment.node_count != 1 else ''}",
+                ),
+                ("platform", environment.platform),
+                ("fingerprint", f"`{environment.fingerprint()}`"),
+            ],
+        ),
+    ]
+
+
+def _workload_section(record: Record) -> list[str]:
+    workload = record.workload
+    return [
+        "## Workload",
+        "",
+        f"`{workload.name}`: {workload.num_parameters:,} parameters, {workload.steps} steps, "
+        f"seed {workload.seed}.",
+        "",
+        *_table(
+            ["parameter", "value"],
+            [(f"`{key}`", json.dumps(value)) for key, value in workload.params.items()],
+        ),
+    ]
+
+
+def _arms_section(record: Record) -> list[str]:
+    lines = ["## Arms", ""]
+    lines += _table(
+        ["arm", "quantized", "group size", "ZeRO stage", "dtype"],
+        [
+            (f"`{arm.name}`", _yes_no(arm.quantized), _group_size(arm.group_size), arm.stage,
+             arm.dtype)
+            for arm in record.arms
+        ],
+    )  # fmt: skip
+    for arm in record.arms:
+        lines += [
+            f"<details><summary>config of <code>{arm.name}</code></summary>",
+            "",
+            "```json",
+            json.dumps(arm.config, indent=2, sort_keys=True),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
+    return lines
+
+
+def _trajectory_section(record: Record) -> list[str]:
+    reference = reference_arm(record)
+    reference_losses = next(
+        (t.losses for t in record.trajectories if reference and t.arm == reference.name), None
+    )
+    rows = []
+    for trajectory in record.trajectories:
+        losses, norms = trajectory.losses, trajectory.grad_norms
+        finite = all(math.isfinite(value) for value in [*losses, *norms])
+        finite_losses = [value for value in losses if math.isfinite(value)]
+        finite_norms = [value for value in norms if math.isfinite(value)]
+        if finite_losses:
+            min_loss = min(finite_losses)
+            min_text = f"{format_sig(min_loss)} (step {losses.index(min_loss) + 1})"
+        else:
+            min_text = "—"
+        norm_range = (
+            f"{format_sig(min(finite_norms))} – {format_sig(max(finite_norms))}"
+            if finite_norms
+            else "—"
+        )
+        if reference_losses is None or trajectory.arm == reference.name:
+            difference = "—"
+        elif len(losses) != len(reference_losses) or not finite:
+            difference = "n/a"
+        else:
+            difference = format_sig(
+                max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)), 3
+            )
+        rows.append(
+            (
+                f"`{trajectory.arm}`",
+                len(losses),
+                format_sig(losses[0]) if losses else "—",
+                format_sig(losses[-1]) if losses else "—",
+                min_text,
+                "yes" if finite else "**no**",
+                norm_range,
+                difference,
+            )
+        )
+    reference_name = reference.name if reference else "reference"
+    return [
+        "## Trajectory",
+        "",
+        *_table(
+            [
+                "arm",
+                "steps",
+                "first loss",
+                "last loss",
+                "min loss",
+                "all finite",
+                "grad norm range",
+                f"max abs loss difference vs `{reference_name}`",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _tolerance_section(record: Record) -> list[str]:
+    lines = ["## Parameter-sample tolerance", ""]
+    if not record.tolerance:
+        return [*lines, "No tolerance samples in this record.", ""]
+    for bound in dict.fromkeys(tolerance.bound for tolerance in record.tolerance):
+        lines += [f"Bound: `{bound}`", ""]
+    lines += _table(
+        ["arm", "samples/step", "steps", "checked", "violations", "max ratio to bound",
+         "max abs error"],
+        [
+            (
+                f"`{t.arm}`",
+                t.samples_per_step,
+                t.steps,
+                f"{t.checked:,}",
+                f"**{t.violations:,}**" if t.violations else "0",
+                format_sig(t.max_ratio, 3),
+                format_sig(t.max_abs_error, 3),
+            )
+            for t in record.tolerance
+        ],
+    )  # fmt: skip
+    return lines
+
+
+def _hashes_section(record: Record) -> list[str]:
+    rows = []
+    for hashes in record.hashes:
+        distinct = list(dict.fromkeys(hashes.per_rank))
+        if len(distinct) == 1:
+            per_rank = f"`{short_hash(distinct[0])}` on all {len(hashes.per_rank)} ranks"
+        else:
+            per_rank = ", ".join(
+                f"rank {rank}: `{short_hash(value)}`" for rank, value in enumerate(hashes.per_rank)
+            )
+        rows.append(
+            (
+                f"`{hashes.arm}`",
+                per_rank,
+                _yes_no(len(distinct) == 1),
+                hashes.ledger_status,
+                f"`{short_hash(hashes.ledger_previous)}`" if hashes.ledger_previous else "—",
+            )
+        )
+    return [
+        "## Replica hashes",
+        "",
+        "Final parameter hash per rank; the ledger holds earlier records' hashes for the "
+        "same head and environment (`reproduced`: equal to an earlier one).",
+        "",
+        *_table(["arm", "final hash", "ranks agree", "ledger", "earlier hash"], rows),
+    ]
+
+
+def _probe_section(record: Record) -> list[str]:
+    rows = []
+    for probe in record.probes:
+        reported = ", ".join(
+            f"rank {rank}: {_group_size(size)}"
+            for rank, size in enumerate(probe.reported_group_sizes)
+        )
+        reference_bytes = probe.reference_gather_bytes_per_step
+        ratio = f"{probe.gather_bytes_per_step / reference_bytes:.3f}x" if reference_bytes else "—"
+        rows.append(
+            (
+                f"`{probe.arm}`",
+                _group_size(probe.requested_group_size),
+                reported,
+                f"{probe.gather_bytes_per_step:,}",
+                f"{reference_bytes:,}",
+                ratio,
+            )
+        )
+    return [
+        "## Config probe",
+        "",
+        "The group size each rank's optimizer reports, and the bytes rank 0 sends in the "
+        "weight gather per step.",
+        "",
+        *_table(
+            [
+                "arm",
+                "requested group size",
+                "reported group size",
+                "gather bytes/step (rank 0)",
+                "reference gather bytes/step",
+                "ratio",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _performance_section(record: Record) -> list[str]:
+    lines = ["## Performance", ""]
+    if not record.performance:
+        return [*lines, "No performance blocks in this record.", ""]
+    reference = reference_arm(record)
+    reference_name = reference.name if reference else "reference"
+    for performance in record.performance:
+        lines += [
+            f"### `{performance.arm}` vs `{reference_name}`",
+            "",
+            f"{len(performance.blocks)} blocks; in each, every arm runs "
+            f"{performance.warmup_steps} untimed warm-up steps, then {performance.block_steps} "
+            f"timed steps (A = `{reference_name}`, B = `{performance.arm}`). "
+            "Step times are the block medians.",
+            "",
+        ]
+        lines += _table(
+            ["block", "order", "reference ms/step", "candidate ms/step", "speed-up"],
+            [
+                (
+                    block.index,
+                    block.order,
+                    format_sig(block.reference_step_s * 1e3),
+                    format_sig(block.candidate_step_s * 1e3),
+                    format_speedup(block.speedup),
+                )
+                for block in performance.blocks
+            ],
+        )
+        lines += [
+            f"**Median speed-up {format_speedup(performance.median_speedup)} "
+            f"{format_interval(performance.ci_low, performance.ci_high)}** "
+            f"({performance.ci_method}); p = {format_p(performance.p_value)}: "
+            f"{performance.test}.",
+            "",
+        ]
+        if performance.memory:
+            lines += [
+                f"Peak memory (largest allocation over ranks: "
+                f"{format_bytes(peak_allocated_bytes(performance))}):",
+                "",
+            ]
+            lines += _table(
+                ["rank", "kind", "peak allocated", "peak reserved"],
+                [
+                    (
+                        memory.rank,
+                        memory.kind,
+                        format_bytes(memory.peak_allocated_bytes),
+                        "—"
+                        if memory.peak_reserved_bytes is None
+                        else format_bytes(memory.peak_reserved_bytes),
+                    )
+                    for memory in performance.memory
+                ],
+            )
+    return lines
