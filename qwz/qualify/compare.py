@@ -1,0 +1,422 @@
+"""The regression gate: compare a candidate record with a baseline record of the same setup.
+
+Status 0 means no regression, 1 a regression, 2 that the records cannot be
+compared (then nothing else is judged: a gate that compares unlike runs
+produces noise, not evidence). ``lines`` say why, regressions first.
+
+Not comparable:
+  - schema versions differ;
+  - environment fingerprints differ (python, torch, deepspeed, transformers,
+    backend, devices, world size, nodes: what hashes depend on);
+  - the subject differs (qwz against DeepSpeed);
+  - the workload differs (name, params, steps, seed) or the arms differ (names,
+    order, quantization, group size, stage, dtype, config).
+
+Regression:
+  - a check that passed in the baseline fails now, or a check that the
+    baseline did not have fails (a failing candidate never passes the gate
+    just because its check is new);
+  - an arm's final parameter hash changed although the code and environment
+    are the same: both heads clean at the same known SHA, same subject
+    version. A different head (or a dirty one) is expected to change hashes:
+    that is reported, not judged;
+  - a candidate arm's speed-up interval lies entirely below the baseline's
+    (candidate ``ci_high`` < baseline ``ci_low``): the intervals, not the
+    medians, so block noise alone does not trip the gate;
+  - an arm's peak memory (the largest peak allocation over ranks) grew by
+    more than ``memory_growth_pct`` percent.
+
+Everything else that changed (improvements, loss, tolerance margins, wire
+bytes, versions) is listed for information.
+"""
+
+from __future__ import annotations
+
+import enum
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .record import Record, RecordError, load
+from .report import (
+    format_bytes,
+    format_interval,
+    format_sig,
+    format_speedup,
+    peak_allocated_bytes,
+    short_hash,
+)
+
+
+class Status(enum.IntEnum):
+    """The gate's answer, also the exit status of ``qwz-qualify compare``."""
+
+    NO_REGRESSION = 0
+    REGRESSION = 1
+    NOT_COMPARABLE = 2
+
+
+@dataclass(frozen=True)
+class Comparison:
+    status: Status
+    """0 no regression, 1 regression, 2 not comparable."""
+    lines: list[str] = field(default_factory=list)
+    """What changed, human readable: regressions first, then the rest, then the result."""
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class Finding(NamedTuple):
+    regression: bool
+    text: str
+
+
+def _note(text: str) -> Finding:
+    return Finding(False, text)
+
+
+def _regression(text: str) -> Finding:
+    return Finding(True, text)
+
+
+# --------------------------------------------------------------------------- #
+# Comparability
+# --------------------------------------------------------------------------- #
+
+
+def _differences(before: Any, after: Any, path: str) -> list[str]:
+    """``path: before -> after`` for every leaf that differs, dicts compared key by key."""
+    if isinstance(before, Mapping) and isinstance(after, Mapping):
+        lines = []
+        for key in sorted(set(before) | set(after), key=str):
+            if key not in after:
+                lines.append(f"{path}.{key}: {before[key]!r} -> (absent)")
+            elif key not in before:
+                lines.append(f"{path}.{key}: (absent) -> {after[key]!r}")
+            else:
+                lines += _differences(before[key], after[key], f"{path}.{key}")
+        return lines
+    return [] if before == after else [f"{path}: {before!r} -> {after!r}"]
+
+
+def _incomparability(baseline: Record, candidate: Record) -> list[str]:
+    reasons = []
+    if baseline.schema_version != candidate.schema_version:
+        reasons.append(
+            f"schema versions differ: {baseline.schema_version} -> {candidate.schema_version}"
+        )
+        return reasons  # the rest of the comparison assumes one schema
+    if baseline.environment.fingerprint() != candidate.environment.fingerprint():
+        changed = _differences(
+            baseline.environment.model_dump(exclude={"platform"}),
+            candidate.environment.model_dump(exclude={"platform"}),
+            "environment",
+        )
+        reasons.append(
+            f"environment fingerprints differ ({baseline.environment.fingerprint()} -> "
+            f"{candidate.environment.fingerprint()}): {'; '.join(changed)}"
+        )
+    if baseline.subject.name != candidate.subject.name:
+        reasons.append(f"subjects differ: {baseline.subject.name} -> {candidate.subject.name}")
+    workload_changes = _differences(
+        baseline.workload.model_dump(exclude={"num_parameters"}),
+        candidate.workload.model_dump(exclude={"num_parameters"}),
+        "workload",
+    )
+    if workload_changes:
+        reasons.append(f"workloads differ: {'; '.join(workload_changes)}")
+    baseline_arms = [arm.name for arm in baseline.arms]
+    candidate_arms = [arm.name for arm in candidate.arms]
+    if baseline_arms != candidate_arms:
+        reasons.append(f"arms differ: {baseline_arms} -> {candidate_arms}")
+    else:
+        for before, after in zip(baseline.arms, candidate.arms, strict=True):
+            arm_changes = _differences(
+                before.model_dump(), after.model_dump(), f"arm {before.name!r}"
+            )
+            if arm_changes:
+                reasons.append(f"arm {before.name!r} differs: {'; '.join(arm_changes)}")
+    return reasons
+
+
+# --------------------------------------------------------------------------- #
+# Findings
+# --------------------------------------------------------------------------- #
+
+
+def _context(baseline: Record, candidate: Record) -> list[Finding]:
+    findings = []
+    verdicts = ["PASS" if r.verdict.passed else "FAIL" for r in (baseline, candidate)]
+    findings.append(_note(f"verdict: {verdicts[0]} -> {verdicts[1]}"))
+    for label, before, after in (
+        ("head", baseline.head.sha, candidate.head.sha),
+        ("subject version", baseline.subject.version, candidate.subject.version),
+        ("platform", baseline.environment.platform, candidate.environment.platform),
+        ("parameters", baseline.workload.num_parameters, candidate.workload.num_parameters),
+    ):
+        if before != after:
+            findings.append(_note(f"{label} changed: {before} -> {after}"))
+    return findings
+
+
+def _checks(baseline: Record, candidate: Record) -> list[Finding]:
+    findings = []
+    before = {check.name: check for check in baseline.checks}
+    after = {check.name: check for check in candidate.checks}
+    for name, check in after.items():
+        previous = before.get(name)
+        if not check.passed:
+            if previous is None:
+                findings.append(
+                    _regression(f"check {name!r} fails (new, not in the baseline): {check.detail}")
+                )
+            elif previous.passed:
+                findings.append(
+                    _regression(
+                        f"check {name!r} passed in the baseline and fails now: {check.detail}"
+                    )
+                )
+            else:
+                findings.append(_note(f"check {name!r} still fails: {check.detail}"))
+        elif previous is None:
+            findings.append(_note(f"check {name!r} is new and passes"))
+        elif not previous.passed:
+            findings.append(_note(f"improved: check {name!r} failed in the baseline, passes now"))
+    for name in before.keys() - after.keys():
+        findings.append(_note(f"check {name!r} of the baseline is absent from the candidate"))
+    return findings
+
+
+def _same_code(baseline: Record, candidate: Record) -> tuple[bool, str]:
+    """Whether both records ran the same code (the environment is already known equal)."""
+    if baseline.head.sha != candidate.head.sha:
+        return False, f"head changed {short_hash(baseline.head.sha)} -> " + short_hash(
+            candidate.head.sha
+        )
+    if baseline.head.sha == "unknown":
+        return False, "head SHA unknown: the code cannot be identified"
+    if baseline.head.dirty or candidate.head.dirty:
+        return False, "head dirty: uncommitted changes may differ"
+    if (baseline.subject.version, baseline.subject.sha) != (
+        candidate.subject.version,
+        candidate.subject.sha,
+    ):
+        return False, "subject version changed"
+    return True, ""
+
+
+def _hashes(baseline: Record, candidate: Record) -> list[Finding]:
+    findings = []
+    same_code, why = _same_code(baseline, candidate)
+    before = {hashes.arm: hashes for hashes in baseline.hashes}
+    for hashes in candidate.hashes:
+        previous = before.get(hashes.arm)
+        if previous is None:
+            continue
+        old = ", ".join(dict.fromkeys(short_hash(value) for value in previous.per_rank))
+        new = ", ".join(dict.fromkeys(short_hash(value) for value in hashes.per_rank))
+        if previous.per_rank == hashes.per_rank:
+            findings.append(_note(f"final parameter hash of {hashes.arm!r} unchanged ({new})"))
+        elif same_code:
+            findings.append(
+                _regression(
+                    f"final parameter hash of {hashes.arm!r} changed although head, subject "
+                    f"and environment are the same: {old} -> {new}"
+                )
+            )
+        else:
+            findings.append(
+                _note(
+                    f"final parameter hash of {hashes.arm!r} changed, as expected ({why}): "
+                    f"{old} -> {new}"
+                )
+            )
+    return findings
+
+
+def _speed(baseline: Record, candidate: Record) -> list[Finding]:
+    findings = []
+    before = {performance.arm: performance for performance in baseline.performance}
+    for performance in candidate.performance:
+        previous = before.get(performance.arm)
+        if previous is None:
+            findings.append(_note(f"speed-up of {performance.arm!r} has no baseline"))
+            continue
+        now = (
+            f"{format_speedup(performance.median_speedup)} "
+            f"{format_interval(performance.ci_low, performance.ci_high)}"
+        )
+        then = (
+            f"{format_speedup(previous.median_speedup)} "
+            f"{format_interval(previous.ci_low, previous.ci_high)}"
+        )
+        if performance.ci_high < previous.ci_low:
+            findings.append(
+                _regression(
+                    f"speed-up of {performance.arm!r} fell: {now}, baseline {then} "
+                    "(the interval lies entirely below the baseline's)"
+                )
+            )
+        elif performance.ci_low > previous.ci_high:
+            findings.append(
+                _note(f"improved: speed-up of {performance.arm!r} rose: {now}, baseline {then}")
+            )
+        else:
+            findings.append(
+                _note(
+                    f"speed-up of {performance.arm!r} unchanged within the intervals: {now}, "
+                    f"baseline {then}"
+                )
+            )
+        plan = ("blocks", "block_steps", "warmup_steps")
+        plan_then = (len(previous.blocks), previous.block_steps, previous.warmup_steps)
+        plan_now = (len(performance.blocks), performance.block_steps, performance.warmup_steps)
+        if plan_then != plan_now:
+            findings.append(
+                _note(
+                    f"timing plan of {performance.arm!r} changed "
+                    f"({', '.join(plan)}): {plan_then} -> {plan_now}"
+                )
+            )
+    return findings
+
+
+def _growth_pct(old_bytes: int, new_bytes: int) -> float:
+    if old_bytes == 0:
+        return 0.0 if new_bytes == 0 else float("inf")
+    return 100.0 * (new_bytes - old_bytes) / old_bytes
+
+
+def _memory(baseline: Record, candidate: Record, growth_limit_pct: float) -> list[Finding]:
+    findings = []
+    before = {performance.arm: performance for performance in baseline.performance}
+    for performance in candidate.performance:
+        previous = before.get(performance.arm)
+        if previous is None or not previous.memory or not performance.memory:
+            continue
+        old, new = peak_allocated_bytes(previous), peak_allocated_bytes(performance)
+        growth_pct = _growth_pct(old, new)
+        change = f"{format_bytes(old)} -> {format_bytes(new)} ({growth_pct:+.1f}%)"
+        subject = f"peak allocated memory of {performance.arm!r}"
+        if growth_pct > growth_limit_pct:
+            findings.append(
+                _regression(f"{subject} grew more than the {growth_limit_pct:g}% allowed: {change}")
+            )
+        elif growth_pct < -growth_limit_pct:
+            findings.append(_note(f"improved: {subject} shrank {change}"))
+        else:
+            findings.append(_note(f"{subject} {change}, within {growth_limit_pct:g}%"))
+    return findings
+
+
+def _numbers(baseline: Record, candidate: Record) -> list[Finding]:
+    """Changes that checks already judge or that only inform: losses, tolerance, wire bytes."""
+    findings = []
+    before_losses = {t.arm: t.losses for t in baseline.trajectories}
+    for trajectory in candidate.trajectories:
+        previous = before_losses.get(trajectory.arm)
+        if previous and trajectory.losses and previous != trajectory.losses:
+            findings.append(
+                _note(
+                    f"final loss of {trajectory.arm!r}: {format_sig(previous[-1])} -> "
+                    f"{format_sig(trajectory.losses[-1])}"
+                )
+            )
+    before_tolerance = {t.arm: t for t in baseline.tolerance}
+    for tolerance in candidate.tolerance:
+        previous = before_tolerance.get(tolerance.arm)
+        if previous and (previous.violations, previous.max_ratio) != (
+            tolerance.violations,
+            tolerance.max_ratio,
+        ):
+            findings.append(
+                _note(
+                    f"tolerance of {tolerance.arm!r}: violations {previous.violations} -> "
+                    f"{tolerance.violations}, max ratio {format_sig(previous.max_ratio, 3)} -> "
+                    f"{format_sig(tolerance.max_ratio, 3)}"
+                )
+            )
+    before_probes = {p.arm: p for p in baseline.probes}
+    for probe in candidate.probes:
+        previous = before_probes.get(probe.arm)
+        if previous is None:
+            continue
+        if previous.reported_group_sizes != probe.reported_group_sizes:
+            findings.append(
+                _note(
+                    f"reported group sizes of {probe.arm!r}: {previous.reported_group_sizes} -> "
+                    f"{probe.reported_group_sizes}"
+                )
+            )
+        if previous.gather_bytes_per_step != probe.gather_bytes_per_step:
+            findings.append(
+                _note(
+                    f"gather bytes per step of {probe.arm!r}: "
+                    f"{previous.gather_bytes_per_step:,} -> {probe.gather_bytes_per_step:,}"
+                )
+            )
+    return findings
+
+
+# --------------------------------------------------------------------------- #
+# Entry points
+# --------------------------------------------------------------------------- #
+
+
+def compare(baseline: Record, candidate: Record, *, memory_growth_pct: float = 10.0) -> Comparison:
+    """Judge ``candidate`` against ``baseline`` (rules in the module docstring)."""
+    if not memory_growth_pct >= 0.0:
+        raise ValueError(f"memory_growth_pct: {memory_growth_pct!r} is invalid: it must be >= 0")
+    header = [
+        f"baseline: head {short_hash(baseline.head.sha)}, {baseline.created_at}, "
+        f"digest {short_hash(baseline.digest)}",
+        f"candidate: head {short_hash(candidate.head.sha)}, {candidate.created_at}, "
+        f"digest {short_hash(candidate.digest)}",
+    ]
+    reasons = _incomparability(baseline, candidate)
+    if reasons:
+        return Comparison(
+            Status.NOT_COMPARABLE,
+            [
+                *header,
+                *(f"NOT COMPARABLE: {reason}" for reason in reasons),
+                "result: not comparable",
+            ],
+        )
+    findings = [
+        *_context(baseline, candidate),
+        *_checks(baseline, candidate),
+        *_hashes(baseline, candidate),
+        *_speed(baseline, candidate),
+        *_memory(baseline, candidate, memory_growth_pct),
+        *_numbers(baseline, candidate),
+    ]
+    regressions = [f"REGRESSION: {f.text}" for f in findings if f.regression]
+    notes = [f.text for f in findings if not f.regression]
+    if regressions:
+        count = len(regressions)
+        result = f"result: {count} regression{'s' if count != 1 else ''}"
+        return Comparison(Status.REGRESSION, [*header, *regressions, *notes, result])
+    return Comparison(Status.NO_REGRESSION, [*header, *notes, "result: no regression"])
+
+
+def compare_files(
+    baseline_path: str | pathlib.Path,
+    candidate_path: str | pathlib.Path,
+    *,
+    memory_growth_pct: float = 10.0,
+) -> Comparison:
+    """Load and verify both records (``record.load``), then ``compare``; a record that cannot
+    be trusted makes the pair not comparable, with the loader's message."""
+    records = []
+    for role, path in (("baseline", baseline_path), ("candidate", candidate_path)):
+        try:
+            records.append(load(path))
+        except RecordError as error:
+            return Comparison(
+                Status.NOT_COMPARABLE,
+                [f"NOT COMPARABLE: {role} record rejected: {error}", "result: not comparable"],
+            )
+    return compare(*records, memory_growth_pct=memory_growth_pct)
