@@ -10,7 +10,9 @@ does nothing with it, and its config schema rejects
         model=model, model_parameters=model.parameters(), config=ds_config)
 
 Supported: DeepSpeed >= 0.19, < 0.20 (:data:`SUPPORTED_DEEPSPEED`), stages 1
-and 2, bf16, fp16 and fp32 weights, any data-parallel group DeepSpeed builds.
+and 2, bf16, fp16 (with DeepSpeed's loss scaling: an overflow step skips the
+gather as stock does) and fp32 weights, on the dp process group DeepSpeed
+picks for each param group (tested where that group is the whole world).
 
 [Note: what is replaced]
 DeepSpeed's ``DeepSpeedZeroOptimizer.step`` steps the fp32 master partition,
@@ -66,7 +68,12 @@ multiple of ``2 * W``; qwz never changes that layout). qwz gathers it with
    budget is ``allgather_bucket_size`` elements of the working dtype
    ([Note: staging bound], layout.py); each chunk is one ``gather_shards``
    call whose decoded ``(W, chunk)`` block is copied into every rank's
-   partition of the flat buffer.
+   partition of the flat buffer. Besides the staging, a chunk holds that
+   decoded block (``W * chunk`` elements of the working dtype, at most
+   ``element_size / (1 + 4/G)`` times the staging budget) and an fp32 copy of
+   this rank's chunk of the master. The plan itself keeps every rank's
+   small-parameter positions as int64: 8 bytes per small-parameter element
+   of the model, on every rank.
 2. *Exact stream.* Parameters of at most ``preserve_numel`` elements
    (``zero_quantized_weights_preserve_numel``, default 65,536) travel
    exactly, cast from the fp32 master to the working dtype as DeepSpeed
@@ -661,6 +668,11 @@ class WeightGatherCheck(NamedTuple):
 
 def unquantized_gather_bytes(optimizer: Any) -> int:
     """Bytes this rank contributes to stock DeepSpeed's weight gather in one step."""
+    if not hasattr(optimizer, "parallel_partitioned_bit16_groups"):
+        raise TypeError(
+            f"{type(optimizer).__name__}: the weight-gather check reads DeepSpeed's ZeRO-1/2 "
+            "optimizer (stage 3 gathers in forward, not in step)"
+        )
     total = 0
     for i, partitions in enumerate(optimizer.parallel_partitioned_bit16_groups):
         if dist.get_world_size(group=optimizer.real_dp_process_group[i]) > 1:

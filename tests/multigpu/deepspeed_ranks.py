@@ -26,7 +26,7 @@ MICRO_BATCH = 4
 LR = 1e-3
 BETAS = (0.9, 0.999)
 WEIGHT_DECAY = 0.01
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class TinyMLP(torch.nn.Module):
@@ -71,7 +71,9 @@ def ds_config(
     group_size: int | None = None,
     bucket: float = 5e8,
     preserve: int | None = None,
+    initial_scale_power: int = 16,
 ) -> dict[str, Any]:
+    """A DeepSpeed config; fp16 uses dynamic loss scaling from 2**initial_scale_power."""
     zero: dict[str, Any] = {
         "stage": stage,
         "allgather_bucket_size": bucket,
@@ -88,6 +90,7 @@ def ds_config(
         "gradient_accumulation_steps": 1,
         "steps_per_print": 1_000_000,
         "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": initial_scale_power},
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",

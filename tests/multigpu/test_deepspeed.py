@@ -344,6 +344,27 @@ def test_every_step_gathers_the_decoded_master_through_qwz(ds_worlds, world_size
         assert all(result["decode_matches"]), f"rank {rank}: own partition != decode of master"
 
 
+def test_fp16_overflow_steps_skip_the_gather_and_later_steps_use_it(ds_worlds):
+    # 2**24 loss scale: the first steps overflow in fp16 and DeepSpeed skips them (no
+    # gather at all, which must not be mistaken for a missing takeover), then it backs off.
+    results = _train(ds_worlds, 2, stage=2, dtype="fp16", group_size=64, initial_scale_power=24)
+    for rank, result in enumerate(results):
+        assert result["working_dtype"] == "torch.float16"
+        gathered = [check["qwz_gathers"] for check in result["checks"]]
+        assert gathered[0] == 0 and gathered[-1] == 1, (rank, gathered)
+        skipped = [check for check in result["checks"] if check["qwz_gathers"] == 0]
+        assert all(check["gathered_bytes"] == 0 for check in skipped)
+        assert all(check["in_effect"] for check in result["checks"] if check["qwz_gathers"])
+        # Until the first gather the working copy is the model's initial weights.
+        first = gathered.index(1)
+        assert result["decode_matches"][first:] == [True] * (STEPS - first), (rank, first)
+        assert not any(result["decode_matches"][:first]), (rank, first)
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+    for step in range(STEPS):
+        assert len({result["hashes"][step] for result in results}) == 1, step + 1
+    assert results[0]["hashes"][0] != results[0]["hashes"][-1]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_partitions_are_not_multiples_of_the_group_size(ds_worlds, world_size):
     for group_size in (64, 8192):
