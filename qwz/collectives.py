@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from qwz.layout import ChunkPlan
+from qwz.layout import SCALE_BYTES, ChunkPlan
 from qwz.quant import EAGER_KERNELS, QuantKernels
 
 
@@ -83,11 +83,14 @@ def gather_shards(
             f"elements; the plan needs {shard_numel} and {world_size * shard_numel}"
         )
     rank_views = full.view(world_size, shard_numel)
+    group_size = plan.unit_numel
     collectives = bytes_sent = peak_staging = 0
     for start, end in plan.chunks():
         chunk_numel = end - start
         if quantize:
-            staging = _quantized_chunk(local_shard[start:end], plan, rank, kernels)
+            row_bytes = chunk_numel + (chunk_numel // group_size) * SCALE_BYTES
+            staging = torch.empty(world_size, row_bytes, dtype=torch.uint8, device=full.device)
+            kernels.pack(local_shard[start:end], staging[rank], group_size)
         else:
             staging = torch.empty(world_size, chunk_numel, dtype=full.dtype, device=full.device)
             staging[rank].copy_(local_shard[start:end])
@@ -97,40 +100,10 @@ def gather_shards(
             collectives += 1
             bytes_sent += staging[rank].numel() * staging.element_size()
         if quantize:
-            decoded = _decode_chunk(staging, chunk_numel, plan.unit_numel, full.dtype, kernels)
+            kernels.unpack(staging, rank_views[:, start:end], group_size)
         else:
-            decoded = staging
-        rank_views[:, start:end].copy_(decoded)
+            rank_views[:, start:end].copy_(staging)
     return GatherStats(collectives, bytes_sent, peak_staging)
-
-
-def _quantized_chunk(
-    values: torch.Tensor, plan: ChunkPlan, rank: int, kernels: QuantKernels
-) -> torch.Tensor:
-    """Staging (world_size, chunk_numel + 4 * groups) uint8 with this rank's row filled:
-    the int8 codes, then the fp32 scales, as raw bytes."""
-    group_size = plan.unit_numel
-    num_groups = values.numel() // group_size
-    codes, scales = kernels.quantize(values.view(num_groups, group_size))
-    row_bytes = values.numel() + scales.numel() * scales.element_size()
-    staging = torch.empty(plan.world_size, row_bytes, dtype=torch.uint8, device=values.device)
-    staging[rank, : values.numel()].copy_(codes.view(-1).view(torch.uint8))
-    staging[rank, values.numel() :].copy_(scales.view(torch.uint8))
-    return staging
-
-
-def _decode_chunk(
-    staging: torch.Tensor,
-    chunk_numel: int,
-    group_size: int,
-    dtype: torch.dtype,
-    kernels: QuantKernels,
-) -> torch.Tensor:
-    """(world_size, chunk_numel) in `dtype`, decoded from every rank's row of `staging`."""
-    world_size = staging.shape[0]
-    codes = staging[:, :chunk_numel].view(torch.int8).reshape(-1, group_size)
-    scales = staging[:, chunk_numel:].contiguous().view(torch.float32).reshape(-1)
-    return kernels.dequantize(codes, scales, dtype).view(world_size, chunk_numel)
 
 
 @torch.no_grad()

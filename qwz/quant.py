@@ -102,27 +102,55 @@ def dequantize_groups(
     return (codes.to(torch.float32) * scales[:, None]).to(dtype)
 
 
+def pack_groups(
+    values: torch.Tensor,
+    row: torch.Tensor,
+    group_size: int,
+    quantize_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_groups,
+) -> None:
+    """Quantize `values` (n,) into one wire row: `row` (n + 4 * n / G,) uint8 receives the
+    int8 codes, then the fp32 scales, as raw bytes. `n` must be a multiple of `group_size`."""
+    numel = values.numel()
+    codes, scales = quantize_fn(values.view(-1, group_size))
+    row[:numel].copy_(codes.view(-1).view(torch.uint8))
+    row[numel:].copy_(scales.view(torch.uint8))
+
+
+def unpack_groups(rows: torch.Tensor, out: torch.Tensor, group_size: int) -> None:
+    """Decode wire rows (W, n + 4 * n / G) uint8 into `out` (W, n), any float dtype (may be a
+    strided view), the inverse of :func:`pack_groups` applied row by row."""
+    numel = out.shape[1]
+    codes = rows[:, :numel].view(torch.int8).reshape(-1, group_size)
+    scales = rows[:, numel:].view(torch.float32).reshape(-1)
+    out.copy_(dequantize_groups(codes, scales, out.dtype).view(out.shape))
+
+
 class QuantKernels(NamedTuple):
-    """The flat primitives a gather uses: eager, or fused by ``torch.compile``."""
+    """The wire-format kernels a gather uses: eager, or fused by ``torch.compile``."""
 
-    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    pack: Callable[[torch.Tensor, torch.Tensor, int], None]
+    unpack: Callable[[torch.Tensor, torch.Tensor, int], None]
 
 
-EAGER_KERNELS = QuantKernels(quantize_groups, dequantize_groups)
+EAGER_KERNELS = QuantKernels(pack_groups, unpack_groups)
 
 
 @functools.cache
 def compiled_kernels() -> QuantKernels:
     """The same math fused by ``torch.compile`` (compiled on first use, per shape).
 
-    The fused kernels may round ``x / scale`` through a reciprocal, so their codes can
-    differ from the eager ones by one; every rank uses the same kernels, so replicas stay
-    bit-identical, and the error bound of [Note: quantization math] still holds.
+    Fusion matters: eager, each step of the math is a pass over memory and the quantized
+    gather ends up slower than sending bf16. The fused kernels may round ``x / scale``
+    through a reciprocal, so their codes can differ from the eager ones by one; every rank
+    uses the same kernels, so replicas stay bit-identical, and the error bound of
+    [Note: quantization math] still holds.
     """
+    # The byte-level copies into the wire row stay eager (they are plain memcpys); the
+    # quantize math is what fusion speeds up.
+    fused_quantize = torch.compile(quantize_groups, dynamic=False)
     return QuantKernels(
-        torch.compile(quantize_groups, dynamic=False),
-        torch.compile(dequantize_groups, dynamic=False),
+        functools.partial(pack_groups, quantize_fn=fused_quantize),
+        torch.compile(unpack_groups, dynamic=False),
     )
 
 
