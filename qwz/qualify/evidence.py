@@ -43,6 +43,11 @@ def _finite(values: list[float]) -> bool:
     return all(math.isfinite(value) for value in values)
 
 
+def _json_floats(values: list[float]) -> list[float | None]:
+    """JSON has no NaN or Infinity: non-finite values are recorded as null."""
+    return [value if math.isfinite(value) else None for value in values]
+
+
 def build_record(
     plan: RunPlan,
     observations: list[dict[str, Any]],
@@ -68,14 +73,16 @@ def build_record(
     trajectories = []
     for arm in arms:
         losses, norms = first["losses"][arm.name], first["grad_norms"][arm.name]
-        trajectories.append(Trajectory(arm=arm.name, losses=losses, grad_norms=norms))
+        trajectories.append(
+            Trajectory(arm=arm.name, losses=_json_floats(losses), grad_norms=_json_floats(norms))
+        )
         finite = _finite(losses) and _finite(norms)
         checks.append(
             Check(
                 name=f"finite[{arm.name}]",
                 passed=finite,
                 detail=f"{len(losses)} losses and grad norms, all finite: {finite}",
-                numbers={"steps": len(losses), "last_loss": losses[-1] if losses else None},
+                numbers={"steps": len(losses), "last_loss": _json_floats(losses[-1:])},
             )
         )
 

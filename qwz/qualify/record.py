@@ -87,8 +87,12 @@ class Arm(_Model):
 
 class Trajectory(_Model):
     arm: str
-    losses: list[float] = Field(description="Loss per step, averaged over ranks")
-    grad_norms: list[float] = Field(description="Global gradient norm per step")
+    losses: list[float | None] = Field(
+        description="Loss per step, averaged over ranks; null where it was NaN or infinite"
+    )
+    grad_norms: list[float | None] = Field(
+        description="Global gradient norm per step; null where it was NaN or infinite"
+    )
 
 
 class Tolerance(_Model):
@@ -188,13 +192,17 @@ def verdict_of(checks: list[Check]) -> Verdict:
 
 
 def seal(payload: dict[str, Any]) -> Record:
-    """Validate a record payload (without digest) and return it with its digest set."""
-    payload = dict(payload, digest="")
-    payload["digest"] = canonical_digest(payload)
+    """Validate a record payload (without digest) and return it with its digest set.
+
+    The digest is computed over the validated model's JSON, exactly what `save` writes,
+    so normalisation by pydantic (an int given for a float, a default filled in) cannot
+    make a freshly sealed record fail `load`."""
     try:
-        return Record.model_validate(payload)
+        record = Record.model_validate(dict(payload, digest=""))
     except ValidationError as error:
         raise RecordError(f"record payload is invalid: {error}") from None
+    digest = canonical_digest(record.model_dump(mode="json"))
+    return record.model_copy(update={"digest": digest})
 
 
 def save(record: Record, path: pathlib.Path) -> None:

@@ -156,12 +156,6 @@ def test_published_schema_is_generated():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=record.RecordError,
-    reason="seal() digests the payload as given, save() writes the validated model: an int in "
-    "a float field (0 -> 0.0) or an omitted default (schema_version) changes the JSON",
-)
 @pytest.mark.parametrize(
     "edit",
     [
@@ -171,6 +165,8 @@ def test_published_schema_is_generated():
     ids=["int-for-float", "default-omitted"],
 )
 def test_sealed_payload_that_pydantic_normalizes_loads_back(tmp_path, edit):
+    """seal() digests the validated model, so pydantic's normalisation (an int in a float
+    field, an omitted default) cannot make a fresh record fail load()."""
     payload = make_payload()
     edit(payload)
     path = tmp_path / "record.json"
