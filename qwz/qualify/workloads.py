@@ -8,7 +8,8 @@ the same head see the same data.
 Presets:
 
 * ``qwen3-tiny`` (default): a 2-layer Qwen3 causal LM built by ``transformers``
-  from a config (random init, no download), 2.6 M parameters, sequence 128.
+  from a config (random init, no download), 2.6 M parameters, sequence 128, on
+  learnable synthetic text (a seeded successor map plus 10% random tokens).
   Its embeddings, MLP projections and LM head exceed 65,536 elements, so the
   quantized gather is exercised; attention projections and norms travel exactly.
 * ``qwen3-0.6b``: a Qwen3-0.6B-shaped config (28 layers, hidden 1024, vocab
@@ -108,10 +109,30 @@ class Workload:
             inputs = torch.randn(batch, sizes[0], generator=generator).to(device, dtype)
             targets = torch.randn(batch, sizes[-1], generator=generator).to(device)
             return torch.nn.functional.mse_loss(model(inputs).float(), targets)
-        vocab = self.params["model"]["vocab_size"]
-        tokens = torch.randint(0, vocab, (batch, self.params["seq_len"]), generator=generator)
-        tokens = tokens.to(device)
-        return model(input_ids=tokens, labels=tokens).loss.float()
+        tokens = _token_batch(
+            self.params["model"]["vocab_size"], batch, self.params["seq_len"], seed, generator
+        )
+        return model(input_ids=tokens.to(device), labels=tokens.to(device)).loss.float()
+
+
+NOISE = 0.1
+"""Fraction of tokens drawn at random instead of from the successor map."""
+
+
+def _token_batch(
+    vocab: int, batch: int, seq_len: int, seed: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Learnable synthetic text: each token is followed by its successor under a fixed,
+    seeded permutation of the vocabulary, except for a fraction NOISE of random tokens. The
+    loss can fall from ln(vocab) towards the noise floor, so a trajectory shows learning."""
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    random_tokens = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+    is_noise = torch.rand(batch, seq_len, generator=generator) < NOISE
+    tokens = random_tokens.clone()
+    for position in range(1, seq_len):
+        follow = successor[tokens[:, position - 1]]
+        tokens[:, position] = torch.where(is_noise[:, position], random_tokens[:, position], follow)
+    return tokens
 
 
 def _batch_seed(seed: int, step: int, rank: int) -> int:
