@@ -7,12 +7,21 @@ what qwz's own functions report about themselves, so tests and the
 qualification can check those reports and catch a gather that silently falls
 back to the unquantized path (which is what stock DeepSpeed does with
 ``zero_quantized_weights`` at stages 1 and 2).
+
+[Note: probing DeepSpeed's collectives]
+DeepSpeed's torch backend caches ``torch.distributed.all_gather_into_tensor``
+and ``reduce_scatter_tensor`` on its communication object (``cdb``) when it is
+created, so wrapping the module attributes alone would not see its calls. When
+DeepSpeed is loaded, the probe also re-points those cached references at its
+wrappers for the duration of the ``with`` block (only if they still are the
+functions it wrapped), and restores them on exit.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +38,10 @@ _REDUCTIONS = {
 }
 _KINDS = {**{name: "gather" for name in _GATHERS}, **{name: "reduce" for name in _REDUCTIONS}}
 _ARG_INDEX = {**_GATHERS, **_REDUCTIONS}
+_DEEPSPEED_CACHED = {
+    "all_gather_function": "all_gather_into_tensor",
+    "reduce_scatter_function": "reduce_scatter_tensor",
+}
 _KEYWORDS = {0: ("tensor",), 1: ("input_tensor", "input", "input_list", "tensor")}
 
 
@@ -52,6 +65,7 @@ class WireProbe:
         self.calls: collections.Counter[str] = collections.Counter()
         self.largest_gather_output_bytes = 0
         self._saved: dict[str, Callable[..., Any]] = {}
+        self._repointed: list[tuple[Any, str, Callable[..., Any]]] = []
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         kind, index = _KINDS[name], _ARG_INDEX[name]
@@ -79,9 +93,23 @@ class WireProbe:
             if original is not None:
                 self._saved[name] = original
                 setattr(dist, name, self._wrap(name, original))
+        self._repoint_deepspeed()
         return self
 
+    def _repoint_deepspeed(self) -> None:
+        """See [Note: probing DeepSpeed's collectives]."""
+        comm = sys.modules.get("deepspeed.comm.comm")
+        backend = getattr(comm, "cdb", None)
+        for attribute, name in _DEEPSPEED_CACHED.items():
+            cached = getattr(backend, attribute, None)
+            if cached is not None and cached is self._saved.get(name):
+                self._repointed.append((backend, attribute, cached))
+                setattr(backend, attribute, getattr(dist, name))
+
     def __exit__(self, *exc: object) -> None:
+        for backend, attribute, cached in self._repointed:
+            setattr(backend, attribute, cached)
+        self._repointed.clear()
         for name, original in self._saved.items():
             setattr(dist, name, original)
         self._saved.clear()

@@ -123,12 +123,8 @@ qwZ, and with the takeover disabled (``initialize(..., qwz_gather=False)`` or
 it -- the silent no-op that :func:`measure_weight_gather` detects. A
 non-default ``preserve_numel`` with stage 3 is refused: only qwz honours it.
 
-[Note: probing DeepSpeed's collectives]
-DeepSpeed's torch backend caches ``torch.distributed.all_gather_into_tensor``
-and ``reduce_scatter_tensor`` in its communication object when it is created,
-so :class:`qwz.probe.WireProbe`, which wraps the module attributes, does not
-see those calls by itself. :func:`probe_deepspeed_collectives` re-points the
-cached references at the probe's wrappers for the duration of the probe.
+The detector's probe is :class:`qwz.probe.WireProbe`, which also sees the collectives
+DeepSpeed cached at init (see [Note: probing DeepSpeed's collectives] in qwz/probe.py).
 """
 
 from __future__ import annotations
@@ -606,37 +602,6 @@ def gather_flat_group(plan: FlatGroupPlan, master: torch.Tensor, flat: torch.Ten
 # --------------------------------------------------------------------------- #
 
 
-@contextlib.contextmanager
-def probe_deepspeed_collectives() -> Iterator[WireProbe]:
-    """A :class:`~qwz.probe.WireProbe` that also sees DeepSpeed's cached collectives;
-    see [Note: probing DeepSpeed's collectives]."""
-    with WireProbe() as probe:
-        backend = _deepspeed_comm_backend()
-        repointed: dict[str, Callable[..., Any]] = {}
-        for attribute, name in (
-            ("all_gather_function", "all_gather_into_tensor"),
-            ("reduce_scatter_function", "reduce_scatter_tensor"),
-        ):
-            cached = getattr(backend, attribute, None)
-            wrapper = getattr(dist, name, None)
-            if cached is not None and cached is getattr(wrapper, "__wrapped__", None):
-                repointed[attribute] = cached
-                setattr(backend, attribute, wrapper)
-        try:
-            yield probe
-        finally:
-            for attribute, cached in repointed.items():
-                setattr(backend, attribute, cached)
-
-
-def _deepspeed_comm_backend() -> Any:
-    try:
-        from deepspeed.comm import comm
-    except ImportError:
-        return None
-    return getattr(comm, "cdb", None)
-
-
 class WeightGatherCheck(NamedTuple):
     """What one optimizer step gathered on this rank, against stock DeepSpeed."""
 
@@ -683,10 +648,10 @@ def unquantized_gather_bytes(optimizer: Any) -> int:
 
 def measure_weight_gather(engine: Any, step: Callable[[], Any] | None = None) -> WeightGatherCheck:
     """Run `step` (default ``engine.step()``, at an accumulation boundary, after backward)
-    under a DeepSpeed-aware WireProbe and compare what was gathered with stock bytes."""
+    under a WireProbe and compare what was gathered with stock bytes."""
     optimizer = engine.optimizer
     gathers_before = getattr(optimizer, "qwz_gathers", 0)
-    with probe_deepspeed_collectives() as probe:
+    with WireProbe() as probe:
         (step or engine.step)()
     return WeightGatherCheck(
         gathered_bytes=probe.bytes["gather"],

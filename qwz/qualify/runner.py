@@ -84,13 +84,17 @@ class RunPlan:
         }
         if arm.quantized:
             zero["zero_quantized_weights_group_size"] = arm.group_size
+        optimizer_params: dict[str, Any] = {"lr": self.lr, "betas": list(BETAS)}
+        if self.subject == "deepspeed":
+            # torch's AdamW in both subjects: the same update rule, and no fused-op build.
+            optimizer_params["torch_adam"] = True
         return {
             "train_micro_batch_size_per_gpu": self.workload.params["micro_batch"],
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.gradient_clipping,
             "bf16": {"enabled": self.dtype == "bf16"},
             "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "betas": list(BETAS)}},
+            "optimizer": {"type": "AdamW", "params": optimizer_params},
         }
 
 

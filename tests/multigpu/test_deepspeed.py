@@ -505,10 +505,9 @@ def test_plain_deepspeed_initialize_in_the_same_process_stays_stock(ds_worlds):
             assert check["in_effect"] and check["gathered_bytes"] < check["unquantized_bytes"]
 
 
-def test_bare_wire_probe_misses_deepspeeds_cached_gather_the_aware_probe_does_not(ds_worlds):
-    for result in ds_worlds.get(2).run(ranks.bare_probe_sees):
-        assert result["bare"] == 0  # DeepSpeed cached torch's function before the probe
-        assert result["aware"] == result["unquantized"] > 0
+def test_wire_probe_sees_deepspeeds_cached_gather(ds_worlds):
+    for result in ds_worlds.get(2).run(ranks.probe_sees_stock_gather):
+        assert result["seen"] == result["unquantized"] > 0
 
 
 def test_update_lp_params_also_gathers_through_qwz(ds_worlds):

@@ -134,3 +134,24 @@ def test_run_rejects_an_invalid_group_size():
     done = _cli("run", "--out", "unused", "--group-size", "60")
     assert done.returncode == 2
     assert "multiple of 8" in done.stderr
+
+
+def test_deepspeed_subject_passes_and_stock_deepspeed_is_caught_not_in_effect(tmp_path):
+    """`--subject deepspeed`: stock DeepSpeed ZeRO-2 is the reference, DeepSpeed with qwz's
+    gather the candidate. With the integration disabled the request reaches stock DeepSpeed,
+    which ignores it: the run must fail with "not in effect"."""
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+    done = _cli("run", "--out", str(tmp_path / "ds"), "--subject", "deepspeed", *SMALL_RUN)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    loaded = record.load(tmp_path / "ds" / "record.json")
+    assert loaded.subject.name == "deepspeed" and loaded.subject.version.startswith("0.19")
+    assert loaded.verdict.passed
+    done = _cli(
+        "run", "--out", str(tmp_path / "stock"), "--subject", "deepspeed", "--no-integration",
+        *SMALL_RUN,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    stock = record.load(tmp_path / "stock" / "record.json")
+    failed = {check.name: check for check in stock.checks if not check.passed}
+    assert "in-effect[candidate-g64]" in failed
+    assert "not in effect" in failed["in-effect[candidate-g64]"].detail
