@@ -1,0 +1,35 @@
+"""Hypothesis profiles for the whole suite; nothing else belongs here.
+
+``dev`` is the default, ``ci`` loads when the ``CI`` environment variable is set, and
+``--hypothesis-profile NAME`` (the hypothesis pytest plugin) overrides both. Every
+profile has ``deadline=None``: the first call into torch (and ``torch.compile``) warms
+up for seconds, which is not a property failure. Each starts from hypothesis's own
+``default`` profile, not from whatever hypothesis loaded on import (its built-in ``ci``
+when ``CI`` is set), so ``nightly`` stays randomized on a CI machine.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_BASE = settings.get_profile("default")
+
+settings.register_profile("dev", parent=_BASE, max_examples=30, deadline=None)
+settings.register_profile(
+    "ci",
+    parent=_BASE,
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "nightly",
+    parent=_BASE,
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
