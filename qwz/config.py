@@ -196,9 +196,18 @@ _OPTIMIZER_PARAMS = {
 }
 
 
+def _closest_key(key: str, known: tuple[str, ...]) -> str | None:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    # difflib scores short transpositions low ('rl' vs 'lr' is 0.5): same letters, same length.
+    anagrams = [name for name in known if len(name) == len(key) and sorted(name) == sorted(key)]
+    return anagrams[0] if anagrams else None
+
+
 def _unknown_key(path: str, key: Any, known: tuple[str, ...]) -> ConfigError:
-    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    close = _closest_key(str(key), known)
+    hint = f"; did you mean {close}?" if close else f"; known keys: {', '.join(sorted(known))}"
     return ConfigError(f"{path}{key}: unknown key (a typo is never ignored){hint}")
 
 
@@ -245,7 +254,10 @@ def _bool(key: str, value: Any) -> bool:
 def _float(key: str, value: Any, *, minimum: float, inclusive: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(key, value, "must be a number")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf  # an integer beyond the float range: rejected below as not finite
     ok = number >= minimum if inclusive else number > minimum
     if not math.isfinite(number) or not ok:
         bound = ">=" if inclusive else ">"
@@ -338,7 +350,7 @@ class ZeroConfig:
             raise _fail("zero_optimization", section, "must be a JSON object")
         _check_keys(section, "zero_optimization.", _ZERO_KNOWN)
         for key, default in _ZERO_DEFAULT_ONLY.items():
-            if key in section and section[key] != default:
+            if key in section and (section[key] is not default):
                 raise _not_supported(
                     f"zero_optimization.{key}", section[key], f"only {default!r} is implemented"
                 )
@@ -556,12 +568,12 @@ def load_json_config(source: Mapping[str, Any] | str | pathlib.Path) -> dict[str
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, pathlib.Path) or (
-        isinstance(source, str) and not source.lstrip().startswith("{")
+        isinstance(source, str) and not source.lstrip().startswith(("{", "["))
     ):
         path = pathlib.Path(source)
         try:
-            text = path.read_text()
-        except OSError as error:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError, ValueError) as error:
             raise ConfigError(f"config: cannot read JSON file {str(path)!r}: {error}") from None
         origin = str(path)
     elif isinstance(source, str):

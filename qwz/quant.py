@@ -10,13 +10,18 @@ no ``.item()``), so ``torch.compile`` can fuse them.
 For each group of ``G`` consecutive elements, in fp32 whatever the input dtype
 (never staged through fp16, so bf16 values beyond 65504 stay finite)::
 
-    scale = absmax / 127            # fp32, >= 0
+    scale = absmax / 127            # fp32, >= 0 (see the two edge cases below)
     code  = round(x / scale)        # int8 in [-127, 127]; 0 where scale == 0
     x_hat = code * scale            # fp32, then cast to the working dtype
 
 ``absmax`` maps to exactly 127 (not 128 clamped to 127), so the error bound
 ``|x_hat - x| <= scale / 2`` holds for every finite element (before the cast
-back), and an all-zero group has scale 0 and decodes to exact zeros.
+back, up to the fp32 rounding of the division and the product, a few 2**-24 of
+a scale), and an all-zero group has scale 0 and decodes to exact zeros. Two edge
+cases of fp32 adjust the scale: a nonzero scale is at least the smallest normal
+fp32 (2**-126), so groups whose absmax is below ~2**-119 keep the bound with that
+scale instead of a subnormal one; and a scale whose ``127 * scale`` would round up
+to inf (absmax at the very top of the fp32 range) is one ulp smaller.
 
 Non-finite input: a group that holds a NaN or an Inf gets a non-finite scale
 (NaN or Inf), and every element of that group decodes to NaN or Inf. A finite
@@ -84,7 +89,16 @@ def quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     See [Note: quantization math].
     """
     values = groups.to(torch.float32)
-    scales = values.abs().amax(dim=1) / INT8_MAX  # (num_groups,)
+    absmax = values.abs().amax(dim=1)  # (num_groups,)
+    # A nonzero scale is at least the smallest normal fp32: a subnormal scale would lose
+    # its precision (or flush to zero) and break the error bound.
+    scales = torch.where(
+        absmax == 0, absmax, torch.clamp(absmax / INT8_MAX, min=torch.finfo(torch.float32).tiny)
+    )
+    # Next to the top of the fp32 range, 127 * fl(absmax / 127) can round up to inf; step
+    # such a scale down by one ulp so a finite group always decodes to finite values.
+    overflows = torch.isinf(scales * INT8_MAX) & torch.isfinite(absmax)
+    scales = torch.where(overflows, torch.nextafter(scales, torch.zeros_like(scales)), scales)
     # A zero scale divides by one instead, so 0 / 1 gives the exact zero code;
     # NaN/Inf scales pass through and poison the whole group on decode.
     divisor = torch.where(scales == 0, torch.ones_like(scales), scales)

@@ -240,3 +240,11 @@ def die_at_step(dying_rank: int, step_to_die: int) -> str:
         engine.backward(_loss(engine, 0, step, 0))
         engine.step()
     return "finished"
+
+
+def initial_replicas(stage: int) -> str:
+    """Every rank builds a *different* model (seeded by its rank); initialize must make all
+    replicas rank 0's, exactly, before any step."""
+    model = build_model(seed=dist.get_rank())
+    engine = qwz.initialize(model, config=ds_config(stage=stage, quantized=True, dtype="fp32"))
+    return qwz.param_hash(engine.module)

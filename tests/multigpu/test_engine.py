@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 
+import qwz
 from qwz.launch import LocalWorld, RankFailure
 from qwz.layout import quantized_unit_bytes
 from tests.multigpu import ranks
@@ -223,9 +224,7 @@ def test_padding_edge_cases_world4_every_parameter_quantized(worlds, stage):
     """World size 4, preserve_numel 0: the 3-element bias (smaller than one group and than
     the world size) and every other parameter go through the quantized gather; the region's
     length is divisible by neither 4 nor 64."""
-    results = _train(
-        worlds, 4, steps=5, stage=stage, quantized=True, dtype="bf16", preserve=0
-    )
+    results = _train(worlds, 4, steps=5, stage=stage, quantized=True, dtype="bf16", preserve=0)
     region = results[0]["regions"]["quantized"]
     assert "exact" not in results[0]["regions"]
     assert region["numel"] % 4 and region["numel"] % 64
@@ -271,3 +270,9 @@ def test_dead_rank_fails_fast_instead_of_hanging():
         world.run(ranks.die_at_step, 1, 2)
     text = str(failure.value)
     assert "rank 1" in text and "exit code 17" in text
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_initialize_makes_every_replica_rank0s_exactly(worlds, stage):
+    hashes = worlds.get(4).run(ranks.initial_replicas, stage)
+    assert hashes == [qwz.param_hash(ranks.build_model(seed=0))] * 4

@@ -399,15 +399,10 @@ def test_compiled_kernels_keep_the_bound_and_codes_within_one(x):
 
 
 # --------------------------------------------------------------------------- #
-# Known bugs (strict: these fail loudly once fixed, so the marker gets removed)
+# Edge cases found by this suite (fixed; kept as regression tests)
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="absmax/127 is an fp32 subnormal (absmax < ~2**-119): the scale loses precision "
-    "or flushes to 0, and the bound fails (2**-140 decodes to 127*2**-147; 1e-44 to 0)",
-)
 @pytest.mark.parametrize("value", [2.0**-140, 1e-44])
 def test_subnormal_scales_keep_the_bound(value):
     x = torch.zeros(64)
@@ -415,11 +410,6 @@ def test_subnormal_scales_keep_the_bound(value):
     assert_within_half_step(x, qwz.quantize(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="absmax == fp32 max: 127 * fl(max / 127) rounds up to inf; a finite group decodes "
-    "to inf",
-)
 def test_largest_finite_float_decodes_finite():
     x = torch.full((64,), torch.finfo(torch.float32).max)
     assert torch.isfinite(qwz.dequantize(qwz.quantize(x))).all()
