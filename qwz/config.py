@@ -355,7 +355,7 @@ class ZeroConfig:
                     f"zero_optimization.{key}", section[key], f"only {default!r} is implemented"
                 )
         for key in _ZERO_UNSUPPORTED:
-            if key in section and not _switched_off(section[key]):
+            if key in section and not _switched_off(key, section[key]):
                 raise _not_supported(f"zero_optimization.{key}", section[key])
         stage = parse_stage(section)
         overlap = _bool("zero_optimization.overlap_comm", section.get("overlap_comm", False))
@@ -391,17 +391,26 @@ class ZeroConfig:
         )
 
 
-def _switched_off(value: Any) -> bool:
-    """A feature section that is present but off: `false`, `null`, `enabled: false`, device none."""
+def offload_enabled(value: Any) -> bool:
+    """Whether a DeepSpeed `offload_optimizer` / `offload_param` section offloads anything:
+    only with a device other than "none", DeepSpeed's default."""
     if value is None or value is False:
-        return True
+        return False
     if isinstance(value, Mapping):
         if value.get("enabled") is False:
-            return True
-        device = value.get("device")
-        if "device" in value and (device is None or str(device).lower() == "none"):
-            return True
-    return False
+            return False
+        device = value.get("device", "none")
+        return device is not None and str(device).lower() != "none"
+    return True
+
+
+def _switched_off(key: str, value: Any) -> bool:
+    """A feature present but off: `false`, `null`, `enabled: false`; offload to device none."""
+    if key.startswith("offload_"):
+        return not offload_enabled(value)
+    if value is None or value is False:
+        return True
+    return isinstance(value, Mapping) and value.get("enabled") is False
 
 
 @dataclass(frozen=True)
@@ -541,7 +550,7 @@ def _unsupported_is_off(key: str, value: Any) -> bool:
         return value == 1 and not isinstance(value, bool)
     if key == "communication_data_type":
         return value is None
-    return _switched_off(value)
+    return _switched_off(key, value)
 
 
 def _precision_section(config: Mapping[str, Any], key: str, known: tuple[str, ...]) -> bool:

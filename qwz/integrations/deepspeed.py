@@ -153,6 +153,7 @@ from qwz.config import (
     ConfigError,
     QuantizedWeights,
     load_json_config,
+    offload_enabled,
     parse_stage,
 )
 from qwz.layout import ChunkPlan, plan_chunks, quantized_unit_bytes
@@ -261,17 +262,6 @@ def _version_tuple(version: str) -> tuple[int, int]:
     return (int(match[1]), int(match[2])) if match else (-1, -1)
 
 
-def _switched_on(value: Any) -> bool:
-    if value is None or value is False:
-        return False
-    if isinstance(value, Mapping):
-        if value.get("enabled") is False:
-            return False
-        device = value.get("device", "none")
-        return device is not None and str(device).lower() != "none"
-    return True
-
-
 def _check_supported(
     version: str, config: Mapping[str, Any], zero: Mapping[str, Any], stage: int
 ) -> None:
@@ -285,7 +275,7 @@ def _check_supported(
         )
     prefix = "zero_optimization."
     for key in ("offload_optimizer", "offload_param"):
-        if _switched_on(zero.get(key)):
+        if offload_enabled(zero.get(key)):
             raise ConfigError(
                 f"{prefix}{key}: {zero[key]!r} is not supported with {QUANTIZED_WEIGHTS_KEY} "
                 "(offload keeps the master and the bit16 partition on the host; use device none)"

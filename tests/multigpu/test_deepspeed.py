@@ -65,7 +65,6 @@ import argparse
 import functools
 import inspect
 import json
-import os
 
 import pytest
 import torch
@@ -77,14 +76,12 @@ deepspeed = pytest.importorskip(
 import qwz  # noqa: E402
 from qwz.config import DEFAULT_PRESERVE_NUMEL, QuantizedWeights  # noqa: E402
 from qwz.integrations import deepspeed as qwz_deepspeed  # noqa: E402
-from qwz.launch import LocalWorld  # noqa: E402
 from qwz.layout import quantized_unit_bytes  # noqa: E402
 from tests.multigpu import deepspeed_ranks as ranks  # noqa: E402
 
 pytestmark = [pytest.mark.multigpu]
 
 STEPS = 12
-RANK_TIMEOUT_S = float(os.environ.get("QWZ_RANK_TIMEOUT_S", "240"))
 BF16_BYTES = 2
 
 TRAINING = [
@@ -101,29 +98,10 @@ MEASURED_RATIOS = {(2, 64): 0.552, (2, 8192): 0.546, (4, 64): 0.562, (4, 8192): 
 TRAINING_IDS = [f"w{w}-stage{s}-{d}" for w, s, d in TRAINING]
 
 
-class _Worlds:
-    """One LocalWorld per world size for this module, recreated after a failure broke it."""
-
-    def __init__(self) -> None:
-        self._worlds: dict[int, LocalWorld] = {}
-
-    def get(self, world_size: int) -> LocalWorld:
-        world = self._worlds.get(world_size)
-        if world is None or world.broken:
-            world = LocalWorld(world_size, timeout_s=RANK_TIMEOUT_S)
-            self._worlds[world_size] = world
-        return world
-
-    def close(self) -> None:
-        for world in self._worlds.values():
-            world.close()
-
-
 @pytest.fixture(scope="module")
-def ds_worlds():
-    pool = _Worlds()
-    yield pool
-    pool.close()
+def ds_worlds(worlds):
+    """The session's local process groups (tests/multigpu/conftest.py)."""
+    return worlds
 
 
 _CACHE: dict[tuple, list[dict]] = {}
