@@ -158,6 +158,7 @@ from qwz.config import (
 )
 from qwz.layout import ChunkPlan, plan_chunks, quantized_unit_bytes
 from qwz.probe import WireProbe
+from qwz.quant import EAGER_KERNELS, QuantKernels, compiled_kernels
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
 """DeepSpeed versions qwz takes over: at least the first, below the second (major, minor)."""
@@ -184,14 +185,17 @@ _OPTIMIZER_ATTRIBUTES = (
 # --------------------------------------------------------------------------- #
 
 
-def initialize(*args: Any, qwz_gather: bool | None = None, **kwargs: Any) -> tuple:
+def initialize(
+    *args: Any, qwz_gather: bool | None = None, compile_kernels: bool = False, **kwargs: Any
+) -> tuple:
     """``deepspeed.initialize`` with ``zero_quantized_weights`` made real at stages 1 and 2.
 
     Same arguments and return value ``(engine, optimizer, dataloader, lr_scheduler)``;
     the config may be given as ``config``, ``config_params`` or ``args.deepspeed_config``
     (a dict, a JSON path or JSON text). ``qwz_gather=False`` (default: the
     ``QWZ_DEEPSPEED_GATHER`` environment variable, on unless 0/false/off) validates
-    and strips the qwz keys but leaves DeepSpeed stock. See the module docstring.
+    and strips the qwz keys but leaves DeepSpeed stock. ``compile_kernels`` fuses the
+    quantize/dequantize kernels with ``torch.compile``. See the module docstring.
     """
     import deepspeed
 
@@ -223,6 +227,8 @@ def initialize(*args: Any, qwz_gather: bool | None = None, **kwargs: Any) -> tup
     optimizer = result[0].optimizer
     if take_over:
         _take_over(optimizer, requested)
+        if compile_kernels:
+            optimizer.qwz_kernels = compiled_kernels()
     elif stage in (1, 2) and _is_zero_optimizer(optimizer):
         optimizer.quantization_group_size = None
         optimizer.qwz_gather_stats = None
@@ -455,6 +461,7 @@ def _take_over(optimizer: Any, requested: QuantizedWeights) -> None:
     optimizer.qwz_preserve_numel = requested.preserve_numel
     optimizer.qwz_gather_stats = None
     optimizer.qwz_gathers = 0
+    optimizer.qwz_kernels = EAGER_KERNELS
     optimizer.step = types.MethodType(_step, optimizer)
     optimizer.update_lp_params = types.MethodType(_update_lp_params, optimizer)
 
@@ -520,7 +527,7 @@ def gather_optimizer_weights(optimizer: Any) -> GatherStats:
         optimizer.single_partition_of_fp32_groups,
         strict=True,
     ):
-        stats = gather_flat_group(plan, master.detach(), flat)
+        stats = gather_flat_group(plan, master.detach(), flat, kernels=optimizer.qwz_kernels)
         total = GatherStats(
             total.collectives + stats.collectives,
             total.bytes_sent + stats.bytes_sent,
@@ -530,7 +537,12 @@ def gather_optimizer_weights(optimizer: Any) -> GatherStats:
 
 
 @torch.no_grad()
-def gather_flat_group(plan: FlatGroupPlan, master: torch.Tensor, flat: torch.Tensor) -> GatherStats:
+def gather_flat_group(
+    plan: FlatGroupPlan,
+    master: torch.Tensor,
+    flat: torch.Tensor,
+    kernels: QuantKernels = EAGER_KERNELS,
+) -> GatherStats:
     """Gather one flat group: the quantized stream, then the exact stream over it.
 
     master: (P,) this rank's fp32 master partition. flat: (W * P,) DeepSpeed's working
@@ -557,6 +569,7 @@ def gather_flat_group(plan: FlatGroupPlan, master: torch.Tensor, flat: torch.Ten
                     rank=plan.rank,
                     quantize=True,
                     group=plan.process_group,
+                    kernels=kernels,
                 )
             )
             partitions[:, start:real_end].copy_(decoded[:, : real_end - start])

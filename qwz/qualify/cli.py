@@ -118,7 +118,7 @@ def _plan(args: argparse.Namespace):
         seed=args.seed,
         lr=args.lr,
         allgather_bucket_size=args.bucket_size,
-        compile_kernels=args.compile and args.subject == "qwz",
+        compile_kernels=args.compile,
         integration_enabled=not args.no_integration,
     )
 

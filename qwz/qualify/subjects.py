@@ -51,7 +51,13 @@ class QwzArm(ArmEngine):
 class DeepSpeedArm(ArmEngine):
     """DeepSpeed's engine; `qwz_gather` selects qwz's gather (candidates) or stock (reference)."""
 
-    def __init__(self, model: torch.nn.Module, config: dict[str, Any], qwz_gather: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: dict[str, Any],
+        qwz_gather: bool,
+        compile_kernels: bool,
+    ):
         from qwz.integrations import deepspeed as integration
 
         self.engine, *_ = integration.initialize(
@@ -59,6 +65,7 @@ class DeepSpeedArm(ArmEngine):
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=config,
             qwz_gather=qwz_gather,
+            compile_kernels=compile_kernels,
         )
         self.module = self.engine.module
         self.group_size = getattr(self.engine.optimizer, "quantization_group_size", None)
@@ -93,5 +100,10 @@ def make_arm(
     if subject == "qwz":
         return QwzArm(model, config, compile_kernels)
     if subject == "deepspeed":
-        return DeepSpeedArm(model, config, qwz_gather=quantized and integration_enabled)
+        return DeepSpeedArm(
+            model,
+            config,
+            qwz_gather=quantized and integration_enabled,
+            compile_kernels=compile_kernels,
+        )
     raise ValueError(f"subject: {subject!r} is unknown; choose one of {', '.join(SUBJECTS)}")
