@@ -20,7 +20,6 @@ import contextlib
 import datetime
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -47,12 +46,6 @@ def pick_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(
     rank: int,
     world_size: int,
@@ -74,11 +67,10 @@ def _rank_main(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -111,7 +103,16 @@ class LocalWorld:
         context = mp.get_context("spawn")
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._results = context.Queue()
-        port = _free_port()
+        # The parent hosts the rendezvous store on a port the OS picks and keeps bound, so
+        # no other process can take the port between choosing it and using it.
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        port = self._store.port
         self._processes = [
             context.Process(
                 target=_rank_main,
