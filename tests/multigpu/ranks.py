@@ -248,3 +248,32 @@ def initial_replicas(stage: int) -> str:
     model = build_model(seed=dist.get_rank())
     engine = qwz.initialize(model, config=ds_config(stage=stage, quantized=True, dtype="fp32"))
     return qwz.param_hash(engine.module)
+
+
+def own_shard_decode_error(stage: int, steps: int = 3, group_size: int = 64) -> dict[str, Any]:
+    """After every step, compare this rank's own slice of the quantized working buffer with
+    its fp32 master shard: [Note: quantization math] promises |decoded - master| <= scale / 2
+    with scale = group absmax / 127, computed here from the master itself (fp32 working copy,
+    so no cast error). Returns the worst ratio error / (scale / 2) over all steps."""
+    engine = qwz.initialize(
+        build_model(0),
+        config=ds_config(stage=stage, quantized=True, dtype="fp32", group_size=group_size),
+    )
+    rank = dist.get_rank()
+    region = next(r for r in engine.optimizer.regions if r.name == "quantized")
+    worst = 0.0
+    for step in range(1, steps + 1):
+        engine.backward(_loss(engine, 0, step, 0))
+        engine.step()
+        start, end = region.shard_range(rank)
+        master = region.master.detach().view(-1, group_size)
+        decoded = region.working[start:end].float().view(-1, group_size)
+        absmax = master.abs().amax(dim=1, keepdim=True)
+        half_scale = absmax / 127 / 2
+        # fp32 rounding of absmax / 127, x / scale and code * scale: a few eps of the absmax
+        slack = 4 * torch.finfo(torch.float32).eps * absmax
+        error = (decoded - master).abs()
+        assert bool((error[half_scale.squeeze(1) == 0] == 0).all()), "zero group not exact"
+        safe = torch.where(half_scale > 0, half_scale, torch.ones_like(half_scale))
+        worst = max(worst, float(((error - slack) / safe).max()))
+    return {"worst_ratio": worst}

@@ -276,3 +276,14 @@ def test_dead_rank_fails_fast_instead_of_hanging():
 def test_initialize_makes_every_replica_rank0s_exactly(worlds, stage):
     hashes = worlds.get(4).run(ranks.initial_replicas, stage)
     assert hashes == [qwz.param_hash(ranks.build_model(seed=0))] * 4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_owner_decodes_its_master_within_half_a_scale(worlds, stage):
+    """[Note: quantization math] on the wire, against the fp32 master: every element of every
+    rank's own shard decodes to within scale / 2 (scale = group absmax / 127) of its master
+    value. The parameter-sample tolerance is dominated by the Adam drift term (~2 lr), so it
+    cannot see a wrong scale (absmax / 128 puts a group's largest element a full scale off)."""
+    results = worlds.get(2).run(ranks.own_shard_decode_error, stage)
+    for rank, result in enumerate(results):
+        assert result["worst_ratio"] <= 1.0, (rank, result)
