@@ -144,6 +144,11 @@ def build_record(
                 final_hash=per_rank[0],
             )
             status, previous = result.status, result.previous
+            others = "".join(
+                f"; {'same hash as' if other == per_rank[0] else 'differs from'} the "
+                f"{description} arm's {other[:16]}"
+                for description, other in result.siblings.items()
+            )
             detail = {
                 "reproduced": f"reproduced the ledger's hash {per_rank[0][:16]}",
                 "recorded": "first run of this head, environment and arm: hash recorded",
@@ -156,7 +161,7 @@ def build_record(
                         else ""
                     )
                 ),
-            }[status]
+            }[status] + others
             checks.append(
                 Check(
                     name=f"reproduced[{arm.name}]",

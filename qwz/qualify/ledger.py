@@ -17,6 +17,9 @@ class LedgerResult(NamedTuple):
     status: Literal["reproduced", "recorded", "mismatch"]
     previous: str | None
     """The stored hash (for 'reproduced' and 'mismatch')."""
+    siblings: dict[str, str]
+    """Other arms stored for the same head, environment and workload: a short description
+    of the arm (quantization and group size) -> its final hash."""
 
 
 def _key(head_sha: str, fingerprint: str, workload: dict[str, Any], arm: dict[str, Any]) -> str:
@@ -37,6 +40,7 @@ def check_and_record(
     """Compare `final_hash` with the stored one for this key, storing it if there is none."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{_key(head_sha, fingerprint, workload, arm)}.json"
+    siblings = _siblings(directory, path, head_sha, fingerprint, workload)
     if path.exists():
         try:
             stored = json.loads(path.read_text())["final_hash"]
@@ -45,8 +49,8 @@ def check_and_record(
                 f"{path}: corrupt ledger entry ({error}); remove it to re-record"
             ) from None
         if stored == final_hash:
-            return LedgerResult("reproduced", stored)
-        return LedgerResult("mismatch", stored)
+            return LedgerResult("reproduced", stored, siblings)
+        return LedgerResult("mismatch", stored, siblings)
     entry = {
         "head": head_sha,
         "environment": fingerprint,
@@ -55,4 +59,35 @@ def check_and_record(
         "final_hash": final_hash,
     }
     path.write_text(json.dumps(entry, indent=2, sort_keys=True) + "\n")
-    return LedgerResult("recorded", None)
+    return LedgerResult("recorded", None, siblings)
+
+
+def describe_arm(arm: dict[str, Any]) -> str:
+    if not arm.get("quantized"):
+        return "unquantized"
+    return f"group size {arm.get('group_size')}"
+
+
+def _siblings(
+    directory: pathlib.Path,
+    own_path: pathlib.Path,
+    head_sha: str,
+    fingerprint: str,
+    workload: dict[str, Any],
+) -> dict[str, str]:
+    found = {}
+    for path in sorted(directory.glob("*.json")):
+        if path == own_path:
+            continue
+        try:
+            entry = json.loads(path.read_text())
+            same = (entry["head"], entry["environment"], entry["workload"]) == (
+                head_sha,
+                fingerprint,
+                workload,
+            )
+            if same:
+                found[describe_arm(entry["arm"])] = entry["final_hash"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a corrupt neighbour is reported when its own key is checked
+    return found

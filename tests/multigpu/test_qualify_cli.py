@@ -58,6 +58,7 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     assert "FAIL" in done.stdout
     outputs["third"] = root / "third"
     outputs["third_stderr"] = done.stderr
+    outputs["ledger"] = ledger
     return outputs
 
 
@@ -99,6 +100,20 @@ def test_changed_hash_for_the_same_head_fails_naming_both(runs):
     this_run = next(h for h in third.hashes if h.arm == "candidate-g64").per_rank[0]
     assert this_run[:16] in check.detail and "0" * 16 in check.detail
     assert third.verdict.failed == ["reproduced[candidate-g64]"]
+
+
+def test_changed_group_size_changes_the_hash_and_the_check_says_so(runs, tmp_path):
+    done = _cli(
+        "run", "--out", str(tmp_path / "g8192"), "--ledger", str(runs["ledger"]),
+        *SMALL_RUN, "--group-size", "8192",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    loaded = record.load(tmp_path / "g8192" / "record.json")
+    checks = {check.name: check for check in loaded.checks}
+    assert checks["reproduced[reference]"].detail.startswith("reproduced")
+    detail = checks["reproduced[candidate-g8192]"].detail
+    assert detail.startswith("first run of this head")
+    assert "differs from the group size 64" in detail
 
 
 def test_report_prints_the_markdown(runs):
