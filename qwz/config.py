@@ -83,7 +83,7 @@ _ZERO_UNSUPPORTED = (
     "offload_param",
     "zenflow",
     "cpu_offload",
-    "cpu_offload_params",
+    "cpu_offload_param",
     "cpu_offload_use_pin_memory",
     "sub_group_size",
     "zero_hpz_partition_size",

@@ -31,17 +31,23 @@ One optimizer step, in communication phases
    all-reduces it at the accumulation boundary, in buckets of
    ``reduce_bucket_size`` elements; each rank then reads its own shard.
    Stage 2 reduce-scatters after *every* backward (bucketed the same way) into
-   an fp32 accumulator of the owned shard only, and frees the full gradients,
-   so no rank ever keeps a full fp32 gradient. Both average over ranks.
+   an fp32 accumulator of the owned shard only, and frees the parameters'
+   gradients, so between micro-batches a rank keeps only its shard of the
+   gradient (the flattening uses a transient full-size fp32 buffer during the
+   reduction). Both average over ranks, and both reduce in fp32: twice the
+   bytes of a bf16 reduction, chosen for accuracy; the reduction is the same in
+   the reference and the quantized arm, so it does not bias a comparison.
 2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
    gives the global gradient norm (reported per step). A non-finite norm
    raises :class:`NonFiniteError` on every rank, naming the step and the
    affected parameters (all ranks take the branch together, since they see the
    same reduced value, so nobody hangs). Then gradients are clipped to
-   ``gradient_clipping`` if set.
+   ``gradient_clipping`` if set. A non-finite gradient skips the step: nothing
+   changes but the dropped gradients.
 3. *Shard update.* The torch optimizer (AdamW, Adam or SGD) steps the fp32
    master shard only. Non-finite updated weights raise on every rank before
-   any working copy is touched.
+   any working copy is touched (the master and optimizer state have taken the
+   update by then, and the error says so).
 4. *Weight gather.* ``collectives.gather_shards`` moves every master shard
    into every working buffer, chunk by chunk, with staging bounded by
    ``allgather_bucket_size`` ([Note: staging bound], layout.py). Every rank,
@@ -258,11 +264,32 @@ class ZeroOptimizer:
             raise RuntimeError(
                 f"step {step_index}: no gradients were accumulated since the last step"
             )
+        try:
+            grad_norm = self._update(step_index)
+            self.gather_weights()
+        finally:
+            # Whatever happened, this step's gradients are consumed: a NonFiniteError drops
+            # them, so the next backward starts from clean accumulators.
+            for region in self.regions:
+                region.master.grad = None
+                region.grad_accumulator.zero_()
+            self._has_gradients = False
+        return grad_norm
+
+    def _update(self, step_index: int) -> torch.Tensor:
+        """Phases 1-3: reduce, check and clip the gradients, step the master shards."""
         shard_grads = [self._reduced_shard_grad(region) for region in self.regions]
         squares = torch.stack([grad.pow(2).sum() for grad in shard_grads]).sum()
         grad_norm = collectives.all_reduce_sum(squares, self.world_size, self.process_group).sqrt()
         if not torch.isfinite(grad_norm):
-            self._raise_non_finite(step_index, "gradient", shard_grads, f"norm {grad_norm.item()}")
+            self._raise_non_finite(
+                step_index,
+                "gradient",
+                shard_grads,
+                f"norm {grad_norm.item()}",
+                "the step was skipped and its gradients dropped: no weight, master shard or "
+                "optimizer state changed",
+            )
         if self.gradient_clipping > 0:
             clip_coef = torch.clamp(self.gradient_clipping / (grad_norm + 1e-6), max=1.0)
             for grad in shard_grads:
@@ -273,12 +300,14 @@ class ZeroOptimizer:
         masters = [region.master.detach() for region in self.regions]
         bad = torch.stack([(~torch.isfinite(m)).sum() for m in masters]).sum().float()
         if collectives.all_reduce_sum(bad, self.world_size, self.process_group) > 0:
-            self._raise_non_finite(step_index, "updated weight", masters, "after the update")
-        self.gather_weights()
-        for region in self.regions:
-            region.master.grad = None
-            region.grad_accumulator.zero_()
-        self._has_gradients = False
+            self._raise_non_finite(
+                step_index,
+                "updated weight",
+                masters,
+                "after the update",
+                "no working copy was changed, but the fp32 master shards and the optimizer "
+                "state took this update and cannot be trusted: restore them from a checkpoint",
+            )
         return grad_norm
 
     def gather_weights(self) -> dict[str, GatherStats]:
@@ -343,7 +372,12 @@ class ZeroOptimizer:
         return shard.div_(self.world_size)
 
     def _raise_non_finite(
-        self, step_index: int, what: str, shards: list[torch.Tensor], detail: str
+        self,
+        step_index: int,
+        what: str,
+        shards: list[torch.Tensor],
+        detail: str,
+        consequence: str,
     ) -> None:
         """Gather the names of the affected parameters from every rank and raise on all."""
         local: list[str] = []
@@ -372,5 +406,5 @@ class ZeroOptimizer:
         raise NonFiniteError(
             f"step {step_index}: non-finite {what} ({detail}) in parameters: "
             f"{', '.join(affected) if affected else '(none found in the shards)'}{cause}; "
-            "no working copy was changed by this step"
+            f"{consequence}"
         )

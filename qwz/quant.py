@@ -168,6 +168,21 @@ def compiled_kernels() -> QuantKernels:
     )
 
 
+@functools.cache
+def compile_available() -> bool:
+    """Whether ``torch.compile`` works here (on CPU it needs a C++ compiler): compiles and
+    runs the quantize kernel once on a small tensor."""
+    try:
+        compiled_kernels().pack(
+            torch.ones(2 * DEFAULT_GROUP_SIZE),
+            torch.empty(2 * DEFAULT_GROUP_SIZE + 8, dtype=torch.uint8),
+            DEFAULT_GROUP_SIZE,
+        )
+    except Exception:
+        return False
+    return True
+
+
 def quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedTensor:
     """Quantize `x` (any shape; fp32, bf16 or fp16) to int8 in groups of `group_size` elements.
 

@@ -80,3 +80,42 @@ def element_bound(
     rounding = half_ulp(reference, dtype) + half_ulp(candidate, dtype)
     arithmetic = 4 * torch.finfo(torch.float32).eps * (reference.abs() + candidate.abs())
     return master_drift_bound(step, lr, betas) + scales.float() / 2 + rounding + arithmetic
+
+
+def own_shard_decode_ratio(
+    master: torch.Tensor,
+    working: torch.Tensor,
+    group_size: int,
+    exact: torch.Tensor | None = None,
+) -> float:
+    """The tight check: how far a rank's working copy of its *own* shard is from what the
+    gather must write there, relative to what [Note: quantization math] allows.
+
+    master: (n,) fp32 master shard; working: (n,) the working copy of the same elements.
+    Elements flagged in `exact` (bool, (n,)) must equal the master cast to the working dtype
+    bit for bit (inf when one does not); the others must be within ``scale / 2`` of the
+    master plus the cast's half-ulp, with each group's scale computed from the master itself
+    (exact elements zeroed, as they do not travel in the quantized stream). Returns the worst
+    error / bound (<= 1 when the gather is right), 0.0 for an empty shard.
+
+    Unlike the drift bound, this needs no reference run and does not loosen with steps: a
+    wrong scale, group, chunk or owner shows up at any step."""
+    master = master.detach().float().reshape(-1)
+    working = working.detach().reshape(-1)
+    if master.numel() == 0:
+        return 0.0
+    exact = torch.zeros_like(master, dtype=torch.bool) if exact is None else exact.reshape(-1)
+    if bool((working[exact] != master[exact].to(working.dtype)).any()):
+        return math.inf
+    padded = -(-master.numel() // group_size) * group_size
+    quantized = torch.zeros(padded, dtype=torch.float32, device=master.device)
+    quantized[: master.numel()] = torch.where(exact, torch.zeros_like(master), master)
+    absmax = quantized.view(-1, group_size).abs().amax(dim=1)
+    half_scale = (absmax / 127 / 2).repeat_interleave(group_size)[: master.numel()]
+    slack = (4 * torch.finfo(torch.float32).eps * absmax).repeat_interleave(group_size)
+    # The cast rounds the decoded value, which may sit in the binade above the master's.
+    magnitude = torch.maximum(master.abs(), working.float().abs())
+    bound = half_scale + half_ulp(magnitude, working.dtype) + slack[: master.numel()]
+    error = (working.float() - master).abs()
+    ratio = torch.where(exact, torch.zeros_like(error), error / bound)
+    return float(ratio.max())

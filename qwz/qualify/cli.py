@@ -22,6 +22,7 @@ import pathlib
 import sys
 
 from qwz.config import validate_group_size
+from qwz.quant import compile_available
 
 
 def _group_size(text: str) -> int:
@@ -29,6 +30,20 @@ def _group_size(text: str) -> int:
         return validate_group_size(int(text), stage=2, key="--group-size")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be >= 0")
+    return value
+
+
+def _percentage(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a percentage >= 0")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -62,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--subject", choices=SUBJECTS, default="qwz")
     run.add_argument("--blocks", type=_positive, default=4, help="order-balanced speed blocks")
     run.add_argument("--block-steps", type=_positive, default=5, help="timed steps per arm")
-    run.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per arm/block")
+    run.add_argument(
+        "--warmup-steps", type=_non_negative, default=2, help="untimed steps per arm/block"
+    )
     run.add_argument("--ledger", type=pathlib.Path, default=None, help="hash ledger directory")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--lr", type=float, default=1e-3)
@@ -89,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="deepspeed subject: leave DeepSpeed stock even for candidate arms",
     )
-    run.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds: the whole run (local ranks) or any one collective (torchrun)",
+    )
 
     report = commands.add_parser("report", help="print the markdown report of a record")
     report.add_argument("record", type=pathlib.Path)
@@ -97,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="regression gate between two records")
     compare.add_argument("baseline", type=pathlib.Path)
     compare.add_argument("candidate", type=pathlib.Path)
-    compare.add_argument("--memory-growth-pct", type=float, default=10.0)
+    compare.add_argument("--memory-growth-pct", type=_percentage, default=10.0)
     return parser
 
 
@@ -127,7 +149,7 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _run_torchrun(plan):
+def _run_torchrun(plan, timeout_s: float):
     import torch
     import torch.distributed as dist
 
@@ -138,7 +160,7 @@ def _run_torchrun(plan):
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30)
+            "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
     try:
         return qualify_rank(plan)
@@ -151,6 +173,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from qwz.qualify import evidence, record, report
     from qwz.qualify.runner import qualify_rank
 
+    if args.no_integration and args.subject != "deepspeed":
+        print("--no-integration applies to --subject deepspeed only", file=sys.stderr)
+        return 2
+    if args.compile and not compile_available():
+        print(
+            "qwz-qualify: torch.compile is not usable here (no C++ compiler?); "
+            "the arms use the eager kernels, and the record says so",
+            file=sys.stderr,
+        )
+        args.compile = False
     plan = _plan(args)
     if _under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
@@ -159,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"--world-size {args.world_size} contradicts torchrun's {launched}", file=sys.stderr
             )
             return 2
-        observations = _run_torchrun(plan)
+        observations = _run_torchrun(plan, args.timeout)
     else:
         observations = launch(qualify_rank, args.world_size or 2, plan, timeout_s=args.timeout)[0]
     if observations is None:  # not rank 0

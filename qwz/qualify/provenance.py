@@ -64,7 +64,13 @@ def subject(name: str) -> Subject:
     except ImportError:
         pass
     if sha in (None, "", "unknown", "[none]"):
-        sha = _git(pathlib.Path(deepspeed.__file__).resolve().parent, "rev-parse", "HEAD")
+        sha = None
+        package = pathlib.Path(deepspeed.__file__).resolve().parent
+        top = _git(package, "rev-parse", "--show-toplevel")
+        # Only DeepSpeed's own source checkout counts: an installed copy inside another
+        # repository (say, a virtualenv in qwz's checkout) would report that repository's SHA.
+        if top is not None and (pathlib.Path(top) / "deepspeed").resolve() == package:
+            sha = _git(package, "rev-parse", "HEAD")
     return Subject(name="deepspeed", version=deepspeed.__version__, sha=sha)
 
 

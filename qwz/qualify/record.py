@@ -82,6 +82,12 @@ class Arm(_Model):
     group_size: int | None
     stage: int
     dtype: str
+    kernels: Literal["eager", "compiled"] = Field(
+        description="Quantize/dequantize kernels: eager, or fused by torch.compile"
+    )
+    integration_enabled: bool = Field(
+        description="deepspeed subject: whether qwz's gather was allowed to take over"
+    )
     config: dict[str, Any] = Field(description="The DeepSpeed-style config given to the engine")
 
 
@@ -104,6 +110,11 @@ class Tolerance(_Model):
     violations: int
     max_ratio: float = Field(description="Largest |candidate - reference| / bound seen")
     max_abs_error: float
+    own_shard_max_ratio: float | None = Field(
+        description="Worst error / allowed error of every rank's own shard against its fp32 "
+        "master after every step (qwz.tolerance.own_shard_decode_ratio); <= 1 when the "
+        "gather is right; null where infinite (an exact element was not exact)"
+    )
 
 
 class Hashes(_Model):

@@ -439,6 +439,10 @@ def _trajectory_section(record: Record) -> list[str]:
     ]
 
 
+def _own_shard(ratio: float | None) -> str:
+    return "**inf** (an exact element was not exact)" if ratio is None else format_sig(ratio, 4)
+
+
 def _tolerance_section(record: Record) -> list[str]:
     lines = ["## Parameter-sample tolerance", ""]
     if not record.tolerance:
@@ -447,7 +451,7 @@ def _tolerance_section(record: Record) -> list[str]:
         lines += [f"Bound: `{bound}`", ""]
     lines += _table(
         ["arm", "samples/step", "steps", "checked", "violations", "max ratio to bound",
-         "max abs error"],
+         "max abs error", "own shard vs master (<= 1)"],
         [
             (
                 f"`{t.arm}`",
@@ -457,6 +461,7 @@ def _tolerance_section(record: Record) -> list[str]:
                 f"**{t.violations:,}**" if t.violations else "0",
                 format_sig(t.max_ratio, 3),
                 format_sig(t.max_abs_error, 3),
+                _own_shard(t.own_shard_max_ratio),
             )
             for t in record.tolerance
         ],

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import qwz
+from qwz.tolerance import own_shard_decode_ratio
 
 SUBJECTS = ("qwz", "deepspeed")
 
@@ -31,6 +32,11 @@ class ArmEngine:
         """Quantization scale of each element's group (an upper bound is allowed)."""
         raise NotImplementedError
 
+    def own_shard_decode_ratio(self) -> float | None:
+        """qwz.tolerance.own_shard_decode_ratio over this rank's own shard(s); None when the
+        arm does not quantize."""
+        raise NotImplementedError
+
 
 class QwzArm(ArmEngine):
     def __init__(self, model: torch.nn.Module, config: dict[str, Any], compile_kernels: bool):
@@ -46,6 +52,20 @@ class QwzArm(ArmEngine):
 
     def element_scales(self, name: str) -> torch.Tensor:
         return self.engine.optimizer.element_scales(name)
+
+    def own_shard_decode_ratio(self) -> float | None:
+        optimizer = self.engine.optimizer
+        if not optimizer.quantize_weights:
+            return None
+        worst = 0.0
+        for region in optimizer.regions:
+            start, end = region.shard_range(optimizer.rank)
+            exact = None if region.quantize else torch.ones(end - start, dtype=torch.bool)
+            ratio = own_shard_decode_ratio(
+                region.master, region.working[start:end], optimizer.group_size, exact
+            )
+            worst = max(worst, ratio)
+        return worst
 
 
 class DeepSpeedArm(ArmEngine):
@@ -71,6 +91,7 @@ class DeepSpeedArm(ArmEngine):
         self.group_size = getattr(self.engine.optimizer, "quantization_group_size", None)
         self.grad_norm = None
         self._quantized = bool(self.group_size)
+        self._absmax, self._absmax_step = 0.0, -1
 
     def train_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
@@ -83,9 +104,26 @@ class DeepSpeedArm(ArmEngine):
         # largest magnitude of the whole working copy: absmax / 127 >= every group's scale.
         param = dict(self.module.named_parameters())[name]
         if not self._quantized:
-            return torch.zeros(param.shape)
-        absmax = max(float(p.detach().abs().max()) for p in self.module.parameters())
-        return torch.full(param.shape, absmax / 127)
+            return torch.zeros(param.shape, device=param.device)
+        if self._absmax_step != self.engine.global_steps:  # once per step, not per parameter
+            self._absmax = max(float(p.detach().abs().max()) for p in self.module.parameters())
+            self._absmax_step = self.engine.global_steps
+        return torch.full(param.shape, self._absmax / 127, device=param.device)
+
+    def own_shard_decode_ratio(self) -> float | None:
+        optimizer = self.engine.optimizer
+        plans = getattr(optimizer, "qwz_plans", None)
+        if not self._quantized or plans is None:
+            return None
+        worst = 0.0
+        for index, plan in enumerate(plans):
+            master = optimizer.single_partition_of_fp32_groups[index]
+            working = optimizer.parallel_partitioned_bit16_groups[index][plan.rank]
+            exact = torch.zeros(plan.partition_numel, dtype=torch.bool, device=master.device)
+            exact[plan.exact_positions[plan.rank].to(master.device)] = True
+            ratio = own_shard_decode_ratio(master, working, self.group_size, exact)
+            worst = max(worst, ratio)
+        return worst
 
 
 def make_arm(

@@ -98,21 +98,26 @@ class Workload:
         config._attn_implementation = "eager"
         return Qwen3ForCausalLM(config)
 
-    def loss(self, model: torch.nn.Module, *, seed: int, step: int, rank: int) -> torch.Tensor:
-        """The training loss of `model` on the batch of (seed, step, rank)."""
+    def batch(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
+        """The CPU tensors of the batch of (seed, step, rank); see `loss`."""
         generator = torch.Generator().manual_seed(_batch_seed(seed, step, rank))
-        device = next(model.parameters()).device
         batch = self.params["micro_batch"]
         if self.name == "mlp":
             sizes = self.params["sizes"]
-            dtype = next(model.parameters()).dtype
-            inputs = torch.randn(batch, sizes[0], generator=generator).to(device, dtype)
-            targets = torch.randn(batch, sizes[-1], generator=generator).to(device)
-            return torch.nn.functional.mse_loss(model(inputs).float(), targets)
-        tokens = _token_batch(
-            self.params["model"]["vocab_size"], batch, self.params["seq_len"], seed, generator
-        )
-        return model(input_ids=tokens.to(device), labels=tokens.to(device)).loss.float()
+            inputs = torch.randn(batch, sizes[0], generator=generator)
+            return inputs, torch.randn(batch, sizes[-1], generator=generator)
+        vocab, seq_len = self.params["model"]["vocab_size"], self.params["seq_len"]
+        return (_token_batch(vocab, batch, seq_len, seed, generator),)
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The training loss of `model` on `batch` (from :meth:`batch`)."""
+        parameter = next(model.parameters())
+        if self.name == "mlp":
+            inputs, targets = batch
+            prediction = model(inputs.to(parameter.device, parameter.dtype)).float()
+            return torch.nn.functional.mse_loss(prediction, targets.to(parameter.device))
+        tokens = batch[0].to(parameter.device)
+        return model(input_ids=tokens, labels=tokens).loss.float()
 
 
 NOISE = 0.1

@@ -174,6 +174,8 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
                 "group_size": None,
                 "stage": 2,
                 "dtype": "bfloat16",
+                "kernels": "compiled",
+                "integration_enabled": True,
                 "config": _arm_config(quantized=False),
             },
             {
@@ -182,6 +184,8 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
                 "group_size": 64,
                 "stage": 2,
                 "dtype": "bfloat16",
+                "kernels": "compiled",
+                "integration_enabled": True,
                 "config": _arm_config(quantized=True),
             },
         ],
@@ -198,6 +202,7 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
                 "checked": 10240,
                 "violations": 0,
                 "max_ratio": 0.412,
+                "own_shard_max_ratio": 0.998,
                 "max_abs_error": 0.000731,
             }
         ],
