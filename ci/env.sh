@@ -2,8 +2,10 @@
 # Create (or reuse) the project's virtual environment in .venv and install qwz with every
 # extra the tests and the qualification need. Sourced by the other ci/ scripts.
 #
-# torch is installed first and pinned (torch==2.13.0) so pip takes the CPU wheel; on a GPU
-# machine install the CUDA build of torch into .venv yourself first and set QWZ_KEEP_TORCH=1.
+# torch is installed first and pinned (torch==2.13.0). Where pip is configured with a local
+# CPU wheel (as on our CI machines) it takes that. On a stock machine PyPI's Linux wheel is the
+# CUDA build; set QWZ_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU one.
+# On a GPU machine install the CUDA build of torch into .venv first and set QWZ_KEEP_TORCH=1.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${QWZ_VENV:-$repo_root/.venv}"
@@ -17,7 +19,9 @@ stamp="$venv/.qwz-installed"
 want="$(cat "$repo_root/pyproject.toml" "$repo_root/ci/env.sh" | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if [ "${QWZ_KEEP_TORCH:-0}" != "1" ]; then
-    "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
+    index=()
+    [ -n "${QWZ_TORCH_INDEX_URL:-}" ] && index=(--index-url "$QWZ_TORCH_INDEX_URL")
+    "$venv/bin/python" -m pip install --quiet "${index[@]}" "torch==2.13.0"
   fi
   "$venv/bin/python" -m pip install --quiet -e "$repo_root[test,deepspeed,qualify,lint]"
   echo "$want" > "$stamp"

@@ -5,7 +5,9 @@
 #
 # Environment: QWZ_NIGHTLY_WORKLOAD (default qwen3-tiny; qwen3-0.6b on GPU runners),
 # QWZ_NIGHTLY_DIR (default runs/nightly), QWZ_WORLD_SIZE (default: GPU count if >= 2, else 2),
-# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval).
+# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_NEW_BASELINE=1 to
+# accept a run as the first qualified baseline of a stage (without it, a missing baseline is
+# a failure: a lost baseline must never turn the gate into a pass).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
@@ -21,13 +23,17 @@ fi
 extra=()
 [ -n "${QWZ_MIN_SPEEDUP:-}" ] && extra+=(--min-speedup "$QWZ_MIN_SPEEDUP")
 failed=0
+# The property tests with the long hypothesis profile (2000 examples per property).
+python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
 for stage in 1 2; do
   out="$root/$today/stage$stage"
   args=(run --out "$out" --stage "$stage" --group-size 64 --group-size 8192
         --workload "$workload" --ledger "$root/ledger" "${extra[@]}")
   status=0
   if [ "$gpus" -ge "$world" ] && [ "$gpus" -ge 2 ]; then
-    torchrun --standalone --nproc-per-node "$world" -m qwz.qualify "${args[@]}" || status=$?
+    # python -m torch.distributed.run: the workers use this venv's interpreter.
+    python -m torch.distributed.run --standalone --nproc-per-node "$world" \
+      -m qwz.qualify "${args[@]}" || status=$?
   else
     qwz-qualify "${args[@]}" --world-size "$world" || status=$?
   fi
@@ -45,8 +51,12 @@ for stage in 1 2; do
       failed=1
       continue
     fi
+  elif [ "${QWZ_NEW_BASELINE:-0}" = "1" ]; then
+    echo "nightly: no qualified baseline for stage $stage; QWZ_NEW_BASELINE=1: this run becomes it" >&2
   else
-    echo "nightly: no qualified baseline for stage $stage yet; this run becomes it" >&2
+    echo "nightly: no qualified baseline at $baseline (set QWZ_NEW_BASELINE=1 to start one)" >&2
+    failed=1
+    continue
   fi
   mkdir -p "$root/qualified/stage$stage"
   cp "$out"/* "$root/qualified/stage$stage/"
