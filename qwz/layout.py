@@ -81,7 +81,7 @@ class FlatLayout:
 
     def names_in_range(self, start: int, end: int) -> list[str]:
         """Names of parameters that overlap the flat range [start, end)."""
-        return [slot.name for slot in self.slots if slot.offset < end and slot.end > start]
+        return [slot.name for slot in self.slots if max(start, slot.offset) < min(end, slot.end)]
 
 
 def build_layout(

@@ -43,6 +43,8 @@ def adam_update_bound(step: int, betas: tuple[float, float]) -> float:
     beta1, beta2 = betas
     if step < 1:
         raise ValueError(f"step: {step} is invalid: steps are counted from 1")
+    if beta2 == 0.0:
+        return math.inf  # v_hat is the last squared gradient alone: no bound exists
     ratio = beta1 * beta1 / beta2
     series = float(step) if ratio == 1.0 else (1.0 - ratio**step) / (1.0 - ratio)
     return (
