@@ -17,14 +17,10 @@ import torch.distributed as dist
 import qwz
 from qwz.integrations import deepspeed as qwz_deepspeed
 from qwz.tolerance import element_bound, half_ulp
+from tests.multigpu.ranks import BETAS, IN_FEATURES, LR, MICRO_BATCH, OUT_FEATURES, batch
 
-IN_FEATURES = 263
 HIDDEN = 509  # up.weight: 263 * 509 = 133,867 elements > 65,536: quantized
 NARROW = 131  # down.weight: 509 * 131 = 66,679 > 65,536: quantized
-OUT_FEATURES = 3
-MICRO_BATCH = 4
-LR = 1e-3
-BETAS = (0.9, 0.999)
 WEIGHT_DECAY = 0.01
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,14 +49,6 @@ class TinyMLP(torch.nn.Module):
 def build_model(seed: int) -> TinyMLP:
     torch.manual_seed(seed)
     return TinyMLP()
-
-
-def batch(seed: int, step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic synthetic (inputs, targets) for one (seed, step, rank)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    inputs = torch.randn(MICRO_BATCH, IN_FEATURES, generator=generator)
-    targets = torch.randn(MICRO_BATCH, OUT_FEATURES, generator=generator)
-    return inputs.to(dtype), targets
 
 
 def ds_config(
