@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwz import collectives, layout
+from qwz import collectives, layout, shards
 from qwz.collectives import GatherStats
 from qwz.quant import EAGER_KERNELS, compiled_kernels
 
@@ -325,6 +325,31 @@ class ZeroOptimizer:
             for region in self.regions
         }
         return self.last_gather
+
+    @property
+    def shard_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps this rank's master shards (the ``master`` tensors of
+        :meth:`own_shards`); see [Note: own shards] (shards.py)."""
+        return self.optimizer
+
+    def own_shards(self) -> list[shards.OwnShard]:
+        """This rank's shard of every region: master, working values, wire grouping, scales and
+        parameter slots; see [Note: own shards] (shards.py)."""
+        result = []
+        for region in self.regions:
+            start, end = region.shard_range(self.rank)
+            ranges = [(slot.name, slot.offset, slot.numel) for slot in region.layout.slots]
+            result.append(
+                shards.make_own_shard(
+                    region.name,
+                    region.master,
+                    region.working[start:end],
+                    self.group_size if region.quantize else None,
+                    None,
+                    shards.slots_in_range(ranges, start, end),
+                )
+            )
+        return result
 
     def master_shards(self) -> dict[str, torch.Tensor]:
         """This rank's fp32 master shard of each region (read-only views)."""

@@ -206,3 +206,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     out_dtype = q.dtype if dtype is None else dtype
     flat = dequantize_groups(q.codes, q.scales, out_dtype).reshape(-1)
     return flat[: q.numel].reshape(q.shape)
+
+
+def group_scales(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The scale of each group of `values` ((k * group_size,) any float dtype), exactly as
+    :func:`quantize_groups` computes it: (k,) float32."""
+    return quantize_groups(values.reshape(-1, group_size))[1]

@@ -37,6 +37,10 @@ import math
 
 import torch
 
+DECODE_SLACK = 4 * 127 * torch.finfo(torch.float32).eps
+"""fp32 rounding of the quantizer's division and product, relative to the scale (4 ulps of
+absmax = 4 * 127 ulps of the scale's unit)."""
+
 
 def adam_update_bound(step: int, betas: tuple[float, float]) -> float:
     """C_t: the largest |m_hat / sqrt(v_hat)| Adam can produce at `step` (1-based)."""
@@ -87,12 +91,12 @@ def element_bound(
     return master_drift_bound(step, lr, betas) + scales.float() / 2 + rounding + arithmetic
 
 
-def own_shard_decode_ratio(
+def own_shard_decode_check(
     master: torch.Tensor,
     working: torch.Tensor,
     group_size: int,
     exact: torch.Tensor | None = None,
-) -> float:
+) -> tuple[float, int]:
     """The tight check: how far a rank's working copy of its *own* shard is from what the
     gather must write there, relative to what [Note: quantization math] allows.
 
@@ -100,27 +104,39 @@ def own_shard_decode_ratio(
     Elements flagged in `exact` (bool, (n,)) must equal the master cast to the working dtype
     bit for bit (inf when one does not); the others must be within ``scale / 2`` of the
     master plus the cast's half-ulp, with each group's scale computed from the master itself
-    (exact elements zeroed, as they do not travel in the quantized stream). Returns the worst
-    error / bound (<= 1 when the gather is right), 0.0 for an empty shard.
+    by the quantizer's own formula (exact elements zeroed, as they do not travel in the
+    quantized stream). Returns ``(worst error / bound, its position)``: <= 1 when the gather
+    is right; (0.0, 0) for an empty shard.
 
     Unlike the drift bound, this needs no reference run and does not loosen with steps: a
     wrong scale, group, chunk or owner shows up at any step."""
+    from qwz.shards import shard_scales
+
     master = master.detach().float().reshape(-1)
     working = working.detach().reshape(-1)
     if master.numel() == 0:
-        return 0.0
+        return 0.0, 0
     exact = torch.zeros_like(master, dtype=torch.bool) if exact is None else exact.reshape(-1)
-    if bool((working[exact] != master[exact].to(working.dtype)).any()):
-        return math.inf
-    padded = -(-master.numel() // group_size) * group_size
-    quantized = torch.zeros(padded, dtype=torch.float32, device=master.device)
-    quantized[: master.numel()] = torch.where(exact, torch.zeros_like(master), master)
-    absmax = quantized.view(-1, group_size).abs().amax(dim=1)
-    half_scale = (absmax / 127 / 2).repeat_interleave(group_size)[: master.numel()]
-    slack = (4 * torch.finfo(torch.float32).eps * absmax).repeat_interleave(group_size)
+    mismatch = exact & (working != master.to(working.dtype))
+    if bool(mismatch.any()):
+        return math.inf, int(mismatch.nonzero()[0])
+    scales = shard_scales(master, group_size, exact)  # (num_groups,)
+    half_scale = (scales / 2).repeat_interleave(group_size)[: master.numel()]
+    slack = (DECODE_SLACK * scales).repeat_interleave(group_size)[: master.numel()]
     # The cast rounds the decoded value, which may sit in the binade above the master's.
     magnitude = torch.maximum(master.abs(), working.float().abs())
-    bound = half_scale + half_ulp(magnitude, working.dtype) + slack[: master.numel()]
+    bound = half_scale + half_ulp(magnitude, working.dtype) + slack
     error = (working.float() - master).abs()
     ratio = torch.where(exact, torch.zeros_like(error), error / bound)
-    return float(ratio.max())
+    position = int(ratio.argmax())
+    return float(ratio[position]), position
+
+
+def own_shard_decode_ratio(
+    master: torch.Tensor,
+    working: torch.Tensor,
+    group_size: int,
+    exact: torch.Tensor | None = None,
+) -> float:
+    """The worst ratio of :func:`own_shard_decode_check`."""
+    return own_shard_decode_check(master, working, group_size, exact)[0]

@@ -156,6 +156,7 @@ from qwz.config import (
     offload_enabled,
     parse_stage,
 )
+from qwz.integrations import deepspeed_shards
 from qwz.layout import ChunkPlan, plan_chunks, quantized_unit_bytes
 from qwz.probe import WireProbe
 from qwz.quant import EAGER_KERNELS, QuantKernels, compiled_kernels
@@ -225,6 +226,8 @@ def initialize(
 
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
     optimizer = result[0].optimizer
+    if stage in (1, 2) and _is_zero_optimizer(optimizer):
+        deepspeed_shards.attach(optimizer)
     if take_over:
         _take_over(optimizer, requested)
         if compile_kernels:
