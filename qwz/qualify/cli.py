@@ -8,9 +8,11 @@ rank runs it and rank 0 writes the files::
     torchrun --nnodes 2 --nproc-per-node 8 -m qwz.qualify run --out runs/gpu \\
         --workload qwen3-0.6b --group-size 64 --group-size 8192
 
-Exit codes: ``run`` 0 when every check passed, 1 when one failed (the record
-is written either way); ``compare`` 0 no regression, 1 regression, 2 not
-comparable or invalid; 2 for usage errors everywhere.
+Exit codes: ``run`` 0 PASS, 1 FAIL (a check failed, an arm diverged or a rank
+crashed), 3 INCONCLUSIVE (the reference did not learn, so learning could not be
+judged) -- the record and report are written in every case; ``compare`` 0 no
+regression, 1 regression, 2 not comparable or invalid; 2 for usage errors
+everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import sys
 
 from qwz.config import validate_group_size
 from qwz.quant import compile_available
+
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
 
 def _group_size(text: str) -> int:
@@ -84,6 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--lr", type=float, default=1e-3)
     run.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)"
+    )
+    run.add_argument(
+        "--eval-every",
+        type=_positive,
+        default=5,
+        help="held-out evaluation every N steps (and at step 0 and the last step)",
+    )
+    run.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="skip the calibration arm (the learning margin is then its floor alone)",
+    )
+    run.add_argument(
+        "--one-arm-at-a-time",
+        action="store_true",
+        help="hold one arm in memory even while timing (rebuilt during warm-up at each switch)",
+    )
+    run.add_argument(
         "--bucket-size",
         type=_positive,
         default=500_000_000,
@@ -139,6 +162,10 @@ def _plan(args: argparse.Namespace):
         warmup_steps=args.warmup_steps,
         seed=args.seed,
         lr=args.lr,
+        weight_decay=args.weight_decay,
+        eval_every=args.eval_every,
+        calibrate=not args.no_calibration,
+        one_arm_resident=args.one_arm_at_a_time,
         allgather_bucket_size=args.bucket_size,
         compile_kernels=args.compile,
         integration_enabled=not args.no_integration,
@@ -169,7 +196,7 @@ def _run_torchrun(plan, timeout_s: float):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from qwz.launch import launch
+    from qwz.launch import RankFailure, launch
     from qwz.qualify import evidence, record, report
     from qwz.qualify.runner import qualify_rank
 
@@ -183,30 +210,52 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         args.compile = False
+    if args.one_arm_at_a_time and args.warmup_steps < 1:
+        print(
+            "--one-arm-at-a-time needs --warmup-steps >= 1 (arms are rebuilt then)", file=sys.stderr
+        )
+        return 2
     plan = _plan(args)
-    if _under_torchrun():
-        launched = int(os.environ["WORLD_SIZE"])
-        if args.world_size not in (None, launched):
-            print(
-                f"--world-size {args.world_size} contradicts torchrun's {launched}", file=sys.stderr
-            )
-            return 2
-        observations = _run_torchrun(plan, args.timeout)
+    world_size = args.world_size or 2
+    try:
+        if _under_torchrun():
+            launched = int(os.environ["WORLD_SIZE"])
+            if args.world_size not in (None, launched):
+                print(
+                    f"--world-size {args.world_size} contradicts torchrun's {launched}",
+                    file=sys.stderr,
+                )
+                return 2
+            world_size = launched
+            observations = _run_torchrun(plan, args.timeout)
+        else:
+            observations = launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
+    except RankFailure as failure:
+        # A rank died or hung: the evidence is a FAIL record naming the rank and the error.
+        print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
+        if _under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
+            return 1
+        observations = None
+        built = evidence.build_failure_record(plan, world_size, str(failure))
     else:
-        observations = launch(qualify_rank, args.world_size or 2, plan, timeout_s=args.timeout)[0]
-    if observations is None:  # not rank 0
-        return 0
-    built = evidence.build_record(
-        plan, observations, ledger_dir=args.ledger, min_speedup=args.min_speedup
-    )
+        if observations is None:  # not rank 0
+            return 0
+        built = evidence.build_record(
+            plan, observations, ledger_dir=args.ledger, min_speedup=args.min_speedup
+        )
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     record.save(built, out / "record.json")
     plots = report.write_plots(built, out)
     (out / "report.md").write_text(report.render_markdown(built, plots))
-    status = "PASS" if built.verdict.passed else "FAIL: " + ", ".join(built.verdict.failed)
+    verdict = built.verdict
+    status = verdict.status
+    if verdict.failed:
+        status += ": " + ", ".join(verdict.failed)
+    elif verdict.inconclusive:
+        status += ": " + ", ".join(verdict.inconclusive)
     print(f"wrote {out / 'record.json'}, {out / 'report.md'} and {len(plots)} plots; {status}")
-    return 0 if built.verdict.passed else 1
+    return EXIT_CODES[verdict.status]
 
 
 def cmd_report(args: argparse.Namespace) -> int:

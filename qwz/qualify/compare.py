@@ -13,9 +13,10 @@ Not comparable:
     order, quantization, group size, stage, dtype, config).
 
 Regression:
-  - a check that passed in the baseline fails now, or a check that the
-    baseline did not have fails (a failing candidate never passes the gate
-    just because its check is new);
+  - a check that passed in the baseline fails or is inconclusive now, or a
+    check that the baseline did not have fails (a failing candidate never
+    passes the gate just because its check is new); a check that passed and
+    is n/a now is reported;
   - an arm's final parameter hash changed although the code and environment
     are the same: both heads clean at the same known SHA, same subject
     version. A different head (or a dirty one) is expected to change hashes:
@@ -44,7 +45,6 @@ from .report import (
     format_interval,
     format_sig,
     format_speedup,
-    peak_allocated_bytes,
     short_hash,
 )
 
@@ -148,7 +148,7 @@ def _incomparability(baseline: Record, candidate: Record) -> list[str]:
 
 def _context(baseline: Record, candidate: Record) -> list[Finding]:
     findings = []
-    verdicts = ["PASS" if r.verdict.passed else "FAIL" for r in (baseline, candidate)]
+    verdicts = [r.verdict.status for r in (baseline, candidate)]
     findings.append(_note(f"verdict: {verdicts[0]} -> {verdicts[1]}"))
     for label, before, after in (
         ("head", baseline.head.sha, candidate.head.sha),
@@ -162,28 +162,43 @@ def _context(baseline: Record, candidate: Record) -> list[Finding]:
 
 
 def _checks(baseline: Record, candidate: Record) -> list[Finding]:
+    """pass -> fail or inconclusive is a regression, and so is a new failing check;
+    pass -> n/a is reported (the check had nothing to test this time)."""
     findings = []
     before = {check.name: check for check in baseline.checks}
     after = {check.name: check for check in candidate.checks}
+    bad = ("fail", "inconclusive")
     for name, check in after.items():
         previous = before.get(name)
-        if not check.passed:
+        was = previous.status if previous else None
+        if check.status in bad:
             if previous is None:
                 findings.append(
-                    _regression(f"check {name!r} fails (new, not in the baseline): {check.detail}")
+                    _regression(
+                        f"check {name!r} is {check.status} (new, not in the baseline): "
+                        f"{check.detail}"
+                    )
                 )
-            elif previous.passed:
+            elif was not in bad:
                 findings.append(
                     _regression(
-                        f"check {name!r} passed in the baseline and fails now: {check.detail}"
+                        f"check {name!r} was {was} in the baseline and is {check.status} now: "
+                        f"{check.detail}"
                     )
                 )
             else:
-                findings.append(_note(f"check {name!r} still fails: {check.detail}"))
+                findings.append(_note(f"check {name!r} still {check.status}: {check.detail}"))
+        elif check.status == "n/a":
+            if was == "pass":
+                findings.append(
+                    _note(f"check {name!r} passed in the baseline, n/a now: {check.detail}")
+                )
         elif previous is None:
             findings.append(_note(f"check {name!r} is new and passes"))
-        elif not previous.passed:
-            findings.append(_note(f"improved: check {name!r} failed in the baseline, passes now"))
+        elif was in bad:
+            findings.append(
+                _note(f"improved: check {name!r} was {was} in the baseline, passes now")
+            )
     for name in before.keys() - after.keys():
         findings.append(_note(f"check {name!r} of the baseline is absent from the candidate"))
     return findings
@@ -244,6 +259,15 @@ def _speed(baseline: Record, candidate: Record) -> list[Finding]:
         if previous is None:
             findings.append(_note(f"speed-up of {performance.arm!r} has no baseline"))
             continue
+        if performance.median_speedup is None or previous.median_speedup is None:
+            findings.append(
+                _note(
+                    f"speed-up of {performance.arm!r} not compared: insufficient blocks for an "
+                    "interval in "
+                    + ("the candidate" if performance.median_speedup is None else "the baseline")
+                )
+            )
+            continue
         now = (
             f"{format_speedup(performance.median_speedup)} "
             f"{format_interval(performance.ci_low, performance.ci_high)}"
@@ -289,17 +313,24 @@ def _growth_pct(old_bytes: int, new_bytes: int) -> float:
     return 100.0 * (new_bytes - old_bytes) / old_bytes
 
 
+def _peak_by_arm(record: Record) -> dict[str, int]:
+    """The largest peak allocation over ranks, per arm (each arm measured alone)."""
+    peaks: dict[str, int] = {}
+    for memory in record.memory:
+        peaks[memory.arm] = max(peaks.get(memory.arm, 0), memory.peak_allocated_bytes)
+    return peaks
+
+
 def _memory(baseline: Record, candidate: Record, growth_limit_pct: float) -> list[Finding]:
     findings = []
-    before = {performance.arm: performance for performance in baseline.performance}
-    for performance in candidate.performance:
-        previous = before.get(performance.arm)
-        if previous is None or not previous.memory or not performance.memory:
+    before = _peak_by_arm(baseline)
+    for arm, new in _peak_by_arm(candidate).items():
+        old = before.get(arm)
+        if not old or not new:
             continue
-        old, new = peak_allocated_bytes(previous), peak_allocated_bytes(performance)
         growth_pct = _growth_pct(old, new)
         change = f"{format_bytes(old)} -> {format_bytes(new)} ({growth_pct:+.1f}%)"
-        subject = f"peak allocated memory of {performance.arm!r}"
+        subject = f"peak allocated memory of {arm!r}"
         if growth_pct > growth_limit_pct:
             findings.append(
                 _regression(f"{subject} grew more than the {growth_limit_pct:g}% allowed: {change}")
@@ -311,6 +342,10 @@ def _memory(baseline: Record, candidate: Record, growth_limit_pct: float) -> lis
     return findings
 
 
+def _loss_text(value: float | None) -> str:
+    return "non-finite" if value is None else format_sig(value)
+
+
 def _numbers(baseline: Record, candidate: Record) -> list[Finding]:
     """Changes that checks already judge or that only inform: losses, tolerance, wire bytes."""
     findings = []
@@ -320,22 +355,22 @@ def _numbers(baseline: Record, candidate: Record) -> list[Finding]:
         if previous and trajectory.losses and previous != trajectory.losses:
             findings.append(
                 _note(
-                    f"final loss of {trajectory.arm!r}: {format_sig(previous[-1])} -> "
-                    f"{format_sig(trajectory.losses[-1])}"
+                    f"final loss of {trajectory.arm!r}: {_loss_text(previous[-1])} -> "
+                    f"{_loss_text(trajectory.losses[-1])}"
                 )
             )
-    before_tolerance = {t.arm: t for t in baseline.tolerance}
-    for tolerance in candidate.tolerance:
-        previous = before_tolerance.get(tolerance.arm)
+    before_updates = {u.arm: u for u in baseline.updates}
+    for updates in candidate.updates:
+        previous = before_updates.get(updates.arm)
         if previous and (previous.violations, previous.max_ratio) != (
-            tolerance.violations,
-            tolerance.max_ratio,
+            updates.violations,
+            updates.max_ratio,
         ):
             findings.append(
                 _note(
-                    f"tolerance of {tolerance.arm!r}: violations {previous.violations} -> "
-                    f"{tolerance.violations}, max ratio {format_sig(previous.max_ratio, 3)} -> "
-                    f"{format_sig(tolerance.max_ratio, 3)}"
+                    f"update check of {updates.arm!r}: violations {previous.violations} -> "
+                    f"{updates.violations}, worst ratio {format_sig(previous.max_ratio, 3)} -> "
+                    f"{format_sig(updates.max_ratio, 3)}"
                 )
             )
     before_probes = {p.arm: p for p in baseline.probes}

@@ -1,9 +1,10 @@
-"""Turn every rank's observations into checks, a verdict and a sealed record.
+"""Turn every rank's observations into a record: raw observations, then derived checks.
 
-Each check carries its numbers; the verdict is the conjunction of the checks.
-Performance and memory are reported, not judged, unless ``min_speedup`` is
-given: speed is gated against a baseline record by ``compare`` (the regression
-gate), never by a fixed threshold that depends on the machine.
+The record stores what the ranks observed (merged over ranks where that is a
+sum or a maximum, per rank where the ranks must agree); ``checks.derive``
+turns that into checks and a verdict, here and again on every load. Speed is
+reported, not judged, unless the plan has a ``min_speedup``: speed is gated
+against a baseline record by ``compare`` (the regression gate).
 """
 
 from __future__ import annotations
@@ -11,42 +12,98 @@ from __future__ import annotations
 import datetime
 import math
 import pathlib
-import statistics
+import re
 from typing import Any
 
-from qwz.qualify import ledger, stats
-from qwz.qualify.record import (
-    Arm,
-    Block,
-    Check,
-    Environment,
-    Hashes,
-    Memory,
-    Performance,
-    Probe,
-    Record,
-    Tolerance,
-    Trajectory,
-    Workload,
-    seal,
-    verdict_of,
-)
-from qwz.qualify.runner import REFERENCE, RunPlan
-
-BOUND_TEXT = (
-    "|w_q - w_ref| <= 2*lr*sum_k C_k + scale/2 + half-ulp(w_ref) + half-ulp(w_q) "
-    "(qwz/tolerance.py, [Note: parameter-sample tolerance]); and on every rank's own shard "
-    "|w_q - master| <= scale/2 + half-ulp, exact elements bit-equal"
-)
+from qwz.qualify import checks as derived
+from qwz.qualify import ledger, provenance
+from qwz.qualify.record import Environment, Record, seal
+from qwz.qualify.runner import CALIBRATION, REFERENCE, RunPlan, plan_dict
+from qwz.tolerance import master_drift_bound
 
 
-def _finite(values: list[float]) -> bool:
-    return all(math.isfinite(value) for value in values)
-
-
-def _json_floats(values: list[float]) -> list[float | None]:
+def _json_float(value: float | None) -> float | None:
     """JSON has no NaN or Infinity: non-finite values are recorded as null."""
-    return [value if math.isfinite(value) else None for value in values]
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _role(name: str) -> str:
+    return {REFERENCE: "reference", CALIBRATION: "calibration"}.get(name, "candidate")
+
+
+def _arms(plan: RunPlan) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": arm.name,
+            "role": _role(arm.name),
+            "quantized": arm.quantized,
+            "group_size": arm.group_size,
+            "stage": plan.stage,
+            "dtype": plan.dtype,
+            "kernels": "compiled" if plan.compile_kernels else "eager",
+            "integration_enabled": plan.integration_enabled,
+            "config": plan.arm_config(arm),
+        }
+        for arm in plan.arms
+    ]
+
+
+def _violation(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    what = raw.get("what", "")
+    if raw.get("exact_required"):
+        what = "a small parameter's element, which must travel exactly, is not exact"
+    return {
+        "step": raw["step"],
+        "rank": raw["rank"],
+        "parameter": raw["parameter"],
+        "index": raw["index"],
+        "what": what,
+        "ratio": _json_float(raw.get("ratio")),
+    }
+
+
+def _earliest(violations: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    found = [item for item in violations if item is not None]
+    return min(found, key=lambda item: (item["step"], item["rank"])) if found else None
+
+
+def _plan_data(plan: RunPlan, min_speedup: float | None) -> dict[str, Any]:
+    data = plan_dict(plan)
+    data["min_speedup"] = min_speedup
+    return data
+
+
+def _ledger_fields(
+    plan: RunPlan,
+    ledger_dir: pathlib.Path | None,
+    head: dict[str, Any],
+    environment: Environment,
+    arm: dict[str, Any],
+    per_rank: list[str | None],
+) -> dict[str, Any]:
+    if ledger_dir is None or None in per_rank or len(set(per_rank)) != 1:
+        return {"ledger_status": "not-checked", "ledger_previous": None, "ledger_siblings": {}}
+    result = ledger.check_and_record(
+        ledger_dir,
+        head_sha=head["sha"],
+        fingerprint=environment.fingerprint(),
+        workload={
+            "name": plan.workload.name,
+            "params": plan.workload.params,
+            "steps": plan.steps,
+            "seed": plan.seed,
+            "subject": plan.subject,
+        },
+        arm={key: value for key, value in arm.items() if key != "role"},
+        final_hash=per_rank[0],
+    )
+    return {
+        "ledger_status": result.status,
+        "ledger_previous": result.previous,
+        "ledger_siblings": dict(result.siblings),
+    }
 
 
 def build_record(
@@ -56,236 +113,205 @@ def build_record(
     ledger_dir: pathlib.Path | None = None,
     min_speedup: float | None = None,
 ) -> Record:
-    """Assemble the checks and seal the record (see record.py)."""
+    """Assemble the raw observations of every rank, derive the checks, seal the record."""
     first = observations[0]
     environment = Environment(**first["environment"])
-    arms = [
-        Arm(
-            name=arm.name,
-            quantized=arm.quantized,
-            group_size=arm.group_size,
-            stage=plan.stage,
-            dtype=plan.dtype,
-            kernels="compiled" if plan.compile_kernels else "eager",
-            integration_enabled=plan.integration_enabled,
-            config=plan.arm_config(arm),
-        )
-        for arm in plan.arms
-    ]
-    checks: list[Check] = []
-    trajectories = []
+    arms = _arms(plan)
+    per_arm = {arm["name"]: [item["arms"][arm["name"]] for item in observations] for arm in arms}
+
+    trajectories, step_one, updates, own_shards, drift, hashes, probes, memory = (
+        [] for _ in range(8)
+    )
+    reference_bytes = per_arm[REFERENCE][0]["gather_bytes"]
     for arm in arms:
-        losses, norms = first["losses"][arm.name], first["grad_norms"][arm.name]
+        name = arm["name"]
+        ranks = per_arm[name]
+        lead = ranks[0]
         trajectories.append(
-            Trajectory(arm=arm.name, losses=_json_floats(losses), grad_norms=_json_floats(norms))
+            {
+                "arm": name,
+                "steps_planned": plan.steps,
+                "losses": [_json_float(value) for value in lead["losses"]],
+                "grad_norms": [_json_float(value) for value in lead["grad_norms"]],
+                "held_out": [
+                    {"step": step, "loss": _json_float(loss)} for step, loss in lead["held_out"]
+                ],
+                "failure": lead["failure"],
+            }
         )
-        finite = _finite(losses) and _finite(norms)
-        checks.append(
-            Check(
-                name=f"finite[{arm.name}]",
-                passed=finite,
-                detail=f"{len(losses)} losses and grad norms, all finite: {finite}",
-                numbers={"steps": len(losses), "last_loss": _json_floats(losses[-1:])},
-            )
-        )
-
-    tolerance = []
-    for arm in arms[1:]:
-        totals = dict(first["tolerance"][arm.name])
-        own_shard = max(item["tolerance"][arm.name]["own_shard_max_ratio"] for item in observations)
-        totals["own_shard_max_ratio"] = own_shard if math.isfinite(own_shard) else None
-        tolerance.append(
-            Tolerance(
-                arm=arm.name,
-                bound=BOUND_TEXT,
-                samples_per_step=totals["checked"] // max(1, plan.steps),
-                steps=plan.steps,
-                **totals,
-            )
-        )
-        own_ok = math.isfinite(own_shard) and own_shard <= 1.0
-        checks.append(
-            Check(
-                name=f"tolerance[{arm.name}]",
-                passed=totals["violations"] == 0 and totals["checked"] > 0 and own_ok,
-                detail=(
-                    f"{totals['violations']} violations in {totals['checked']} sampled "
-                    f"elements over {plan.steps} steps; worst error/bound "
-                    f"{totals['max_ratio']:.3g}; every rank's own shard vs its fp32 master: "
-                    f"worst error / (scale/2 + cast half-ulp) {own_shard:.3g} (must be <= 1)"
+        step_one.append({"arm": name, "digests": lead["step1_digests"]})
+        rank_updates = [item["update"] for item in ranks if item["update"] is not None]
+        updates.append(
+            {
+                "arm": name,
+                "samples_per_shard": plan.update_samples,
+                "checked": sum(item["checked"] for item in rank_updates),
+                "violations": sum(item["violations"] for item in rank_updates),
+                "max_ratio": max((item["max_ratio"] for item in rank_updates), default=0.0),
+                "first_violation": _violation(
+                    _earliest([item["first_violation"] for item in rank_updates])
                 ),
-                numbers=dict(totals),
-            )
+                "missing_steps": [
+                    [step, rank]
+                    for rank, item in enumerate(rank_updates)
+                    for step in item["missing_steps"]
+                ],
+            }
         )
-
-    hashes = []
-    for arm in arms:
-        per_rank = [item["hashes"][arm.name] for item in observations]
-        consistent = len(set(per_rank)) == 1
-        checks.append(
-            Check(
-                name=f"replicas[{arm.name}]",
-                passed=consistent,
-                detail=(
-                    f"final parameter hash equal on all {len(per_rank)} ranks: {per_rank[0][:16]}"
-                    if consistent
-                    else "ranks disagree: " + ", ".join(h[:16] for h in per_rank)
-                ),
-                numbers={"per_rank": per_rank},
+        rank_own = [item["own_shard"] for item in ranks]
+        if arm["role"] != "calibration":
+            present = [item for item in rank_own if item is not None]
+            worst = max((item["max_ratio"] for item in present), default=0.0)
+            own_shards.append(
+                {
+                    "arm": name,
+                    "max_ratio": _json_float(worst),
+                    "first_violation": _violation(
+                        _earliest([item["first_violation"] for item in present])
+                    ),
+                }
             )
-        )
-        status, previous = "not-checked", None
-        if ledger_dir is not None and consistent:
-            result = ledger.check_and_record(
-                ledger_dir,
-                head_sha=first["head"]["sha"],
-                fingerprint=environment.fingerprint(),
-                workload={
-                    "name": plan.workload.name,
-                    "params": plan.workload.params,
-                    "steps": plan.steps,
-                    "seed": plan.seed,
-                    "subject": plan.subject,
-                },
-                arm=arm.model_dump(),
-                final_hash=per_rank[0],
+        if name != REFERENCE:
+            drift.append(
+                {
+                    "arm": name,
+                    "samples_per_param": plan.samples_per_param,
+                    "max_abs_error": [float(value) for value in lead["drift_max_abs"]],
+                    "bound": [
+                        master_drift_bound(step, plan.lr, plan.adamw.betas)
+                        for step in range(1, len(lead["drift_max_abs"]) + 1)
+                    ],
+                }
             )
-            status, previous = result.status, result.previous
-            others = "".join(
-                f"; {'same hash as' if other == per_rank[0] else 'differs from'} the "
-                f"{description} arm's {other[:16]}"
-                for description, other in result.siblings.items()
-            )
-            detail = {
-                "reproduced": f"reproduced the ledger's hash {per_rank[0][:16]}",
-                "recorded": "first run of this head, environment and arm: hash recorded",
-                "mismatch": (
-                    f"MISMATCH: this run {per_rank[0][:16]}, ledger {str(previous)[:16]} "
-                    "for the same head and environment"
-                    + (
-                        " (the head is dirty: uncommitted changes)"
-                        if first["head"]["dirty"]
-                        else ""
-                    )
-                ),
-            }[status] + others
-            checks.append(
-                Check(
-                    name=f"reproduced[{arm.name}]",
-                    passed=status != "mismatch",
-                    detail=detail,
-                    numbers={"this_run": per_rank[0], "ledger": previous},
-                )
-            )
+        per_rank = [item["final_hash"] for item in ranks]
         hashes.append(
-            Hashes(arm=arm.name, per_rank=per_rank, ledger_status=status, ledger_previous=previous)
+            {
+                "arm": name,
+                "per_rank": per_rank,
+                "divergence": lead["replica_divergence"],
+                **_ledger_fields(plan, ledger_dir, first["head"], environment, arm, per_rank),
+            }
         )
-
-    probes = []
-    reference_bytes = first["gather_bytes"][REFERENCE]
-    for arm in arms[1:]:
-        reported = [item["group_sizes"][arm.name] for item in observations]
-        sent = first["gather_bytes"][arm.name]
-        probes.append(
-            Probe(
-                arm=arm.name,
-                requested_group_size=arm.group_size,
-                reported_group_sizes=reported,
-                gather_bytes_per_step=sent,
-                reference_gather_bytes_per_step=reference_bytes,
+        if arm["quantized"]:
+            probes.append(
+                {
+                    "arm": name,
+                    "requested_group_size": arm["group_size"],
+                    "reported_group_sizes": [item["group_size"] for item in ranks],
+                    "gather_bytes_per_step": lead["gather_bytes"],
+                    "reference_gather_bytes_per_step": reference_bytes,
+                }
             )
-        )
-        checks.append(
-            Check(
-                name=f"probe[{arm.name}]",
-                passed=all(size == arm.group_size for size in reported),
-                detail=f"requested group size {arm.group_size}, ranks report {reported}",
-                numbers={"requested": arm.group_size, "reported": reported},
-            )
-        )
-        # With one rank nothing travels; the gather still quantizes, as the probe shows.
-        single_rank = environment.world_size == 1
-        in_effect = reported == [arm.group_size] if single_rank else 0 < sent < reference_bytes
-        checks.append(
-            Check(
-                name=f"in-effect[{arm.name}]",
-                passed=in_effect,
-                detail=(
-                    f"weight gather sends {sent} bytes per step vs {reference_bytes} "
-                    f"unquantized ({sent / max(1, reference_bytes):.4f}x)"
-                    if in_effect
-                    else "quantized weights requested but not in effect: the weight gather "
-                    f"sent {sent} bytes per step, the unquantized reference {reference_bytes}"
-                ),
-                numbers={"bytes": sent, "reference_bytes": reference_bytes},
-            )
-        )
+        memory += [
+            {"arm": name, "rank": item["rank"], **per_arm[name][index]["memory"]}
+            for index, item in enumerate(observations)
+        ]
 
     performance = []
-    memory = [Memory(rank=item["rank"], **item["memory"]) for item in observations]
-    for arm in arms[1:]:
-        blocks = [stats.BlockTiming(**block) for block in first["timings"][arm.name]]
-        summary = stats.summarize(blocks)
+    for arm in arms:
+        blocks = first["timings"].get(arm["name"])
+        if not blocks:
+            continue
+        raw = [
+            {
+                "order": block["order"],
+                "reference_times_s": block["reference_times"],
+                "candidate_times_s": block["candidate_times"],
+            }
+            for block in blocks
+        ]
         performance.append(
-            Performance(
-                arm=arm.name,
-                block_steps=plan.block_steps,
-                warmup_steps=plan.warmup_steps,
-                blocks=[
-                    Block(
-                        index=index,
-                        order=block.order,
-                        reference_step_s=statistics.median(block.reference_times),
-                        candidate_step_s=statistics.median(block.candidate_times),
-                        speedup=speedup,
-                    )
-                    for index, (block, speedup) in enumerate(
-                        zip(blocks, summary.speedups, strict=True)
-                    )
-                ],
-                median_speedup=summary.median_speedup,
-                ci_low=summary.ci_low,
-                ci_high=summary.ci_high,
-                ci_method=summary.ci_method,
-                p_value=summary.p_value,
-                test=summary.test,
-                memory=memory,
-            )
+            {
+                "arm": arm["name"],
+                "block_steps": plan.block_steps,
+                "warmup_steps": plan.warmup_steps,
+                **derived.summarize_blocks(raw),
+                "memory": [item for item in memory if item["arm"] == arm["name"]],
+            }
         )
-        if min_speedup is not None:
-            checks.append(
-                Check(
-                    name=f"speedup[{arm.name}]",
-                    passed=summary.ci_low >= min_speedup,
-                    detail=(
-                        f"median {summary.median_speedup:.4f}x, 95% interval "
-                        f"[{summary.ci_low:.4f}, {summary.ci_high:.4f}]; required lower "
-                        f"end >= {min_speedup}"
-                    ),
-                    numbers={"median": summary.median_speedup, "ci_low": summary.ci_low},
-                )
-            )
 
     payload = {
-        "schema_version": 1,
+        "schema_version": 2,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "head": first["head"],
         "subject": first["subject"],
         "environment": environment.model_dump(),
-        "workload": Workload(
-            name=plan.workload.name,
-            params=plan.workload.params,
-            num_parameters=first["num_parameters"],
-            steps=plan.steps,
-            seed=plan.seed,
-        ).model_dump(),
-        "arms": [arm.model_dump() for arm in arms],
-        "trajectories": [item.model_dump() for item in trajectories],
-        "tolerance": [item.model_dump() for item in tolerance],
-        "hashes": [item.model_dump() for item in hashes],
-        "probes": [item.model_dump() for item in probes],
-        "performance": [item.model_dump() for item in performance],
-        "checks": [item.model_dump() for item in checks],
-        "verdict": verdict_of(checks).model_dump(),
+        "workload": {
+            "name": plan.workload.name,
+            "params": plan.workload.params,
+            "num_parameters": first["num_parameters"],
+            "steps": plan.steps,
+            "seed": plan.seed,
+        },
+        "plan": _plan_data(plan, min_speedup),
+        "arms": arms,
+        "trajectories": trajectories,
+        "learning": {
+            "eval_steps": plan.eval_steps,
+            "held_out_batches_per_rank": plan.held_out_batches,
+            "calibration_arm": CALIBRATION if plan.calibrate else None,
+            "calibration_group_size": max(plan.group_sizes) if plan.calibrate else None,
+        },
+        "step_one": step_one,
+        "updates": updates,
+        "own_shards": own_shards,
+        "drift": drift,
+        "hashes": hashes,
+        "probes": probes,
+        "memory": memory,
+        "performance": performance,
     }
     return seal(payload)
+
+
+_RANK = re.compile(r"--- rank (\d+) ---")
+_STEP = re.compile(r"step (\d+)")
+
+
+def build_failure_record(plan: RunPlan, world_size: int, message: str) -> Record:
+    """A FAIL record for a run whose ranks crashed or hung (the launcher's `message` holds the
+    failing rank's traceback): every arm is marked failed with what can be recovered -- the
+    rank, the step when the error names one, and the error's last line."""
+    ranks = [int(match) for match in _RANK.findall(message)] or [0]
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else "the ranks failed without a message"
+    steps = _STEP.findall(message)
+    failure = {
+        "step": int(steps[-1]) if steps else 0,
+        "rank": ranks[0],
+        "ranks": sorted(set(ranks)),
+        "kind": "crash",
+        "message": last[:2000],
+        "parameters": [],
+    }
+    environment = provenance.environment([provenance.device_name()] * world_size)
+    empty = {
+        "losses": [],
+        "grad_norms": [],
+        "held_out": [],
+        "step1_digests": None,
+        "update": None,
+        "own_shard": None,
+        "replica_divergence": None,
+        "drift_max_abs": [],
+        "gather_bytes": 0,
+        "final_hash": None,
+        "group_size": None,
+        "failure": failure,
+        "memory": {"kind": "rss", "peak_allocated_bytes": 0, "peak_reserved_bytes": None},
+    }
+    observations = [
+        {
+            "rank": rank,
+            "world_size": world_size,
+            "num_parameters": 0,
+            "device_name": environment.device_names[rank],
+            "arms": {arm.name: empty for arm in plan.arms},
+            "timings": {},
+            "head": provenance.git_head().model_dump(),
+            "subject": provenance.subject(plan.subject).model_dump(),
+            "environment": environment.model_dump(),
+        }
+        for rank in range(world_size)
+    ]
+    return build_record(plan, observations)

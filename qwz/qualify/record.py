@@ -3,10 +3,13 @@
 A record is written once by ``qwz-qualify run`` and read by ``report`` and
 ``compare``. It is bound to the code under test by ``head`` (repository, SHA,
 dirty flag) and to itself by ``digest``: the sha256 of its canonical JSON
-without the digest. Loading validates the schema (unknown or missing fields,
-wrong types, a truncated file are errors), recomputes the digest (an edited
-record is an error), and checks that the verdict is the conjunction of the
-checks. Every failure is a :class:`RecordError` naming the file and the cause.
+without the digest. A record stores raw observations; its checks and verdict
+are derived from them (qualify/checks.py). Loading validates the schema
+(unknown or missing fields, wrong types, a truncated file are errors),
+recomputes the digest (an accidental edit is an error), and derives the checks,
+the verdict and the speed summaries again from the observations: a record whose
+stored conclusions do not follow from its data is invalid, however it was
+sealed. Every failure is a :class:`RecordError` naming the file and the cause.
 
 ``python -m qwz.qualify.record`` regenerates ``record.schema.json`` (the
 published JSON Schema) from the models.
@@ -21,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
 
 
@@ -75,9 +78,10 @@ class Workload(_Model):
 
 
 class Arm(_Model):
-    """One configuration that was trained: the reference or a candidate."""
+    """One configuration that was trained: the reference, the calibration arm or a candidate."""
 
     name: str
+    role: Literal["reference", "calibration", "candidate"]
     quantized: bool
     group_size: int | None
     stage: int
@@ -91,37 +95,104 @@ class Arm(_Model):
     config: dict[str, Any] = Field(description="The DeepSpeed-style config given to the engine")
 
 
+class Failure(_Model):
+    """How an arm ended early: the step, the rank(s) and what went wrong."""
+
+    step: int = Field(description="1-based training step; 0: before the first step")
+    rank: int = Field(description="The first rank that reported the failure")
+    ranks: list[int] = Field(description="Every rank that reported it")
+    kind: Literal["non-finite", "error", "crash"]
+    message: str
+    parameters: list[str] = Field(description="Parameters holding NaN/Inf on that rank")
+
+
+class HeldOut(_Model):
+    step: int
+    loss: float | None = Field(description="Mean held-out loss over ranks; null if non-finite")
+
+
 class Trajectory(_Model):
     arm: str
+    steps_planned: int
     losses: list[float | None] = Field(
-        description="Loss per step, averaged over ranks; null where it was NaN or infinite"
+        description="Loss per completed step, averaged over ranks; null where NaN or infinite"
     )
     grad_norms: list[float | None] = Field(
-        description="Global gradient norm per step; null where it was NaN or infinite"
+        description="Global gradient norm per completed step; null where NaN or infinite"
     )
+    held_out: list[HeldOut] = Field(
+        description="Held-out loss (batches never trained on) at the evaluation steps"
+    )
+    failure: Failure | None = None
 
 
-class Tolerance(_Model):
+class Violation(_Model):
+    """The first element a check found out of bounds."""
+
+    step: int
+    rank: int
+    parameter: str
+    index: int = Field(description="Element index in the flattened parameter; -1: none")
+    what: str = ""
+    ratio: float | None = Field(description="error / bound; null where infinite")
+
+
+class Updates(_Model):
+    """[Note: exact update check] (qualify/observers.py), summed over ranks."""
+
     arm: str
-    bound: str
-    samples_per_step: int
-    steps: int
+    samples_per_shard: int
     checked: int
     violations: int
-    max_ratio: float = Field(description="Largest |candidate - reference| / bound seen")
-    max_abs_error: float
-    own_shard_max_ratio: float | None = Field(
-        description="Worst error / allowed error of every rank's own shard against its fp32 "
-        "master after every step (qwz.tolerance.own_shard_decode_ratio); <= 1 when the "
-        "gather is right; null where infinite (an exact element was not exact)"
+    max_ratio: float
+    first_violation: Violation | None
+    missing_steps: list[list[int]] = Field(
+        description="[step, rank] where the optimizer did not step exactly once"
     )
+
+
+class StepOneMasters(_Model):
+    """Layout-independent digest of every parameter's fp32 master after step 1
+    ([Note: layout-independent digests])."""
+
+    arm: str
+    digests: dict[str, str] | None = Field(description="null when the arm failed before")
+
+
+class OwnShards(_Model):
+    """Every rank's own shard against its fp32 master after every step (qwz/tolerance.py)."""
+
+    arm: str
+    max_ratio: float | None = Field(description="<= 1 when right; null where infinite")
+    first_violation: Violation | None
+
+
+class Drift(_Model):
+    """Context, not a verdict: the sampled parameters' distance from the reference."""
+
+    arm: str
+    samples_per_param: int
+    max_abs_error: list[float] = Field(description="Per step, over the sampled elements")
+    bound: list[float] = Field(
+        description="Per step, the drift any two AdamW trajectories may have (D_t, "
+        "qwz/tolerance.py): why this is context and not a check"
+    )
+
+
+class Divergence(_Model):
+    step: int
+    parameters: list[str]
 
 
 class Hashes(_Model):
     arm: str
-    per_rank: list[str]
+    per_rank: list[str | None] = Field(description="Final parameter hash; null: no final hash")
+    divergence: Divergence | None = Field(
+        description="First step after which the ranks' working copies differed"
+    )
     ledger_status: Literal["reproduced", "recorded", "mismatch", "not-checked"]
     ledger_previous: str | None = None
+    ledger_siblings: dict[str, str] = Field(default_factory=dict)
 
 
 class Probe(_Model):
@@ -135,16 +206,19 @@ class Probe(_Model):
 class Block(_Model):
     index: int
     order: Literal["AB", "BA"]
+    reference_times_s: list[float] = Field(description="Every timed reference step")
+    candidate_times_s: list[float]
     reference_step_s: float = Field(description="Median step time of the reference in the block")
     candidate_step_s: float
     speedup: float = Field(description="reference_step_s / candidate_step_s")
 
 
 class Memory(_Model):
+    arm: str
     rank: int
     kind: Literal["cuda", "rss"]
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int | None = None
+    peak_allocated_bytes: int = Field(ge=0)
+    peak_reserved_bytes: int | None = Field(None, ge=0)
 
 
 class Performance(_Model):
@@ -152,39 +226,71 @@ class Performance(_Model):
     block_steps: int
     warmup_steps: int
     blocks: list[Block]
-    median_speedup: float
-    ci_low: float
-    ci_high: float
+    interval: Literal["bootstrap", "insufficient blocks"]
+    median_speedup: float | None
+    ci_low: float | None
+    ci_high: float | None
     ci_method: str
-    p_value: float
+    p_value: float | None
     test: str
-    memory: list[Memory]
+    memory: list[Memory] = Field(description="This candidate arm's peak memory per rank")
+
+
+class Learning(_Model):
+    """The raw numbers of [Note: learning margin] (qualify/checks.py)."""
+
+    eval_steps: list[int]
+    held_out_batches_per_rank: int
+    calibration_arm: str | None
+    calibration_group_size: int | None
+
+
+CheckStatus = Literal["pass", "fail", "n/a", "inconclusive"]
 
 
 class Check(_Model):
     name: str
-    passed: bool
+    status: CheckStatus
     detail: str
     numbers: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def evidence(self) -> bool:
+        """Whether the check tested something (pass or fail), not n/a or inconclusive."""
+        return self.status in ("pass", "fail")
+
 
 class Verdict(_Model):
+    status: Literal["PASS", "FAIL", "INCONCLUSIVE"]
     passed: bool
     failed: list[str]
+    inconclusive: list[str]
+    evidence: list[str] = Field(description="Checks that tested something (pass or fail)")
+    not_applicable: list[str] = Field(description="Checks with nothing to test, and why")
 
 
 class Record(_Model):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     created_at: str
     head: Head
     subject: Subject
     environment: Environment
     workload: Workload
+    plan: dict[str, Any] = Field(description="The run plan (qwz.qualify.runner.RunPlan) as data")
     arms: list[Arm]
     trajectories: list[Trajectory]
-    tolerance: list[Tolerance]
+    learning: Learning
+    step_one: list[StepOneMasters]
+    updates: list[Updates]
+    own_shards: list[OwnShards]
+    drift: list[Drift]
     hashes: list[Hashes]
     probes: list[Probe]
+    memory: list[Memory]
     performance: list[Performance]
     checks: list[Check]
     verdict: Verdict
@@ -198,22 +304,96 @@ def canonical_digest(payload: dict[str, Any]) -> str:
 
 
 def verdict_of(checks: list[Check]) -> Verdict:
-    failed = [check.name for check in checks if not check.passed]
-    return Verdict(passed=not failed, failed=failed)
+    """FAIL if any check failed; else INCONCLUSIVE if any was inconclusive (the reference did
+    not learn, so learning could not be judged); else PASS."""
+    failed = [check.name for check in checks if check.status == "fail"]
+    inconclusive = [check.name for check in checks if check.status == "inconclusive"]
+    status = "FAIL" if failed else "INCONCLUSIVE" if inconclusive else "PASS"
+    return Verdict(
+        status=status,
+        passed=status == "PASS",
+        failed=failed,
+        inconclusive=inconclusive,
+        evidence=[check.name for check in checks if check.evidence],
+        not_applicable=[
+            f"{check.name}: {check.detail}" for check in checks if check.status == "n/a"
+        ],
+    )
+
+
+_PLACEHOLDER_VERDICT = {
+    "status": "FAIL",
+    "passed": False,
+    "failed": [],
+    "inconclusive": [],
+    "evidence": [],
+    "not_applicable": [],
+}
 
 
 def seal(payload: dict[str, Any]) -> Record:
-    """Validate a record payload (without digest) and return it with its digest set.
+    """Validate a record payload of raw observations (any ``checks``, ``verdict``,
+    ``digest`` and speed summaries in it are ignored), derive its speed summaries, checks and
+    verdict (qualify/checks.py), and return it with its digest set.
 
     The digest is computed over the validated model's JSON, exactly what `save` writes,
     so normalisation by pydantic (an int given for a float, a default filled in) cannot
     make a freshly sealed record fail `load`."""
+    from qwz.qualify.checks import derive, summarize_blocks
+
+    payload = dict(payload, checks=[], verdict=_PLACEHOLDER_VERDICT, digest="")
+    if isinstance(payload.get("performance"), list):
+        payload["performance"] = [
+            dict(item, **summarize_blocks(item["blocks"]))
+            if isinstance(item, dict) and isinstance(item.get("blocks"), list)
+            else item
+            for item in payload["performance"]
+        ]
     try:
-        record = Record.model_validate(dict(payload, digest=""))
-    except ValidationError as error:
+        record = Record.model_validate(payload)
+    except (ValidationError, KeyError, TypeError) as error:
         raise RecordError(f"record payload is invalid: {error}") from None
+    checks = derive(record)
+    record = record.model_copy(update={"checks": checks, "verdict": verdict_of(checks)})
+    # Round trip through JSON so that the digest covers exactly what `save` writes.
+    record = Record.model_validate(record.model_dump(mode="json"))
     digest = canonical_digest(record.model_dump(mode="json"))
     return record.model_copy(update={"digest": digest})
+
+
+def _rederive(path: pathlib.Path, record: Record) -> None:
+    """Raise unless every derived field follows from the raw observations."""
+    from qwz.qualify.checks import derive, summarize_blocks
+
+    for performance in record.performance:
+        raw = [block.model_dump(mode="json") for block in performance.blocks]
+        expected = summarize_blocks(raw)
+        stored = performance.model_dump(mode="json")
+        wrong = [key for key, value in expected.items() if stored[key] != value]
+        if wrong:
+            raise RecordError(
+                f"{path}: performance of {performance.arm!r}: {', '.join(wrong)} do not follow "
+                "from the recorded step times"
+            )
+    checks = derive(record)
+    stored_checks = [check.model_dump(mode="json") for check in record.checks]
+    derived_checks = [
+        Check.model_validate(check.model_dump(mode="json")).model_dump(mode="json")
+        for check in checks
+    ]
+    if stored_checks != derived_checks:
+        names = {check["name"] for check in stored_checks} ^ {c["name"] for c in derived_checks}
+        differing = [
+            stored["name"]
+            for stored, ours in zip(stored_checks, derived_checks, strict=False)
+            if stored != ours
+        ]
+        raise RecordError(
+            f"{path}: the stored checks do not follow from the recorded observations "
+            f"(differ: {', '.join(sorted(set(differing) | names)) or 'order'})"
+        )
+    if record.verdict != verdict_of(record.checks):
+        raise RecordError(f"{path}: the verdict does not follow from the checks")
 
 
 def save(record: Record, path: pathlib.Path) -> None:
@@ -248,8 +428,7 @@ def load(path: str | pathlib.Path) -> Record:
             f"{path}: digest mismatch: the record was edited after it was written "
             f"(stored {record.digest[:16]}..., content {expected[:16]}...)"
         )
-    if record.verdict != verdict_of(record.checks):
-        raise RecordError(f"{path}: the verdict does not follow from the checks")
+    _rederive(path, record)
     return record
 
 

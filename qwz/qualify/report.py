@@ -114,6 +114,14 @@ def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
     return plots
 
 
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _floats(values: Sequence[float | None]) -> list[float]:
+    return [math.nan if value is None else value for value in values]
+
+
 def _draw_losses(figure, record: Record) -> None:
     reference = reference_arm(record)
     reference_losses = next(
@@ -133,7 +141,7 @@ def _draw_losses(figure, record: Record) -> None:
         is_reference = reference is not None and trajectory.arm == reference.name
         loss_axes.plot(
             steps,
-            trajectory.losses,
+            _floats(trajectory.losses),
             label=trajectory.arm,
             color="black" if is_reference else f"C{index}",
             linewidth=2.4 if is_reference else 1.4,
@@ -153,7 +161,7 @@ def _draw_losses(figure, record: Record) -> None:
         for index, trajectory in enumerate(record.trajectories):
             if trajectory in candidates and len(trajectory.losses) == len(reference_losses):
                 steps = np.arange(1, len(trajectory.losses) + 1)
-                difference = np.subtract(trajectory.losses, reference_losses)
+                difference = np.subtract(_floats(trajectory.losses), _floats(reference_losses))
                 difference_axes.plot(steps, difference, color=f"C{index}", marker="o", markersize=3)
         difference_axes.axhline(0.0, color="black", linewidth=0.8)
         difference_axes.set_ylabel(f"loss − {reference.name}")
@@ -169,19 +177,20 @@ def _draw_speedups(figure, record: Record) -> None:
     for axes, performance in zip(all_axes, record.performance, strict=True):
         blocks = np.array([block.index for block in performance.blocks])
         speedups = np.array([block.speedup for block in performance.blocks])
-        axes.axhspan(
-            performance.ci_low,
-            performance.ci_high,
-            color="C0",
-            alpha=0.18,
-            label=f"95% interval {format_interval(performance.ci_low, performance.ci_high)}",
-        )
-        axes.axhline(
-            performance.median_speedup,
-            color="C0",
-            linewidth=1.8,
-            label=f"median {format_speedup(performance.median_speedup)}",
-        )
+        if performance.median_speedup is not None:
+            axes.axhspan(
+                performance.ci_low,
+                performance.ci_high,
+                color="C0",
+                alpha=0.18,
+                label=f"95% interval {format_interval(performance.ci_low, performance.ci_high)}",
+            )
+            axes.axhline(
+                performance.median_speedup,
+                color="C0",
+                linewidth=1.8,
+                label=f"median {format_speedup(performance.median_speedup)}",
+            )
         axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1.2, label="1.0 (no change)")
         for order, marker, color in (("AB", "o", "C1"), ("BA", "s", "C2")):
             chosen = np.array([block.order == order for block in performance.blocks], bool)
@@ -195,7 +204,8 @@ def _draw_speedups(figure, record: Record) -> None:
                     zorder=3,
                     label=f"block, {order} order",
                 )
-        axes.set_title(f"{performance.arm} (p = {format_p(performance.p_value)})")
+        p_text = "n/a" if performance.p_value is None else format_p(performance.p_value)
+        axes.set_title(f"{performance.arm} (p = {p_text})")
         axes.set_xlabel("block")
         axes.set_xticks(blocks)
         axes.grid(alpha=0.3)
@@ -206,7 +216,11 @@ def _draw_speedups(figure, record: Record) -> None:
     values = [1.0]
     for performance in record.performance:
         values += [block.speedup for block in performance.blocks]
-        values += [performance.ci_low, performance.ci_high, performance.median_speedup]
+        values += [
+            value
+            for value in (performance.ci_low, performance.ci_high, performance.median_speedup)
+            if value is not None
+        ]
     margin = 0.15 * (max(values) - min(values)) or 0.01
     all_axes[0].set_ylim(min(values) - margin, max(values) + margin)
     all_axes[0].set_ylabel("speed-up (reference / candidate step time)")
@@ -243,45 +257,57 @@ def _group_size(size: int | None) -> str:
     return "off" if size is None else str(size)
 
 
+_STATUS = {"pass": "PASS", "fail": "**FAIL**", "n/a": "n/a", "inconclusive": "*inconclusive*"}
+
+
 def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     """The record as markdown; ``plots`` (from ``write_plots``) are linked relative to it."""
-    verdict = "PASS" if record.verdict.passed else "FAIL"
+    verdict = record.verdict
     environment = record.environment
     arm_names = [arm.name for arm in record.arms]
     lines = [
-        f"# qwz qualification: {verdict}",
+        f"# qwz qualification: {verdict.status}",
         "",
         f"**{record.workload.name}**, arms {', '.join(f'`{name}`' for name in arm_names)}, "
         f"{_devices(environment.device_names)} ({environment.backend}), "
         f"head `{short_hash(record.head.sha)}`{' (dirty)' if record.head.dirty else ''}.",
         "",
     ]
-    if record.verdict.passed:
-        lines += [f"All {len(record.checks)} checks passed.", ""]
-    else:
-        failed = ", ".join(f"`{name}`" for name in record.verdict.failed)
+    evidence = len(verdict.evidence)
+    if verdict.status == "PASS":
+        lines += [f"All {evidence} checks that carried evidence passed.", ""]
+    if verdict.failed:
+        failed = ", ".join(f"`{name}`" for name in verdict.failed)
         lines += [f"**Failed checks:** {failed}.", ""]
+    if verdict.inconclusive:
+        names = ", ".join(f"`{name}`" for name in verdict.inconclusive)
+        lines += [f"**Inconclusive:** {names}: the run cannot judge learning.", ""]
     lines += [
+        f"Checks with evidence: {evidence}; not applicable: {len(verdict.not_applicable)}"
+        + (" (" + "; ".join(verdict.not_applicable) + ")" if verdict.not_applicable else "")
+        + ".",
+        "",
         f"Record written {record.created_at}, schema version {record.schema_version}, "
         f"digest `{short_hash(record.digest)}`.",
         "",
     ]
+    lines += _failures_section(record)
     lines += _code_section(record)
     lines += _environment_section(record)
     lines += _workload_section(record)
     lines += _arms_section(record)
     lines += _trajectory_section(record)
-    lines += _tolerance_section(record)
+    lines += _learning_section(record)
+    lines += _exactness_section(record)
+    lines += _drift_section(record)
     lines += _hashes_section(record)
     lines += _probe_section(record)
+    lines += _memory_section(record)
     lines += _performance_section(record)
     lines += ["## Checks", ""]
     lines += _table(
         ["check", "result", "detail"],
-        [
-            (f"`{check.name}`", "PASS" if check.passed else "**FAIL**", check.detail)
-            for check in record.checks
-        ],
+        [(f"`{check.name}`", _STATUS[check.status], check.detail) for check in record.checks],
     )
     if plots:
         titles = {"loss": "Loss per step", "speedup": "Speed-up per block"}
@@ -290,6 +316,28 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
             lines += [f"![{titles.get(name, name)}]({file_name})", ""]
     lines += ["---", "", f"*Method.* {METHOD_NOTE}", ""]
     return "\n".join(lines)
+
+
+def _failures_section(record: Record) -> list[str]:
+    failed = [t for t in record.trajectories if t.failure is not None]
+    if not failed:
+        return []
+    rows = [
+        (
+            f"`{t.arm}`",
+            t.failure.step,
+            ", ".join(str(rank) for rank in t.failure.ranks),
+            t.failure.kind,
+            ", ".join(t.failure.parameters) or "—",
+            t.failure.message,
+        )
+        for t in failed
+    ]
+    return [
+        "## Failures",
+        "",
+        *_table(["arm", "step", "ranks", "kind", "non-finite parameters", "message"], rows),
+    ]
 
 
 def _code_section(record: Record) -> list[str]:
@@ -386,9 +434,9 @@ def _trajectory_section(record: Record) -> list[str]:
     rows = []
     for trajectory in record.trajectories:
         losses, norms = trajectory.losses, trajectory.grad_norms
-        finite = all(math.isfinite(value) for value in [*losses, *norms])
-        finite_losses = [value for value in losses if math.isfinite(value)]
-        finite_norms = [value for value in norms if math.isfinite(value)]
+        finite = all(_finite(value) for value in [*losses, *norms])
+        finite_losses = [value for value in losses if _finite(value)]
+        finite_norms = [value for value in norms if _finite(value)]
         if finite_losses:
             min_loss = min(finite_losses)
             min_text = f"{format_sig(min_loss)} (step {losses.index(min_loss) + 1})"
@@ -401,7 +449,11 @@ def _trajectory_section(record: Record) -> list[str]:
         )
         if reference_losses is None or trajectory.arm == reference.name:
             difference = "—"
-        elif len(losses) != len(reference_losses) or not finite:
+        elif (
+            len(losses) != len(reference_losses)
+            or not finite
+            or not all(_finite(value) for value in reference_losses)
+        ):
             difference = "n/a"
         else:
             difference = format_sig(
@@ -411,8 +463,8 @@ def _trajectory_section(record: Record) -> list[str]:
             (
                 f"`{trajectory.arm}`",
                 len(losses),
-                format_sig(losses[0]) if losses else "—",
-                format_sig(losses[-1]) if losses else "—",
+                format_sig(losses[0]) if losses and _finite(losses[0]) else "—",
+                format_sig(losses[-1]) if losses and _finite(losses[-1]) else "—",
                 min_text,
                 "yes" if finite else "**no**",
                 norm_range,
@@ -443,37 +495,138 @@ def _own_shard(ratio: float | None) -> str:
     return "**inf** (an exact element was not exact)" if ratio is None else format_sig(ratio, 4)
 
 
-def _tolerance_section(record: Record) -> list[str]:
-    lines = ["## Parameter-sample tolerance", ""]
-    if not record.tolerance:
-        return [*lines, "No tolerance samples in this record.", ""]
-    for bound in dict.fromkeys(tolerance.bound for tolerance in record.tolerance):
-        lines += [f"Bound: `{bound}`", ""]
+def _learning_section(record: Record) -> list[str]:
+    from .checks import learning_margin
+
+    learning = record.learning
+    lines = ["## Learning (held-out loss)", ""]
+    series = {t.arm: {h.step: h.loss for h in t.held_out} for t in record.trajectories}
+    lines += [
+        f"Mean loss over {learning.held_out_batches_per_rank} held-out batches per rank "
+        "(never trained on), at each evaluation step.",
+        "",
+    ]
     lines += _table(
-        ["arm", "samples/step", "steps", "checked", "violations", "max ratio to bound",
-         "max abs error", "own shard vs master (<= 1)"],
+        ["step", *(f"`{arm}`" for arm in series)],
         [
-            (
-                f"`{t.arm}`",
-                t.samples_per_step,
-                t.steps,
-                f"{t.checked:,}",
-                f"**{t.violations:,}**" if t.violations else "0",
-                format_sig(t.max_ratio, 3),
-                format_sig(t.max_abs_error, 3),
-                _own_shard(t.own_shard_max_ratio),
-            )
-            for t in record.tolerance
+            (step, *("—" if values.get(step) is None else format_sig(values[step], 5)
+                     for values in series.values()))
+            for step in learning.eval_steps
         ],
     )  # fmt: skip
+    numbers = learning_margin(record)
+    if numbers["margin"] is not None:
+        calibration = learning.calibration_arm
+        lines += [
+            f"Margin {format_sig(numbers['margin'], 4)} = max({numbers['margin_factor']:g} × "
+            f"the `{calibration}` arm's largest gap "
+            f"{'—' if numbers['noise_gap'] is None else format_sig(numbers['noise_gap'], 3)}, "
+            f"{numbers['margin_floor']:.0%} of the reference's held-out drop "
+            f"{format_sig(numbers['reference_drop'], 4)}); the calibration arm is the "
+            "reference with uniform noise of ±scale/2 per group "
+            f"(G = {learning.calibration_group_size}) added to its working weights after "
+            "every step ([Note: learning margin], qwz/qualify/checks.py).",
+            "",
+        ]
     return lines
+
+
+def _exactness_section(record: Record) -> list[str]:
+    step_one = {item.arm: item.digests for item in record.step_one}
+    own = {item.arm: item for item in record.own_shards}
+    rows = []
+    for updates in record.updates:
+        first = updates.first_violation
+        own_item = own.get(updates.arm)
+        rows.append(
+            (
+                f"`{updates.arm}`",
+                "—"
+                if step_one.get(updates.arm) is None
+                else f"{len(step_one[updates.arm])} digests",
+                f"{updates.checked:,}",
+                f"**{updates.violations:,}**" if updates.violations else "0",
+                format_sig(updates.max_ratio, 3),
+                "—"
+                if first is None
+                else f"step {first.step}, rank {first.rank}, {first.parameter}: {first.what}",
+                "—" if own_item is None else _own_shard(own_item.max_ratio),
+            )
+        )
+    return [
+        "## Exactness",
+        "",
+        "Step-1 masters: a layout-independent digest per parameter, compared with the "
+        "reference's by the `step1-exact` checks. Updates: sampled master elements per rank "
+        "and step against AdamW recomputed in float64 from the arm's own gradient and state "
+        "([Note: exact update check], qwz/qualify/observers.py). Own shard: worst error / "
+        "(scale/2 + cast half-ulp) of every rank's own shard against its master, after every "
+        "step (<= 1).",
+        "",
+        *_table(
+            ["arm", "step-1 masters", "updates checked", "violations", "worst ratio",
+             "first violation", "own shard vs master (<= 1)"],
+            rows,
+        ),
+    ]  # fmt: skip
+
+
+def _drift_section(record: Record) -> list[str]:
+    if not record.drift:
+        return []
+    rows = [
+        (
+            f"`{drift.arm}`",
+            drift.samples_per_param,
+            "—" if not drift.max_abs_error else format_sig(max(drift.max_abs_error), 3),
+            "—" if not drift.bound else format_sig(drift.bound[-1], 3),
+        )
+        for drift in record.drift
+    ]
+    return [
+        "## Drift from the reference (context)",
+        "",
+        "Sampled working weights against the reference's at the same step. The bound holds "
+        "for any two AdamW trajectories (qwz/tolerance.py), so it is context, not a check.",
+        "",
+        *_table(["arm", "samples/parameter", "max abs difference", "bound at last step"], rows),
+    ]
+
+
+def _memory_section(record: Record) -> list[str]:
+    if not record.memory:
+        return []
+    return [
+        "## Peak memory per arm",
+        "",
+        "Each arm runs alone, from a reset of the peak (CUDA peak statistics, or the "
+        "process's peak RSS): one arm's own peak per rank.",
+        "",
+        *_table(
+            ["arm", "rank", "kind", "peak allocated", "peak reserved"],
+            [
+                (
+                    f"`{memory.arm}`",
+                    memory.rank,
+                    memory.kind,
+                    format_bytes(memory.peak_allocated_bytes),
+                    "—"
+                    if memory.peak_reserved_bytes is None
+                    else format_bytes(memory.peak_reserved_bytes),
+                )
+                for memory in record.memory
+            ],
+        ),
+    ]
 
 
 def _hashes_section(record: Record) -> list[str]:
     rows = []
     for hashes in record.hashes:
         distinct = list(dict.fromkeys(hashes.per_rank))
-        if len(distinct) == 1:
+        if hashes.divergence is not None:
+            per_rank = f"**diverged after step {hashes.divergence.step}**"
+        elif len(distinct) == 1:
             per_rank = f"`{short_hash(distinct[0])}` on all {len(hashes.per_rank)} ranks"
         else:
             per_rank = ", ".join(
@@ -566,13 +719,16 @@ def _performance_section(record: Record) -> list[str]:
                 for block in performance.blocks
             ],
         )
-        lines += [
-            f"**Median speed-up {format_speedup(performance.median_speedup)} "
-            f"{format_interval(performance.ci_low, performance.ci_high)}** "
-            f"({performance.ci_method}); p = {format_p(performance.p_value)}: "
-            f"{performance.test}.",
-            "",
-        ]
+        if performance.median_speedup is None:
+            lines += [f"**Insufficient blocks** for an interval ({performance.ci_method}).", ""]
+        else:
+            lines += [
+                f"**Median speed-up {format_speedup(performance.median_speedup)} "
+                f"{format_interval(performance.ci_low, performance.ci_high)}** "
+                f"({performance.ci_method}); p = {format_p(performance.p_value)}: "
+                f"{performance.test}.",
+                "",
+            ]
         if performance.memory:
             lines += [
                 f"Peak memory (largest allocation over ranks: "

@@ -1,24 +1,47 @@
-"""The rank side of a qualification: train the arms, check them step by step, time them.
+"""The rank side of a qualification: train the arms one after another, observe every step,
+then time them.
 
 ``qualify_rank(plan)`` runs on every rank of an initialised process group
 (spawned by ``qwz.launch`` or started by torchrun) and returns, on rank 0, the
-list of every rank's observations; other ranks return None. It drives the
-engines only through ``subjects.ArmEngine``.
+list of every rank's observations; other ranks return None. It drives engines
+only through ``subjects.ArmEngine`` (the seam of [Note: own shards]).
 
-Phases:
-1. *Lockstep trajectory.* The reference and every candidate take ``steps``
-   steps on the same batches. After each step a fixed, seeded sample of
-   parameter elements of each candidate is compared with the reference against
-   [Note: parameter-sample tolerance] (qwz/tolerance.py). The bytes of the weight
-   gather are counted by ``WireProbe`` on every step.
-2. *Hashes and probe.* Final parameter hash and reported group size per arm.
-3. *Performance.* For each candidate, order-balanced blocks against the
-   reference (``stats.measure_blocks``), training on, warm-up excluded.
+[Note: arms one at a time]
+The arms -- the unquantized ``reference``, the ``calibration`` arm (the
+reference with quantization-sized noise, [Note: learning margin] in
+qualify/checks.py) and one candidate per group size -- train one after another,
+each from the same seed and on the same batches; only one is resident at a
+time, and each arm's peak memory is measured from a reset (CUDA peak stats, or
+the process's peak RSS via /proc/self/clear_refs), so a configuration that
+fits the cards with one arm can be qualified on them. What must be compared
+across arms is kept as observations: per-step losses and gradient norms,
+held-out losses at fixed steps, step-1 master digests, sampled parameter values
+(drift, context only). The speed blocks then pair the reference with each
+candidate ([Note: order-balanced blocks], stats.py); with
+``one_arm_resident`` the arm is rebuilt at every switch, during the untimed
+warm-up, so even the timing holds one arm at a time.
+
+Per arm and step, on every rank:
+1. train one step (the probe counts the gather's bytes);
+2. [Note: exact update check] on a sample of this rank's master elements;
+3. the own-shard decode check (qwz/tolerance.py) with the requested group size;
+4. the replicas' per-parameter digests agree across ranks;
+5. at step 1, layout-independent digests of every parameter's master;
+6. at the evaluation steps, the held-out loss.
+A step that raises (NonFiniteError, any exception) or produces a non-finite
+loss or gradient norm ends the arm: the failure is recorded with the step, the
+rank and the parameters, every rank agrees on it, and the run goes on with the
+next arm. A rank that dies, or hangs in a collective, is the launcher's to
+report: the CLI then writes a failure record from the launcher's message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import gc
+import math
 import resource
 import sys
 import time
@@ -30,13 +53,16 @@ import torch.distributed as dist
 
 from qwz.hashing import param_hash
 from qwz.probe import WireProbe
-from qwz.qualify import provenance, stats
+from qwz.qualify import observers, provenance, stats
 from qwz.qualify.subjects import ArmEngine, make_arm
 from qwz.qualify.workloads import Workload
-from qwz.tolerance import element_bound
 
 REFERENCE = "reference"
+CALIBRATION = "calibration"
 BETAS = (0.9, 0.999)
+EPS = 1e-8
+PRESERVE_NUMEL = 65_536
+"""Parameters of at most this many elements travel exactly (DESIGN.md)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +70,8 @@ class ArmSpec:
     name: str
     quantized: bool
     group_size: int | None
+    noise_group_size: int | None = None
+    """Calibration arm only: the group size whose quantization error the noise imitates."""
 
 
 @dataclass(frozen=True)
@@ -61,18 +89,45 @@ class RunPlan:
     warmup_steps: int = 2
     seed: int = 0
     lr: float = 1e-3
+    weight_decay: float = 0.1
+    """Set explicitly (and nonzero) so that a candidate dropping it is caught."""
     gradient_clipping: float = 1.0
     allgather_bucket_size: int = 500_000_000
     samples_per_param: int = 64
+    """Drift context: sampled elements per parameter compared with the reference."""
+    update_samples: int = 512
+    """[Note: exact update check]: sampled master elements per shard and rank."""
+    eval_every: int = 5
+    """Held-out evaluation every this many steps (and at step 0 and the last step)."""
+    held_out_batches: int = 2
+    """Held-out batches per rank and evaluation."""
+    calibrate: bool = True
+    """Train the calibration arm ([Note: learning margin])."""
+    one_arm_resident: bool = False
     compile_kernels: bool = False
     integration_enabled: bool = True
+    arm_hook: str | None = None
+    """Test seam: ``"module:function"`` called as ``function(arm_spec, arm_engine, plan)``
+    after each candidate arm is built, in every rank; it may change the engine or return a
+    replacement. The mutation suite uses it to inject broken candidates; it is recorded in
+    the record's plan, so a record says when it ran."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def arms(self) -> list[ArmSpec]:
-        return [ArmSpec(REFERENCE, False, None)] + [
-            ArmSpec(f"candidate-g{size}", True, size) for size in self.group_sizes
-        ]
+        arms = [ArmSpec(REFERENCE, False, None)]
+        if self.calibrate:
+            arms.append(ArmSpec(CALIBRATION, False, None, max(self.group_sizes)))
+        return arms + [ArmSpec(f"candidate-g{size}", True, size) for size in self.group_sizes]
+
+    @property
+    def eval_steps(self) -> list[int]:
+        every = max(1, self.eval_every)
+        return sorted({0, self.steps, *range(every, self.steps + 1, every)})
+
+    @property
+    def adamw(self) -> observers.AdamWSettings:
+        return observers.AdamWSettings(self.lr, BETAS, EPS, self.weight_decay)
 
     def arm_config(self, arm: ArmSpec) -> dict[str, Any]:
         """The DeepSpeed-style config of one arm."""
@@ -84,7 +139,12 @@ class RunPlan:
         }
         if arm.quantized:
             zero["zero_quantized_weights_group_size"] = arm.group_size
-        optimizer_params: dict[str, Any] = {"lr": self.lr, "betas": list(BETAS)}
+        optimizer_params: dict[str, Any] = {
+            "lr": self.lr,
+            "betas": list(BETAS),
+            "eps": EPS,
+            "weight_decay": self.weight_decay,
+        }
         if self.subject == "deepspeed":
             # torch's AdamW in both subjects: the same update rule, and no fused-op build.
             optimizer_params["torch_adam"] = True
@@ -111,12 +171,27 @@ class _Progress:
             print(f"[qwz-qualify {elapsed:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _mean_over_ranks(value: torch.Tensor) -> float:
     value = value.detach().float().reshape(1).clone()
     if dist.is_initialized():
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return float(value)
+
+
+def _agree(local: Any) -> list[Any]:
+    """Every rank's `local` value, on every rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return gathered
+    return [local]
 
 
 def _sample_indices(module: torch.nn.Module, count: int, seed: int) -> dict[str, torch.Tensor]:
@@ -134,6 +209,26 @@ def _sync() -> None:
         dist.barrier()
 
 
+# ------------------------------------------------------------------------ memory
+
+
+def _release_memory() -> None:
+    """Return freed memory to the device and the OS, so the next arm's peak is its own."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_peak_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
 def _peak_memory() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return {
@@ -141,152 +236,317 @@ def _peak_memory() -> dict[str, Any]:
             "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
         }
-    # ru_maxrss is in KiB on Linux.
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                    return {
+                        "kind": "rss",
+                        "peak_allocated_bytes": peak,
+                        "peak_reserved_bytes": None,
+                    }
+    except OSError:
+        pass
+    # ru_maxrss (KiB on Linux) cannot be reset: the process-wide peak.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"kind": "rss", "peak_allocated_bytes": int(rss), "peak_reserved_bytes": None}
 
 
-def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
-    """Run the plan on this rank; rank 0 gets every rank's observations."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    progress = _Progress(rank == 0)
-    workload = plan.workload
-    engines: dict[str, ArmEngine] = {}
-    for arm in plan.arms:
-        engines[arm.name] = make_arm(
-            plan.subject,
-            workload.build_model(plan.seed),
-            plan.arm_config(arm),
-            quantized=arm.quantized,
-            compile_kernels=plan.compile_kernels,
-            integration_enabled=plan.integration_enabled,
-        )
-    reference = engines[REFERENCE]
-    candidates = [arm for arm in plan.arms if arm.quantized]
-    working_dtype = next(reference.module.parameters()).dtype
-    samples = _sample_indices(reference.module, plan.samples_per_param, plan.seed)
-    progress.say(
-        f"{plan.subject}: {len(engines)} arms, {plan.steps} lockstep steps, "
-        f"{plan.blocks} blocks x {plan.block_steps} steps per candidate"
+# ------------------------------------------------------------------- arms
+
+
+def _call_hook(plan: RunPlan, arm: ArmSpec, engine: ArmEngine) -> ArmEngine:
+    """The plan's ``arm_hook`` may change a candidate arm's engine or return a replacement."""
+    if plan.arm_hook is None or not arm.quantized:
+        return engine
+    import importlib
+
+    module_name, _, function_name = plan.arm_hook.partition(":")
+    hook = getattr(importlib.import_module(module_name), function_name)
+    return hook(arm, engine, plan) or engine
+
+
+def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
+    engine = make_arm(
+        plan.subject,
+        plan.workload.build_model(plan.seed),
+        plan.arm_config(arm),
+        quantized=arm.quantized,
+        compile_kernels=plan.compile_kernels,
+        integration_enabled=plan.integration_enabled,
     )
+    return _call_hook(plan, arm, engine)
 
-    losses: dict[str, list[float]] = {arm.name: [] for arm in plan.arms}
-    grad_norms: dict[str, list[float]] = {arm.name: [] for arm in plan.arms}
-    gather_bytes: dict[str, int] = {}
-    tolerance = {
-        arm.name: {
-            "checked": 0,
-            "violations": 0,
-            "max_ratio": 0.0,
-            "max_abs_error": 0.0,
-            "own_shard_max_ratio": 0.0,
-        }
-        for arm in candidates
-    }
-    for step in range(1, plan.steps + 1):
-        for arm in plan.arms:
-            engine = engines[arm.name]
-            batch = workload.batch(seed=plan.seed, step=step, rank=rank)
-            loss = workload.loss(engine.module, batch)
-            with WireProbe() as probe:
-                engine.train_step(loss)
-            gather_bytes[arm.name] = probe.bytes["gather"]
-            losses[arm.name].append(_mean_over_ranks(loss))
-            grad_norms[arm.name].append(float(engine.grad_norm))
-        reference_params = dict(reference.module.named_parameters())
-        for arm in candidates:
-            ratio = engines[arm.name].own_shard_decode_ratio()
-            if ratio is not None:
-                totals = tolerance[arm.name]
-                totals["own_shard_max_ratio"] = max(totals["own_shard_max_ratio"], ratio)
-            _compare_sample(
-                engines[arm.name],
-                reference_params,
-                samples,
-                step,
-                plan,
-                working_dtype,
-                tolerance[arm.name],
-            )
-        if step % 5 == 0 or step == plan.steps:
-            summary = ", ".join(f"{name} {values[-1]:.4f}" for name, values in losses.items())
-            progress.say(f"step {step}/{plan.steps}: loss {summary}")
 
-    observation: dict[str, Any] = {
+@torch.no_grad()
+def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int) -> float:
+    module = engine.module
+    was_training = module.training
+    module.eval()
+    try:
+        total = torch.zeros(())
+        for index in range(plan.held_out_batches):
+            batch = plan.workload.held_out_batch(seed=plan.seed, index=index, rank=rank)
+            total += plan.workload.loss(module, batch).detach().float().cpu()
+    finally:
+        module.train(was_training)
+    return _mean_over_ranks(total / plan.held_out_batches)
+
+
+@torch.no_grad()
+def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
+    """[Note: learning margin]: add noise of the quantization error's size to the working
+    copy of every quantized parameter -- uniform in [-scale/2, scale/2] per group of
+    `group_size` elements of the parameter, drawn from one seed on every rank, so the
+    replicas stay identical and the masters are untouched (the next gather overwrites it)."""
+    from qwz import quant
+
+    generator = torch.Generator().manual_seed(seed * 1_000_033 + step)
+    for param in engine.module.parameters():
+        if param.numel() <= PRESERVE_NUMEL:
+            continue
+        flat = param.detach().reshape(-1)
+        padded = -(-flat.numel() // group_size) * group_size
+        values = torch.nn.functional.pad(flat.float().cpu(), (0, padded - flat.numel()))
+        scales = quant.group_scales(values, group_size).repeat_interleave(group_size)
+        noise = (torch.rand(padded, generator=generator) - 0.5) * scales
+        flat.add_(noise[: flat.numel()].to(flat.device, flat.dtype))
+
+
+def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module) -> dict:
+    kind = "non-finite" if isinstance(error, FloatingPointError) else "error"
+    message = f"{type(error).__name__}: {error}".splitlines()[0][:2000]
+    return {
+        "step": step,
         "rank": rank,
-        "num_parameters": sum(p.numel() for p in reference.module.parameters()),
-        "device_name": provenance.device_name(),
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "gather_bytes": gather_bytes,
-        "tolerance": tolerance,
-        "hashes": {name: param_hash(engine.module) for name, engine in engines.items()},
-        "group_sizes": {name: engine.group_size for name, engine in engines.items()},
+        "kind": kind,
+        "message": message,
+        "parameters": observers.non_finite_parameters(module)[:20],
     }
 
+
+def _train_arm(
+    plan: RunPlan,
+    arm: ArmSpec,
+    rank: int,
+    reference_samples: dict[str, list[torch.Tensor]] | None,
+    samples: dict[str, torch.Tensor] | None,
+    progress: _Progress,
+) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
+    """Train one arm for plan.steps steps; its observations, and its sampled values per step."""
+    workload = plan.workload
+    _release_memory()
+    _reset_peak_memory()
+    obs: dict[str, Any] = {
+        "losses": [],
+        "grad_norms": [],
+        "held_out": [],
+        "step1_digests": None,
+        "update": None,
+        "own_shard": None,
+        "replica_divergence": None,
+        "drift_max_abs": [],
+        "gather_bytes": 0,
+        "final_hash": None,
+        "group_size": None,
+        "failure": None,
+    }
+    sampled: dict[str, list[torch.Tensor]] = {}
+    engine: ArmEngine | None = None
+    update_check: observers.UpdateCheck | None = None
+    step = 0
+    try:
+        engine = _build(plan, arm)
+        obs["group_size"] = engine.group_size
+        module = engine.module
+        names = [name for name, _ in module.named_parameters()]
+        numel = {name: param.numel() for name, param in module.named_parameters()}
+        update_check = observers.UpdateCheck(
+            engine.own_shards(),
+            engine.shard_optimizer,
+            plan.adamw,
+            samples_per_shard=plan.update_samples,
+            seed=plan.seed,
+            rank=rank,
+        )
+        own_result = observers.OwnShardResult()
+        check_own = arm.noise_group_size is None
+        if 0 in plan.eval_steps:
+            obs["held_out"].append([0, _held_out_loss(plan, engine, rank)])
+        for step in range(1, plan.steps + 1):
+            error: dict[str, Any] | None = None
+            try:
+                loss = workload.loss(module, workload.batch(seed=plan.seed, step=step, rank=rank))
+                update_check.begin_step(step)
+                with WireProbe() as probe:
+                    engine.train_step(loss)
+                update_check.end_step()
+                loss_value = _mean_over_ranks(loss)
+                grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
+                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                    raise FloatingPointError(
+                        f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}"
+                    )
+            except Exception as raised:  # recorded, agreed on, and the arm ends
+                error = _failure(step, rank, raised, module)
+            errors = [item for item in _agree(error) if item is not None]
+            if errors:
+                obs["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
+                progress.say(f"{arm.name}: FAILED at step {step}: {errors[0]['message'][:200]}")
+                break
+            obs["losses"].append(loss_value)
+            obs["grad_norms"].append(grad_norm)
+            obs["gather_bytes"] = int(probe.bytes["gather"])
+            if arm.noise_group_size is not None:
+                _perturb(engine, arm.noise_group_size, plan.seed, step)
+            shards = engine.own_shards()
+            if check_own:
+                observers.check_own_shards(
+                    shards,
+                    arm.group_size,
+                    numel,
+                    PRESERVE_NUMEL,
+                    step,
+                    rank,
+                    own_result,
+                )
+            divergent = observers.replica_divergence(module)
+            if divergent and obs["replica_divergence"] is None:
+                obs["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
+            if step == 1:
+                obs["step1_digests"] = observers.master_digests(shards, names)
+            if samples is not None:
+                params = dict(module.named_parameters())
+                values = {
+                    name: params[name]
+                    .detach()
+                    .reshape(-1)[index.to(params[name].device)]
+                    .float()
+                    .cpu()
+                    for name, index in samples.items()
+                }
+                for name, value in values.items():
+                    sampled.setdefault(name, []).append(value)
+                if reference_samples is not None:
+                    obs["drift_max_abs"].append(
+                        max(
+                            float((value - reference_samples[name][step - 1]).abs().max())
+                            for name, value in values.items()
+                        )
+                    )
+            if step in plan.eval_steps:
+                obs["held_out"].append([step, _held_out_loss(plan, engine, rank)])
+            if step % 5 == 0 or step == plan.steps:
+                progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
+        if check_own:
+            obs["own_shard"] = dataclasses.asdict(own_result)
+        obs["final_hash"] = param_hash(module)
+    except Exception as raised:  # a failure outside a step (building the arm, a check)
+        if engine is None or obs["failure"] is None:
+            module = engine.module if engine is not None else torch.nn.Module()
+            obs["failure"] = _failure(step, rank, raised, module) | {"ranks": [rank]}
+    finally:
+        if update_check is not None:
+            obs["update"] = dataclasses.asdict(update_check.result)
+            update_check.close()
+        obs["steps_completed"] = len(obs["losses"])
+        obs["memory"] = _peak_memory()
+        del engine, update_check
+        _release_memory()
+    return obs, sampled
+
+
+def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Progress) -> dict:
+    workload = plan.workload
     timings: dict[str, list[dict[str, Any]]] = {}
-    # Batches are made before the clock starts: data generation is not the step under test.
     perf_steps = len(candidates) * plan.blocks * 2 * (plan.warmup_steps + plan.block_steps)
+    # Batches are made before the clock starts: data generation is not the step under test.
     batches = iter(
         [
             workload.batch(seed=plan.seed, step=plan.steps + offset, rank=rank)
             for offset in range(1, perf_steps + 1)
         ]
     )
-
-    def one_step(engine: ArmEngine) -> None:
-        engine.train_step(workload.loss(engine.module, next(batches)))
-
+    reference_spec = plan.arms[0]
     for arm in candidates:
+        resident: dict[str, ArmEngine] = {}
+
+        def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident) -> None:
+            if spec.name not in resident:
+                if plan.one_arm_resident:
+                    resident.clear()
+                    _release_memory()
+                resident[spec.name] = _build(plan, spec)
+            engine = resident[spec.name]
+            engine.train_step(workload.loss(engine.module, next(batches)))
+
         blocks = stats.measure_blocks(
-            lambda: one_step(reference),
-            lambda engine=engines[arm.name]: one_step(engine),
+            lambda: step_of(reference_spec),
+            lambda arm=arm: step_of(arm),
             blocks=plan.blocks,
             block_steps=plan.block_steps,
             warmup_steps=plan.warmup_steps,
             sync=_sync,
         )
+        resident.clear()
+        _release_memory()
         timings[arm.name] = [block._asdict() for block in blocks]
         speedups = stats.block_speedups(blocks)
-        progress.say(
-            f"{arm.name}: block speed-ups " + ", ".join(f"{value:.3f}" for value in speedups)
+        progress.say(f"{arm.name}: block speed-ups " + ", ".join(f"{v:.3f}" for v in speedups))
+    return timings
+
+
+def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
+    """Run the plan on this rank; rank 0 gets every rank's observations."""
+    rank, world_size = _rank_and_world()
+    progress = _Progress(rank == 0)
+    progress.say(
+        f"{plan.subject}: {len(plan.arms)} arms one after another, {plan.steps} steps each, "
+        f"then {plan.blocks} blocks x {plan.block_steps} steps per candidate"
+    )
+    probe_model = plan.workload.build_model(plan.seed)
+    samples = _sample_indices(probe_model, plan.samples_per_param, plan.seed)
+    num_parameters = sum(p.numel() for p in probe_model.parameters())
+    del probe_model
+    arms: dict[str, dict[str, Any]] = {}
+    reference_samples: dict[str, list[torch.Tensor]] | None = None
+    for arm in plan.arms:
+        obs, sampled = _train_arm(
+            plan,
+            arm,
+            rank,
+            None if arm.name == REFERENCE else reference_samples,
+            samples,
+            progress,
         )
-    observation["timings"] = timings
-    observation["memory"] = _peak_memory()
+        if arm.name == REFERENCE:
+            reference_samples = sampled if obs["failure"] is None else None
+        arms[arm.name] = obs
+
+    # Arms that failed are not timed; without a working reference nothing is.
+    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name]["failure"] is None]
+    timings = {}
+    if arms[REFERENCE]["failure"] is None and plan.blocks > 0:
+        timings = _timing(plan, timed, rank, progress)
+
+    observation: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world_size,
+        "num_parameters": num_parameters,
+        "device_name": provenance.device_name(),
+        "arms": arms,
+        "timings": timings,
+    }
     if rank == 0:
         observation["head"] = provenance.git_head().model_dump()
         observation["subject"] = provenance.subject(plan.subject).model_dump()
-    gathered: list[Any] = [observation]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, observation)
+    gathered = _agree(observation)
     if rank == 0:
         names = [item["device_name"] for item in gathered]
         gathered[0]["environment"] = provenance.environment(names).model_dump()
         return gathered
     return None
-
-
-def _compare_sample(
-    candidate: ArmEngine,
-    reference_params: dict[str, torch.nn.Parameter],
-    samples: dict[str, torch.Tensor],
-    step: int,
-    plan: RunPlan,
-    working_dtype: torch.dtype,
-    totals: dict[str, Any],
-) -> None:
-    for name, param in candidate.module.named_parameters():
-        index = samples[name].to(param.device)
-        cand = param.detach().reshape(-1)[index].float()
-        ref = reference_params[name].detach().reshape(-1)[index].float()
-        scales = candidate.element_scales(name).reshape(-1).to(param.device)[index]
-        bound = element_bound(step, plan.lr, BETAS, scales, ref, cand, working_dtype)
-        error = (cand - ref).abs()
-        totals["checked"] += int(index.numel())
-        totals["violations"] += int((error > bound).sum())
-        totals["max_ratio"] = max(totals["max_ratio"], float((error / bound).max()))
-        totals["max_abs_error"] = max(totals["max_abs_error"], float(error.max()))
 
 
 def plan_dict(plan: RunPlan) -> dict[str, Any]:

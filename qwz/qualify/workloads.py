@@ -15,7 +15,8 @@ Presets:
 * ``qwen3-0.6b``: a Qwen3-0.6B-shaped config (28 layers, hidden 1024, vocab
   151,936), sequence 2048, for GPU runners.
 * ``qwen3-4b``: the upstream evidence's shape (36 layers, hidden 2560), sequence 2048.
-* ``mlp``: a plain MLP without ``transformers``, for quick runs and tests.
+* ``mlp``: a plain MLP without ``transformers`` learning a seeded linear teacher (plus
+  noise), for quick runs and tests.
 """
 
 from __future__ import annotations
@@ -105,9 +106,16 @@ class Workload:
         if self.name == "mlp":
             sizes = self.params["sizes"]
             inputs = torch.randn(batch, sizes[0], generator=generator)
-            return inputs, torch.randn(batch, sizes[-1], generator=generator)
+            teacher = _teacher(sizes[0], sizes[-1], seed)
+            noise = torch.randn(batch, sizes[-1], generator=generator)
+            return inputs, inputs @ teacher + TEACHER_NOISE * noise
         vocab, seq_len = self.params["model"]["vocab_size"], self.params["seq_len"]
         return (_token_batch(vocab, batch, seq_len, seed, generator),)
+
+    def held_out_batch(self, *, seed: int, index: int, rank: int) -> tuple[torch.Tensor, ...]:
+        """Batch `index` of the held-out set: drawn like training batches (same data
+        distribution, same successor map or teacher) from a seed space training never uses."""
+        return self.batch(seed=seed, step=HELD_OUT_STEP_BASE + index, rank=rank)
 
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The training loss of `model` on `batch` (from :meth:`batch`)."""
@@ -118,6 +126,20 @@ class Workload:
             return torch.nn.functional.mse_loss(prediction, targets.to(parameter.device))
         tokens = batch[0].to(parameter.device)
         return model(input_ids=tokens, labels=tokens).loss.float()
+
+
+HELD_OUT_STEP_BASE = 1 << 40
+"""Held-out batches use steps from here on; training and timing steps stay far below."""
+
+TEACHER_NOISE = 0.1
+"""mlp workload: targets are a fixed, seeded linear teacher of the inputs plus this much
+Gaussian noise, so the loss can fall (a workload that cannot learn makes every
+qualification INCONCLUSIVE)."""
+
+
+def _teacher(fan_in: int, fan_out: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 7 + 12_345)
+    return torch.randn(fan_in, fan_out, generator=generator) / fan_in**0.5
 
 
 NOISE = 0.1

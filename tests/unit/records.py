@@ -1,14 +1,13 @@
 """A synthetic evidence record for the unit tests of record, compare and report.
 
-``make_payload`` returns the payload a two-rank qualification of the tiny Qwen3
-workload would write (a reference arm ``reference``, a candidate arm
-``candidate-g64``, four speed blocks, every check passing), with every value spelled
-out in its JSON type so that ``record.seal`` digests exactly what ``record.save``
-writes. ``make_record`` seals it.
+``make_payload`` returns the raw observations a two-rank qualification of the
+tiny Qwen3 workload would record (arms ``reference``, ``calibration`` and
+``candidate-g64``, four speed blocks, every check passing), with every value
+spelled out in its JSON type. ``make_record`` seals it: ``record.seal`` derives
+the checks and the verdict from the observations, as ``record.load`` does again.
 
 Overrides replace top-level keys; a dict override is merged into the default dict
-(``environment={"world_size": 4}``), a list override replaces the list. Unless
-``verdict`` is overridden it follows from the checks.
+(``environment={"world_size": 4}``), a list override replaces the list.
 """
 
 from __future__ import annotations
@@ -16,12 +15,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-import statistics
 from typing import Any
 
-from qwz.qualify import record, stats
+from qwz.qualify import checks, record
 
 REFERENCE = "reference"
+CALIBRATION = "calibration"
 CANDIDATE = "candidate-g64"
 HEAD_SHA = "3f9c2a4e8b7d1c0a5e6f7b8c9d0e1f2a3b4c5d6e"
 STEPS = 20
@@ -62,80 +61,112 @@ def _arm_config(quantized: bool) -> dict[str, Any]:
     }
 
 
-def _performance() -> dict[str, Any]:
-    speedups = [r / c for r, c in zip(REFERENCE_STEP_S, CANDIDATE_STEP_S, strict=True)]
-    ci_low, ci_high = stats.bootstrap_median_ci(speedups)
-    return {
-        "arm": CANDIDATE,
-        "block_steps": 10,
-        "warmup_steps": 3,
-        "blocks": [
-            {
-                "index": index,
-                "order": "AB" if index % 2 == 0 else "BA",
-                "reference_step_s": reference_s,
-                "candidate_step_s": candidate_s,
-                "speedup": speedup,
-            }
-            for index, (reference_s, candidate_s, speedup) in enumerate(
-                zip(REFERENCE_STEP_S, CANDIDATE_STEP_S, speedups, strict=True)
-            )
-        ],
-        "median_speedup": statistics.median(speedups),
-        "ci_low": ci_low,
-        "ci_high": ci_high,
-        "ci_method": stats.describe_ci(0.95, 10_000, 0),
-        "p_value": stats.paired_p_value(REFERENCE_STEP_S, CANDIDATE_STEP_S),
-        "test": f"{stats.TEST_DESCRIPTION}, 4 blocks",
-        "memory": [
-            {
-                "rank": rank,
-                "kind": "cuda",
-                "peak_allocated_bytes": 61_341_696 + 4_096 * rank,
-                "peak_reserved_bytes": 81_788_928,
-            }
-            for rank in range(2)
-        ],
-    }
-
-
-def _checks() -> list[dict[str, Any]]:
+def _blocks() -> list[dict[str, Any]]:
+    # Five timed steps per arm and block around the block medians above.
     return [
         {
-            "name": "losses-finite",
-            "passed": True,
-            "detail": "all 20 losses and gradient norms of both arms are finite",
-            "numbers": {"steps": STEPS, "non_finite": 0},
-        },
-        {
-            "name": "tolerance",
-            "passed": True,
-            "detail": "0 of 10240 sampled parameters outside the bound (max ratio 0.41)",
-            "numbers": {"checked": 10240, "violations": 0, "max_ratio": 0.412},
-        },
-        {
-            "name": "replicas-identical",
-            "passed": True,
-            "detail": "final parameter hash equal on both ranks, for both arms",
-            "numbers": {"ranks": 2},
-        },
-        {
-            "name": "group-size-probe",
-            "passed": True,
-            "detail": "every rank reports group size 64 for candidate-g64",
-            "numbers": {"requested": 64, "reported": [64, 64]},
-        },
-        {
-            "name": "wire-bytes",
-            "passed": True,
-            "detail": "candidate gather sends 0.531x the reference bytes (expected 0.531x)",
-            "numbers": {"ratio": 0.53125},
-        },
+            "order": "AB" if index % 2 == 0 else "BA",
+            "reference_times_s": [
+                reference_s * factor for factor in (0.998, 1.0, 1.004, 0.999, 1.01)
+            ],
+            "candidate_times_s": [
+                candidate_s * factor for factor in (1.003, 0.997, 1.0, 1.02, 0.999)
+            ],
+        }
+        for index, (reference_s, candidate_s) in enumerate(
+            zip(REFERENCE_STEP_S, CANDIDATE_STEP_S, strict=True)
+        )
     ]
 
 
+def _memory(arm: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "arm": arm,
+            "rank": rank,
+            "kind": "cuda",
+            "peak_allocated_bytes": 61_341_696 + 4_096 * rank,
+            "peak_reserved_bytes": 81_788_928,
+        }
+        for rank in range(2)
+    ]
+
+
+def _performance() -> dict[str, Any]:
+    return {
+        "arm": CANDIDATE,
+        "block_steps": 5,
+        "warmup_steps": 3,
+        **checks.summarize_blocks(_blocks()),
+        "memory": _memory(CANDIDATE),
+    }
+
+
+EVAL_STEPS = [0, 5, 10, 15, 20]
+HELD_OUT = {
+    REFERENCE: [7.6728, 7.0256, 6.7207, 6.3191, 5.8716],
+    CALIBRATION: [7.6728, 7.0257, 6.7213, 6.3195, 5.8717],
+    CANDIDATE: [7.6728, 7.0250, 6.7209, 6.3189, 5.8713],
+}
+
+
+def _trajectory(arm: str, wiggle: float) -> dict[str, Any]:
+    return {
+        "arm": arm,
+        "steps_planned": STEPS,
+        "losses": _losses(wiggle),
+        "grad_norms": _grad_norms(),
+        "held_out": [
+            {"step": step, "loss": loss}
+            for step, loss in zip(EVAL_STEPS, HELD_OUT[arm], strict=True)
+        ],
+        "failure": None,
+    }
+
+
+PARAMETER_NAMES = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+
+
+def _digests() -> dict[str, str]:
+    return {name: fake_hash(name)[:16] for name in PARAMETER_NAMES}
+
+
+def _updates(arm: str) -> dict[str, Any]:
+    return {
+        "arm": arm,
+        "samples_per_shard": 512,
+        "checked": 40_960,
+        "violations": 0,
+        "max_ratio": 0.49,
+        "first_violation": None,
+        "missing_steps": [],
+    }
+
+
+def _arm(name: str, role: str, quantized: bool) -> dict[str, Any]:
+    return {
+        "name": name,
+        "role": role,
+        "quantized": quantized,
+        "group_size": 64 if quantized else None,
+        "stage": 2,
+        "dtype": "bf16",
+        "kernels": "compiled",
+        "integration_enabled": True,
+        "config": _arm_config(quantized=quantized),
+    }
+
+
+ARMS = (
+    (REFERENCE, "reference", False),
+    (CALIBRATION, "calibration", False),
+    (CANDIDATE, "candidate", True),
+)
+
+
 def make_payload(**overrides: Any) -> dict[str, Any]:
-    """The payload of a passing two-rank qualification, with ``overrides`` applied."""
+    """The raw observations of a passing two-rank qualification, with ``overrides`` applied
+    (checks and verdict are derived by ``record.seal``)."""
     payload: dict[str, Any] = {
         "schema_version": record.SCHEMA_VERSION,
         "created_at": "2025-06-02T14:31:07+00:00",
@@ -167,53 +198,44 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
             "steps": STEPS,
             "seed": 1234,
         },
-        "arms": [
-            {
-                "name": REFERENCE,
-                "quantized": False,
-                "group_size": None,
-                "stage": 2,
-                "dtype": "bfloat16",
-                "kernels": "compiled",
-                "integration_enabled": True,
-                "config": _arm_config(quantized=False),
-            },
-            {
-                "name": CANDIDATE,
-                "quantized": True,
-                "group_size": 64,
-                "stage": 2,
-                "dtype": "bfloat16",
-                "kernels": "compiled",
-                "integration_enabled": True,
-                "config": _arm_config(quantized=True),
-            },
-        ],
+        "plan": {"steps": STEPS, "lr": 0.0003, "min_speedup": None},
+        "arms": [_arm(*arm) for arm in ARMS],
         "trajectories": [
-            {"arm": REFERENCE, "losses": _losses(0.0), "grad_norms": _grad_norms()},
-            {"arm": CANDIDATE, "losses": _losses(0.0004), "grad_norms": _grad_norms()},
+            _trajectory(REFERENCE, 0.0),
+            _trajectory(CALIBRATION, 0.0003),
+            _trajectory(CANDIDATE, 0.0004),
         ],
-        "tolerance": [
+        "learning": {
+            "eval_steps": EVAL_STEPS,
+            "held_out_batches_per_rank": 2,
+            "calibration_arm": CALIBRATION,
+            "calibration_group_size": 64,
+        },
+        "step_one": [{"arm": name, "digests": _digests()} for name, _, _ in ARMS],
+        "updates": [_updates(name) for name, _, _ in ARMS],
+        "own_shards": [
+            {"arm": REFERENCE, "max_ratio": 0.0, "first_violation": None},
+            {"arm": CANDIDATE, "max_ratio": 0.998, "first_violation": None},
+        ],
+        "drift": [
             {
-                "arm": CANDIDATE,
-                "bound": "|w_q - w_r| <= D_t + scale/2 + ulp(|w_r|) + ulp(|w_q|)",
-                "samples_per_step": 512,
-                "steps": STEPS,
-                "checked": 10240,
-                "violations": 0,
-                "max_ratio": 0.412,
-                "own_shard_max_ratio": 0.998,
-                "max_abs_error": 0.000731,
+                "arm": name,
+                "samples_per_param": 64,
+                "max_abs_error": [0.0073] * STEPS,
+                "bound": [0.002 * (step + 1) for step in range(STEPS)],
             }
+            for name in (CALIBRATION, CANDIDATE)
         ],
         "hashes": [
             {
-                "arm": arm,
-                "per_rank": [fake_hash(arm)] * 2,
+                "arm": name,
+                "per_rank": [fake_hash(name)] * 2,
+                "divergence": None,
                 "ledger_status": "reproduced",
-                "ledger_previous": fake_hash(arm),
+                "ledger_previous": fake_hash(name),
+                "ledger_siblings": {},
             }
-            for arm in (REFERENCE, CANDIDATE)
+            for name, _, _ in ARMS
         ],
         "probes": [
             {
@@ -226,17 +248,14 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
                 "reference_gather_bytes_per_step": 1_158_528,
             }
         ],
+        "memory": [item for name, _, _ in ARMS for item in _memory(name)],
         "performance": [_performance()],
-        "checks": _checks(),
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(payload.get(key), dict):
             payload[key] = {**payload[key], **copy.deepcopy(value)}
         else:
             payload[key] = copy.deepcopy(value)
-    if "verdict" not in overrides:
-        checks = [record.Check.model_validate(check) for check in payload["checks"]]
-        payload["verdict"] = record.verdict_of(checks).model_dump(mode="json")
     return payload
 
 

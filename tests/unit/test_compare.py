@@ -16,12 +16,10 @@ BASELINE = make_record()
 
 
 def candidate_with(edit, **overrides: Any) -> record.Record:
-    """A record made from the default payload after ``edit(payload)``; verdict re-derived."""
+    """A record sealed from the default observations after ``edit(payload)``: its checks and
+    verdict are derived from the edited observations."""
     payload = make_payload(**overrides)
     edit(payload)
-    payload.pop("verdict")
-    checks = [record.Check.model_validate(check) for check in payload["checks"]]
-    payload["verdict"] = record.verdict_of(checks).model_dump(mode="json")
     return record.seal(payload)
 
 
@@ -40,41 +38,62 @@ def test_identical_records_do_not_regress():
     assert comparison.lines[-1] == "result: no regression"
 
 
-def test_a_check_that_now_fails_is_a_regression():
-    def fail_tolerance(payload):
-        payload["checks"][1] |= {"passed": False, "detail": "3 of 10240 outside the bound"}
+def fail_updates(payload):
+    payload["updates"][2]["violations"] = 3
 
-    comparison = compare(BASELINE, candidate_with(fail_tolerance))
+
+def test_a_check_that_now_fails_is_a_regression():
+    comparison = compare(BASELINE, candidate_with(fail_updates))
     assert comparison.status == Status.REGRESSION == 1
     [line] = regressions(comparison)
-    assert "'tolerance'" in line and "3 of 10240" in line
+    assert "'update[candidate-g64]' was pass in the baseline and is fail now" in line
     assert "verdict: PASS -> FAIL" in comparison.lines
 
 
-def test_a_new_failing_check_is_a_regression():
-    def add_failing(payload):
-        payload["checks"].append({"name": "staging-bound", "passed": False, "detail": "over"})
+def test_a_check_that_turns_inconclusive_is_a_regression():
+    def stop_learning(payload):
+        for trajectory in payload["trajectories"]:
+            for point in trajectory["held_out"]:
+                point["loss"] = 7.6728
 
-    comparison = compare(BASELINE, candidate_with(add_failing))
+    comparison = compare(BASELINE, candidate_with(stop_learning))
     assert comparison.status == Status.REGRESSION
-    assert "staging-bound" in regressions(comparison)[0]
+    assert any("is inconclusive now" in line for line in regressions(comparison))
+    assert "verdict: PASS -> INCONCLUSIVE" in comparison.lines
+
+
+def test_a_new_failing_check_is_a_regression():
+    comparison = compare(BASELINE, candidate_with(lambda p: None, plan={"min_speedup": 1.5}))
+    assert comparison.status == Status.REGRESSION
+    assert "speedup[candidate-g64]" in regressions(comparison)[0]
+    assert "(new, not in the baseline)" in regressions(comparison)[0]
 
 
 def test_a_check_failing_in_both_is_reported_not_a_regression():
     def fail_probe(payload):
-        payload["checks"][3] |= {"passed": False, "detail": "rank 1 reports 8192"}
+        payload["probes"][0]["reported_group_sizes"] = [64, 8192]
 
     baseline = candidate_with(fail_probe)
     comparison = compare(baseline, candidate_with(fail_probe))
     assert comparison.status == Status.NO_REGRESSION
-    assert any("still fails" in line and "group-size-probe" in line for line in comparison.lines)
+    assert any("still fail" in line and "probe[candidate-g64]" in line for line in comparison.lines)
     improved = compare(baseline, BASELINE)
     assert improved.status == Status.NO_REGRESSION
-    assert any("improved" in line and "group-size-probe" in line for line in improved.lines)
+    assert any("improved" in line and "probe[candidate-g64]" in line for line in improved.lines)
+
+
+def test_a_check_that_passed_and_is_not_applicable_now_is_reported():
+    def no_ledger(payload):
+        for hashes in payload["hashes"]:
+            hashes["ledger_status"] = "not-checked"
+
+    comparison = compare(BASELINE, candidate_with(no_ledger))
+    assert comparison.status == Status.NO_REGRESSION
+    assert any("passed in the baseline, n/a now" in line for line in comparison.lines)
 
 
 def change_hash(payload):
-    payload["hashes"][1]["per_rank"] = [fake_hash("something else")] * 2
+    payload["hashes"][2]["per_rank"] = [fake_hash("something else")] * 2
 
 
 def test_a_changed_hash_at_the_same_head_and_environment_is_a_regression():
@@ -100,35 +119,50 @@ def test_a_changed_hash_with_different_code_is_only_reported(head):
     assert "as expected" in line
 
 
-def set_speed(median: float, low: float, high: float):
+def slow_candidate(factor: float):
+    """Every timed candidate step ``factor`` times as long: each block's speed-up / factor."""
+
     def edit(payload):
-        payload["performance"][0] |= {"median_speedup": median, "ci_low": low, "ci_high": high}
+        for block in payload["performance"][0]["blocks"]:
+            block["candidate_times_s"] = [time * factor for time in block["candidate_times_s"]]
 
     return edit
 
 
 def test_a_speedup_interval_below_the_baseline_is_a_regression():
-    baseline_low = BASELINE.performance[0].ci_low
-    comparison = compare(BASELINE, candidate_with(set_speed(1.02, 1.01, baseline_low - 1e-4)))
+    comparison = compare(BASELINE, candidate_with(slow_candidate(1.02)))
     assert comparison.status == Status.REGRESSION
     [line] = regressions(comparison)
     assert "speed-up of 'candidate-g64' fell" in line
-    assert "1.020x [1.010, 1.036]" in line and "baseline 1.037x [1.036, 1.039]" in line
+    assert "1.017x [1.016, 1.019]" in line and "baseline 1.037x [1.036, 1.039]" in line
 
 
 def test_overlapping_or_better_speedup_intervals_do_not_regress():
-    overlapping = compare(BASELINE, candidate_with(set_speed(1.030, 1.020, 1.0365)))
+    overlapping = compare(BASELINE, candidate_with(slow_candidate(1.001)))
     assert overlapping.status == Status.NO_REGRESSION
     assert any("unchanged within the intervals" in line for line in overlapping.lines)
-    faster = compare(BASELINE, candidate_with(set_speed(1.10, 1.09, 1.11)))
+    faster = compare(BASELINE, candidate_with(slow_candidate(0.95)))
     assert faster.status == Status.NO_REGRESSION
     assert any(line.startswith("improved: speed-up") for line in faster.lines)
 
 
+def test_insufficient_blocks_are_not_compared():
+    def two_blocks(payload):
+        from qwz.qualify import checks
+
+        raw = payload["performance"][0]["blocks"][:2]
+        payload["performance"][0] |= checks.summarize_blocks(raw)
+
+    comparison = compare(BASELINE, candidate_with(two_blocks))
+    assert comparison.status == Status.NO_REGRESSION
+    assert any("insufficient blocks" in line for line in comparison.lines)
+
+
 def grow_memory(factor: float):
     def edit(payload):
-        for memory in payload["performance"][0]["memory"]:
-            memory["peak_allocated_bytes"] = round(memory["peak_allocated_bytes"] * factor)
+        for memory in payload["memory"]:
+            if memory["arm"] == CANDIDATE:
+                memory["peak_allocated_bytes"] = round(memory["peak_allocated_bytes"] * factor)
 
     return edit
 
@@ -150,7 +184,7 @@ def test_memory_growth_within_the_limit_is_not():
 
 def test_memory_is_judged_on_the_largest_rank():
     def grow_rank_1(payload):
-        payload["performance"][0]["memory"][1]["peak_allocated_bytes"] *= 2
+        payload["memory"][-1]["peak_allocated_bytes"] *= 2
 
     assert compare(BASELINE, candidate_with(grow_rank_1)).status == Status.REGRESSION
 
@@ -159,7 +193,7 @@ def test_several_regressions_are_all_listed_first():
     def everything(payload):
         change_hash(payload)
         grow_memory(1.5)(payload)
-        set_speed(0.9, 0.89, 0.91)(payload)
+        slow_candidate(1.15)(payload)
 
     comparison = compare(BASELINE, candidate_with(everything))
     assert comparison.status == Status.REGRESSION
@@ -189,10 +223,12 @@ def test_records_of_different_setups_are_not_comparable(overrides, reason):
 
 def test_different_arms_are_not_comparable():
     def rename(payload):
-        payload["arms"][1]["name"] = "candidate-g128"
+        text = json.dumps(payload).replace('"candidate-g64"', '"candidate-g128"')
+        payload.clear()
+        payload.update(json.loads(text))
 
     def regroup(payload):
-        zero = payload["arms"][1]["config"]["zero_optimization"]
+        zero = payload["arms"][2]["config"]["zero_optimization"]
         zero["zero_quantized_weights_group_size"] = 128
 
     renamed = compare(BASELINE, candidate_with(rename))
@@ -211,10 +247,10 @@ def test_a_different_platform_string_alone_is_comparable():
 
 def test_a_different_schema_version_is_not_comparable():
     # A Record cannot be validated with another version; model_copy skips validation.
-    future = BASELINE.model_copy(update={"schema_version": 2})
+    future = BASELINE.model_copy(update={"schema_version": 3})
     comparison = compare(BASELINE, future)
     assert comparison.status == Status.NOT_COMPARABLE
-    assert "schema versions differ: 1 -> 2" in text(comparison)
+    assert "schema versions differ: 2 -> 3" in text(comparison)
 
 
 def test_memory_growth_limit_is_validated():
@@ -245,14 +281,14 @@ def test_compare_files_of_valid_records(tmp_path, baseline_path):
 
 def test_compare_files_with_another_schema_version(tmp_path, baseline_path):
     payload = json.loads(baseline_path.read_text())
-    payload["schema_version"] = 2
+    payload["schema_version"] = 3
     payload["digest"] = record.canonical_digest(payload)
     future_path = tmp_path / "future.json"
     future_path.write_text(json.dumps(payload))
     comparison = compare_files(baseline_path, future_path)
     assert comparison.status == Status.NOT_COMPARABLE
     assert "candidate record rejected" in text(comparison)
-    assert "schema_version 2 is not supported" in text(comparison)
+    assert "schema_version 3 is not supported" in text(comparison)
 
 
 def test_compare_files_with_a_tampered_record(tmp_path, baseline_path):

@@ -44,11 +44,23 @@ def test_round_trip(tmp_path):
 
 
 def test_round_trip_of_a_failing_record(tmp_path):
-    checks = make_payload()["checks"]
-    checks[1] |= {"passed": False, "detail": "3 of 10240 sampled parameters outside the bound"}
-    loaded = record.load(saved(tmp_path, checks=checks))
-    assert not loaded.verdict.passed
-    assert loaded.verdict.failed == ["tolerance"]
+    updates = make_payload()["updates"]
+    updates[2] |= {
+        "violations": 3,
+        "first_violation": {
+            "step": 7,
+            "rank": 1,
+            "parameter": "lm_head.weight",
+            "index": 12,
+            "what": "expected 0.1, got 0.2",
+            "ratio": 4.5,
+        },
+    }
+    loaded = record.load(saved(tmp_path, updates=updates))
+    assert not loaded.verdict.passed and loaded.verdict.status == "FAIL"
+    assert loaded.verdict.failed == ["update[candidate-g64]"]
+    check = next(check for check in loaded.checks if check.name == "update[candidate-g64]")
+    assert "step 7, rank 1, lm_head.weight[12]" in check.detail
 
 
 def test_an_edited_number_breaks_the_digest(tmp_path):
@@ -83,7 +95,7 @@ def test_a_json_array_is_not_a_record(tmp_path):
         record.load(path)
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, 1, 3, "2", None])
 def test_wrong_schema_version(tmp_path, version):
     path = saved(tmp_path)
     rewrite(path, lambda payload: payload.update(schema_version=version), redigest=True)
@@ -100,7 +112,7 @@ def _add_nested_field(payload):
 
 
 def _drop_top_level_field(payload):
-    del payload["tolerance"]
+    del payload["updates"]
 
 
 def _drop_nested_field(payload):
@@ -129,17 +141,72 @@ def test_schema_violations(tmp_path, edit):
 
 
 def test_a_verdict_that_does_not_follow_from_the_checks(tmp_path):
-    """A failing check with the verdict flipped to passed, the digest recomputed: only the
-    verdict rule is left to catch it."""
-    checks = make_payload()["checks"]
-    checks[0] |= {"passed": False, "detail": "loss is nan at step 7"}
-    path = saved(tmp_path, checks=checks)
+    """The verdict flipped to FAIL, the digest recomputed: only the verdict rule is left."""
+    path = saved(tmp_path)
 
     def flip(payload):
-        payload["verdict"] = {"passed": True, "failed": []}
+        payload["verdict"] |= {"status": "FAIL", "passed": False}
 
     rewrite(path, flip, redigest=True)
     with pytest.raises(record.RecordError, match="verdict"):
+        record.load(path)
+
+
+def test_a_stored_check_that_does_not_follow_from_the_data(tmp_path):
+    """A failing update check doctored to pass (verdict and digest made to match): the
+    checks are derived again on load, from the observations, and disagree."""
+    updates = make_payload()["updates"]
+    updates[2]["violations"] = 5
+    path = saved(tmp_path, updates=updates)
+
+    def doctor(payload):
+        for check in payload["checks"]:
+            check["status"] = "pass"
+        payload["verdict"] = {
+            "status": "PASS",
+            "passed": True,
+            "failed": [],
+            "inconclusive": [],
+            "evidence": payload["verdict"]["evidence"],
+            "not_applicable": payload["verdict"]["not_applicable"],
+        }
+
+    rewrite(path, doctor, redigest=True)
+    with pytest.raises(record.RecordError, match=r"do not follow .*update\[candidate-g64\]"):
+        record.load(path)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("median_speedup", 9.9), ("ci_low", 9.0), ("ci_high", 10.0), ("p_value", 1e-9)],
+)
+def test_a_doctored_speed_summary_is_refused(tmp_path, field, value):
+    """The issue's resealed record: speed-up numbers edited and the digest recomputed. The
+    summary is derived again from the recorded step times."""
+    path = saved(tmp_path)
+    rewrite(path, lambda payload: payload["performance"][0].update({field: value}), redigest=True)
+    with pytest.raises(record.RecordError, match=f"performance .*{field}"):
+        record.load(path)
+
+
+def test_an_empty_trajectory_cannot_pass_finite(tmp_path):
+    """Losses emptied and the stored finite check left at pass: re-derivation refuses it."""
+    path = saved(tmp_path)
+
+    def empty(payload):
+        payload["trajectories"][0]["losses"] = []
+
+    rewrite(path, empty, redigest=True)
+    with pytest.raises(record.RecordError, match=r"finite\[reference\]"):
+        record.load(path)
+
+
+def test_negative_memory_is_a_schema_violation(tmp_path):
+    path = saved(tmp_path)
+    rewrite(
+        path, lambda payload: payload["memory"][0].update(peak_allocated_bytes=-1), redigest=True
+    )
+    with pytest.raises(record.RecordError, match="schema"):
         record.load(path)
 
 
@@ -159,7 +226,7 @@ def test_published_schema_is_generated():
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda payload: payload["tolerance"][0].update(max_ratio=0),
+        lambda payload: payload["updates"][0].update(max_ratio=0),
         lambda payload: payload.pop("schema_version"),
     ],
     ids=["int-for-float", "default-omitted"],

@@ -19,32 +19,43 @@ def passing():
 
 def failing_record():
     payload = make_payload()
-    payload["checks"][1] |= {"passed": False, "detail": "3 of 10240 sampled parameters outside"}
-    payload["tolerance"][0] |= {"violations": 3, "max_ratio": 2.75}
+    payload["updates"][2] |= {
+        "violations": 3,
+        "max_ratio": 2.75,
+        "first_violation": {
+            "step": 7,
+            "rank": 1,
+            "parameter": "lm_head.weight",
+            "index": 12,
+            "what": "expected 0.1, got 0.2",
+            "ratio": 2.75,
+        },
+    }
     payload["probes"][0]["reported_group_sizes"] = [64, 8192]
-    return make_record(checks=payload["checks"], tolerance=payload["tolerance"],
-                       probes=payload["probes"])  # fmt: skip
+    return make_record(updates=payload["updates"], probes=payload["probes"])
 
 
 def test_markdown_of_a_passing_record(passing):
     markdown = report.render_markdown(passing)
     assert markdown.startswith("# qwz qualification: PASS\n")
+    assert f"All {len(passing.checks)} checks that carried evidence passed." in markdown
     assert "**Median speed-up 1.037x [1.036, 1.039]**" in markdown
-    assert "p = 9.4e-06" in markdown
     for check in passing.checks:
         assert f"| `{check.name}` | PASS | {check.detail} |" in markdown
-    assert "| `candidate-g64` | 512 | 20 | 10,240 | 0 |" in markdown  # violations: 0
+    assert "| `candidate-g64` | 3 digests | 40,960 | 0 | 0.49 | — | 0.998 |" in markdown
     assert "rank 0: 64, rank 1: 64" in markdown
     assert "| 615,468 | 1,158,528 | 0.531x |" in markdown
     assert HEAD_SHA in markdown and "| uncommitted changes | no |" in markdown
     assert "| devices | 2 × NVIDIA H200 |" in markdown
     assert "| world size | 2 ranks on 1 node |" in markdown
     assert "1,158,528 parameters, 20 steps, seed 1234" in markdown
-    assert f"| `{REFERENCE}` | no | off | 2 | bfloat16 |" in markdown
+    assert f"| `{REFERENCE}` | no | off | 2 | bf16 |" in markdown
     assert "| 0 | AB | 41.53 | 40.05 | 1.037x |" in markdown
     assert "| 1 | BA | 41.50 | 40.05 | 1.036x |" in markdown
-    assert "| 0 | cuda | 58.5 MiB | 78.0 MiB |" in markdown
+    assert "| `candidate-g64` | 0 | cuda | 58.5 MiB | 78.0 MiB |" in markdown
     assert "`52367a6622b1` on all 2 ranks | yes | reproduced" in markdown
+    assert "| 20 | 5.8716 | 5.8717 | 5.8713 |" in markdown  # held-out losses
+    assert "Margin 0.09006 = max(3 × the `calibration` arm's largest gap" in markdown
     assert METHOD_NOTE in markdown
     assert "![" not in markdown  # no plots given, none linked
 
@@ -52,10 +63,42 @@ def test_markdown_of_a_passing_record(passing):
 def test_markdown_of_a_failing_record():
     markdown = report.render_markdown(failing_record())
     assert markdown.startswith("# qwz qualification: FAIL\n")
-    assert "**Failed checks:** `tolerance`." in markdown
-    assert "| `tolerance` | **FAIL** | 3 of 10240 sampled parameters outside |" in markdown
-    assert "| **3** | 2.75 |" in markdown
+    assert "**Failed checks:** `update[candidate-g64]`, `probe[candidate-g64]`." in markdown
+    assert "| `update[candidate-g64]` | **FAIL** | 3 of 40960 sampled master updates" in markdown
+    assert "| **3** | 2.75 | step 7, rank 1, lm_head.weight: expected 0.1, got 0.2 |" in markdown
     assert "rank 0: 64, rank 1: 8192" in markdown
+
+
+def test_markdown_of_a_diverged_run_names_the_step():
+    payload = make_payload()
+    candidate = payload["trajectories"][2]
+    candidate |= {
+        "losses": candidate["losses"][:3] + [None],
+        "grad_norms": candidate["grad_norms"][:3] + [None],
+        "held_out": candidate["held_out"][:1],
+        "failure": {
+            "step": 4,
+            "rank": 0,
+            "ranks": [0, 1],
+            "kind": "non-finite",
+            "message": "NonFiniteError: step 4: non-finite gradient",
+            "parameters": ["lm_head.weight"],
+        },
+    }
+    record = make_record(trajectories=payload["trajectories"])
+    markdown = report.render_markdown(record)
+    assert "## Failures" in markdown
+    assert "| `candidate-g64` | 4 | 0, 1 | non-finite | lm_head.weight |" in markdown
+
+
+def test_markdown_of_an_inconclusive_record():
+    payload = make_payload()
+    for trajectory in payload["trajectories"]:
+        for point in trajectory["held_out"]:
+            point["loss"] = 7.6728
+    markdown = report.render_markdown(make_record(trajectories=payload["trajectories"]))
+    assert markdown.startswith("# qwz qualification: INCONCLUSIVE\n")
+    assert "**Inconclusive:** `learning[reference]`" in markdown
 
 
 def test_trajectory_summary(passing):
@@ -70,11 +113,26 @@ def test_trajectory_summary(passing):
     assert candidate_row.endswith("| 4.00e-04 |")
 
 
+def test_a_record_with_insufficient_blocks_says_so(tmp_path):
+    payload = make_payload()
+    payload["performance"][0]["blocks"] = payload["performance"][0]["blocks"][:2]
+    record = make_record(performance=payload["performance"])
+    assert "**Insufficient blocks** for an interval" in report.render_markdown(record)
+    assert "speedup" in report.write_plots(record, tmp_path)
+
+
 def test_table_cells_are_escaped():
-    checks = make_payload()["checks"]
-    checks[0]["detail"] = "loss | grad norm\nboth finite"
-    markdown = report.render_markdown(make_record(checks=checks))
-    assert "loss \\| grad norm<br>both finite" in markdown
+    payload = make_payload()
+    payload["trajectories"][2]["failure"] = {
+        "step": 1,
+        "rank": 0,
+        "ranks": [0],
+        "kind": "error",
+        "message": "RuntimeError: a | b\nc",
+        "parameters": [],
+    }
+    markdown = report.render_markdown(make_record(trajectories=payload["trajectories"]))
+    assert "RuntimeError: a \\| b<br>c" in markdown
 
 
 def test_plots_are_written_and_linked(tmp_path, passing):

@@ -1,0 +1,222 @@
+"""Broken candidates for the mutation suite, injected into the rank processes.
+
+Each mutant is a ``RunPlan.arm_hook`` (``"tests.multigpu.mutants:NAME"``): the
+runner calls it on every rank right after it builds a candidate arm, and it
+breaks that arm the way a buggy implementation would -- through the torch
+optimizer, the working copy, the master shards, the wire kernels or the config
+-- or returns a replacement engine built wrong. ``KILLED_BY`` names the check
+that must catch each one; ``test_qualify_mutants.py`` asserts it does.
+
+A mutant may reach into an engine (it plays the part of a bug); the harness
+never does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qwz.qualify.subjects import make_arm
+
+STALL_FROM_STEP = 5
+"""Mutants that stop working part-way start failing at this step (> 1)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _after_each_step(engine, action) -> None:
+    """Run `action(step)` after every training step of `engine` (1-based)."""
+    original = engine.train_step
+    counter = {"step": 0}
+
+    @functools.wraps(original)
+    def train_step(loss):
+        original(loss)
+        counter["step"] += 1
+        action(counter["step"])
+
+    engine.train_step = train_step
+
+
+def _skip_optimizer_steps(engine, from_step: int, only_rank: int | None = None) -> None:
+    optimizer = engine.shard_optimizer
+    original = optimizer.step
+    counter = {"calls": 0}
+
+    def step(*args: Any, **kwargs: Any):
+        counter["calls"] += 1
+        if counter["calls"] >= from_step and only_rank in (None, _rank()):
+            return None
+        return original(*args, **kwargs)
+
+    optimizer.step = step
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+def never_updates(arm, engine, plan):
+    """The learning rate is 0: the masters only decay."""
+    for group in engine.shard_optimizer.param_groups:
+        group["lr"] = 0.0
+
+
+def gradient_sign_flipped(arm, engine, plan):
+    """Gradient ascent: the optimizer is handed the negated gradient (consistently, so the
+    update check, which uses the gradient the optimizer saw, cannot see it)."""
+
+    def negate(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.neg_()
+
+    engine.shard_optimizer.register_step_pre_hook(negate)
+
+
+def stalls_from_step_k(arm, engine, plan):
+    """From step STALL_FROM_STEP on, the optimizer silently does not step, on every rank."""
+    _skip_optimizer_steps(engine, STALL_FROM_STEP)
+
+
+def one_rank_stalls_from_step_k(arm, engine, plan):
+    """From step STALL_FROM_STEP on, rank 1's shard is no longer stepped."""
+    _skip_optimizer_steps(engine, STALL_FROM_STEP, only_rank=1)
+
+
+def lr_times_world_size(arm, engine, plan):
+    """The learning rate scaled by the world size (a classic data-parallel bug)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for group in engine.shard_optimizer.param_groups:
+        group["lr"] = group["lr"] * world
+
+
+def weight_decay_dropped(arm, engine, plan):
+    """The config's weight decay is not passed on."""
+    for group in engine.shard_optimizer.param_groups:
+        group["weight_decay"] = 0.0
+
+
+# --------------------------------------------------------------------------- the gather
+
+
+def owner_keeps_exact_shard(arm, engine, plan):
+    """The owner keeps its freshly stepped shard (cast, not decoded) in its own working copy,
+    while the other ranks decode: replicas drift apart."""
+
+    def keep(step):
+        with torch.no_grad():
+            for shard in engine.own_shards():
+                if shard.group_size is not None:
+                    shard.working.copy_(shard.master.detach().to(shard.working.dtype))
+
+    _after_each_step(engine, keep)
+
+
+def master_overwritten_with_decoded(arm, engine, plan):
+    """Every rank overwrites its fp32 master with the decoded working values, so the
+    quantization error accumulates in the optimizer's state."""
+
+    def overwrite(step):
+        with torch.no_grad():
+            for shard in engine.own_shards():
+                if shard.group_size is not None:
+                    shard.master.detach().copy_(shard.working.float())
+
+    _after_each_step(engine, overwrite)
+
+
+def one_chunk_skipped(arm, engine, plan):
+    """One chunk of the gather never arrives: the first quarter of the largest parameter keeps
+    the previous step's values on every rank."""
+    largest = max(engine.module.parameters(), key=lambda param: param.numel())
+    flat = largest.detach().view(-1)
+    chunk = slice(0, flat.numel() // 4)
+    before = {"values": flat[chunk].clone()}
+    original = engine.train_step
+
+    def train_step(loss):
+        before["values"] = flat[chunk].clone()
+        original(loss)
+        with torch.no_grad():
+            flat[chunk].copy_(before["values"])
+
+    engine.train_step = train_step
+
+
+def scale_absmax_over_128(arm, engine, plan):
+    """The upstream bug: the scale maps absmax to 128, then the codes are clamped to 127."""
+    from qwz import quant
+
+    def bad_quantize(groups):
+        values = groups.to(torch.float32)
+        scales = values.abs().amax(dim=1) / 128
+        divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
+        codes = torch.round(values / divisor[:, None]).clamp_(-127, 127)
+        return codes.to(torch.int8), scales
+
+    kernels = quant.QuantKernels(
+        functools.partial(quant.pack_groups, quantize_fn=bad_quantize), quant.unpack_groups
+    )
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "qwz_kernels"):
+        optimizer.qwz_kernels = kernels
+    else:
+        optimizer.kernels = kernels
+
+
+# --------------------------------------------------------------------------- the config
+
+
+def _rebuilt(arm, plan, edit_zero, reported_group_size=None):
+    config = copy.deepcopy(plan.arm_config(arm))
+    edit_zero(config["zero_optimization"])
+    engine = make_arm(
+        plan.subject,
+        plan.workload.build_model(plan.seed),
+        config,
+        quantized=True,
+        compile_kernels=plan.compile_kernels,
+        integration_enabled=plan.integration_enabled,
+    )
+    if reported_group_size is not None:
+        engine.group_size = reported_group_size
+    return engine
+
+
+def wire_8192_reports_64(arm, engine, plan):
+    """Quantizes with groups of 8192 while the engine reports the requested 64."""
+    return _rebuilt(
+        arm,
+        plan,
+        lambda zero: zero.update(zero_quantized_weights_group_size=8192),
+        reported_group_size=arm.group_size,
+    )
+
+
+def small_parameters_quantized(arm, engine, plan):
+    """Parameters of at most 65,536 elements (norms, biases) are quantized too."""
+    return _rebuilt(arm, plan, lambda zero: zero.update(zero_quantized_weights_preserve_numel=0))
+
+
+KILLED_BY = {
+    "never_updates": "update",
+    "gradient_sign_flipped": "step1-exact",
+    "stalls_from_step_k": "update",
+    "one_rank_stalls_from_step_k": "update",
+    "lr_times_world_size": "update",
+    "weight_decay_dropped": "update",
+    "owner_keeps_exact_shard": "replicas",
+    "master_overwritten_with_decoded": "update",
+    "one_chunk_skipped": "own-shard",
+    "scale_absmax_over_128": "own-shard",
+    "wire_8192_reports_64": "own-shard",
+    "small_parameters_quantized": "own-shard",
+}
+"""Mutant -> the family of the check that must fail (``<family>[<candidate arm>]``)."""
