@@ -111,6 +111,25 @@ def _build_torch_optimizer(
     return torch.optim.Adam(masters, **params)
 
 
+NORM_CHUNK_NUMEL = 1 << 24
+"""Elements squared in float64 at a time by :func:`_sum_of_squares` (128 MiB of float64)."""
+
+
+def _sum_of_squares(values: torch.Tensor) -> torch.Tensor:
+    """Sum of squares in float64, a bounded chunk at a time.
+
+    A float32 square is exact in float64, and a float64 sum of them rounds about 2**-29 of
+    a float32 ulp, so the norm -- and the clipping coefficient cast to float32 -- does not
+    depend on how the gradient is sharded (the world size, the group size's padding), except
+    in the rare case where the float64 value sits on a float32 rounding boundary. The
+    qualification relies on this for its step-1 exactness check across group sizes."""
+    total = torch.zeros((), dtype=torch.float64, device=values.device)
+    for start in range(0, values.numel(), NORM_CHUNK_NUMEL):
+        chunk = values[start : start + NORM_CHUNK_NUMEL].to(torch.float64)
+        total += torch.dot(chunk, chunk)
+    return total
+
+
 class ZeroOptimizer:
     """ZeRO-1/2 over `named_params` (all of one working dtype); see the module docstring."""
 
@@ -279,8 +298,10 @@ class ZeroOptimizer:
     def _update(self, step_index: int) -> torch.Tensor:
         """Phases 1-3: reduce, check and clip the gradients, step the master shards."""
         shard_grads = [self._reduced_shard_grad(region) for region in self.regions]
-        squares = torch.stack([grad.pow(2).sum() for grad in shard_grads]).sum()
-        grad_norm = collectives.all_reduce_sum(squares, self.world_size, self.process_group).sqrt()
+        squares = torch.stack([_sum_of_squares(grad) for grad in shard_grads]).sum()
+        # Reduced and rooted in float64, then rounded once to float32: see _sum_of_squares.
+        total = collectives.all_reduce_sum(squares, self.world_size, self.process_group)
+        grad_norm = total.sqrt().to(torch.float32)
         if not torch.isfinite(grad_norm):
             self._raise_non_finite(
                 step_index,
