@@ -51,7 +51,7 @@ from qwz.qualify.record import Check, Record
 MIN_REFERENCE_DROP = 0.02
 """The reference's held-out loss must fall by this fraction of its start to be a baseline."""
 MARGIN_FACTOR = 3.0
-MARGIN_FLOOR = 0.05
+MARGIN_FLOOR = 0.01
 """Share of the reference's held-out improvement a correct candidate may always lose."""
 MIN_BLOCKS_FOR_INTERVAL = 4
 """Fewer blocks give no interval: a percentile bootstrap of the median of n < 4 values can

@@ -28,7 +28,9 @@ def _json_float(value: float | None) -> float | None:
 
 
 def _role(name: str) -> str:
-    return {REFERENCE: "reference", CALIBRATION: "calibration"}.get(name, "candidate")
+    if name == REFERENCE:
+        return "reference"
+    return "calibration" if name.startswith(CALIBRATION) else "candidate"
 
 
 def _arms(plan: RunPlan) -> list[dict[str, Any]]:
@@ -249,7 +251,9 @@ def build_record(
         "learning": {
             "eval_steps": plan.eval_steps,
             "held_out_batches_per_rank": plan.held_out_batches,
-            "calibration_arm": CALIBRATION if plan.calibrate else None,
+            "calibration_arm": next(
+                (arm.name for arm in plan.arms if arm.noise_group_size is not None), None
+            ),
             "calibration_group_size": max(plan.group_sizes) if plan.calibrate else None,
         },
         "step_one": step_one,

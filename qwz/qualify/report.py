@@ -450,7 +450,8 @@ def _trajectory_section(record: Record) -> list[str]:
         if reference_losses is None or trajectory.arm == reference.name:
             difference = "—"
         elif (
-            len(losses) != len(reference_losses)
+            not losses
+            or len(losses) != len(reference_losses)
             or not finite
             or not all(_finite(value) for value in reference_losses)
         ):

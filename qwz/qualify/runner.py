@@ -59,6 +59,7 @@ from qwz.qualify.workloads import Workload
 
 REFERENCE = "reference"
 CALIBRATION = "calibration"
+"""Role and name prefix of the calibration arm: ``calibration-g<G>`` imitates group size G."""
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 PRESERVE_NUMEL = 65_536
@@ -117,7 +118,8 @@ class RunPlan:
     def arms(self) -> list[ArmSpec]:
         arms = [ArmSpec(REFERENCE, False, None)]
         if self.calibrate:
-            arms.append(ArmSpec(CALIBRATION, False, None, max(self.group_sizes)))
+            size = max(self.group_sizes)
+            arms.append(ArmSpec(f"{CALIBRATION}-g{size}", False, None, size))
         return arms + [ArmSpec(f"candidate-g{size}", True, size) for size in self.group_sizes]
 
     @property

@@ -70,18 +70,21 @@ def test_run_writes_record_report_and_plots(runs):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded = record.load(out / "record.json")
     assert loaded.verdict.passed, loaded.verdict
-    assert [arm.name for arm in loaded.arms] == ["reference", "candidate-g64"]
+    assert [arm.name for arm in loaded.arms] == ["reference", "calibration-g64", "candidate-g64"]
     assert loaded.environment.world_size == 2 and loaded.environment.backend == "gloo"
     assert len(loaded.head.sha) == 40 or loaded.head.sha == "unknown"
     assert len(loaded.performance[0].blocks) == 2
     assert [block.order for block in loaded.performance[0].blocks] == ["AB", "BA"]
+    # Two blocks are too few for an interval: the record says so instead of inventing one.
+    assert loaded.performance[0].interval == "insufficient blocks"
+    assert loaded.performance[0].median_speedup is None
     report = (out / "report.md").read_text()
     assert "PASS" in report and "candidate-g64" in report
 
 
 def test_rank0_shows_progress_and_other_ranks_stay_quiet(runs):
     lines = [line for line in runs["third_stderr"].splitlines() if "[qwz-qualify" in line]
-    steps = [line for line in lines if "step 4/4" in line]
+    steps = [line for line in lines if "candidate-g64 step 4/4" in line]
     assert len(steps) == 1, lines  # printed once, by rank 0 alone
 
 
@@ -143,6 +146,43 @@ def test_compare_and_report_refuse_a_tampered_record(runs, tmp_path):
     assert "digest" in done.stdout + done.stderr
     done = _cli("report", str(tampered))
     assert done.returncode == 2 and "digest" in done.stderr
+
+
+def test_a_diverging_run_exits_1_with_a_fail_record_naming_the_step(tmp_path):
+    done = _cli("run", "--out", str(tmp_path / "diverged"), *SMALL_RUN, "--lr", "1e30")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    loaded = record.load(tmp_path / "diverged" / "record.json")
+    assert loaded.verdict.status == "FAIL"
+    failure = loaded.trajectories[0].failure
+    assert failure is not None and failure.kind == "non-finite" and failure.ranks == [0, 1]
+    report = (tmp_path / "diverged" / "report.md").read_text()
+    assert "## Failures" in report and f"| `reference` | {failure.step} | 0, 1 |" in report
+    done = _cli("report", str(tmp_path / "diverged" / "record.json"))
+    assert done.returncode == 0 and "qualification: FAIL" in done.stdout, done.stderr
+    path = str(tmp_path / "diverged" / "record.json")
+    done = _cli("compare", path, path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_reference_that_does_not_learn_is_inconclusive_exit_3(tmp_path):
+    done = _cli("run", "--out", str(tmp_path / "still"), *SMALL_RUN, "--lr", "1e-12")
+    assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+    loaded = record.load(tmp_path / "still" / "record.json")
+    assert loaded.verdict.status == "INCONCLUSIVE" and loaded.verdict.failed == []
+    assert "learning[reference]" in loaded.verdict.inconclusive
+
+
+def test_one_rank_has_nothing_to_gather_and_says_so(tmp_path):
+    args = list(SMALL_RUN)
+    args[args.index("--world-size") + 1] = "1"
+    done = _cli("run", "--out", str(tmp_path / "one"), *args)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    loaded = record.load(tmp_path / "one" / "record.json")
+    checks = {check.name: check for check in loaded.checks}
+    assert checks["in-effect[candidate-g64]"].status == "n/a"
+    assert checks["replicas[candidate-g64]"].status == "n/a"
+    assert "in-effect[candidate-g64]" not in loaded.verdict.evidence
 
 
 def test_run_rejects_an_invalid_group_size():

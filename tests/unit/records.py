@@ -1,7 +1,7 @@
 """A synthetic evidence record for the unit tests of record, compare and report.
 
 ``make_payload`` returns the raw observations a two-rank qualification of the
-tiny Qwen3 workload would record (arms ``reference``, ``calibration`` and
+tiny Qwen3 workload would record (arms ``reference``, ``calibration-g64`` and
 ``candidate-g64``, four speed blocks, every check passing), with every value
 spelled out in its JSON type. ``make_record`` seals it: ``record.seal`` derives
 the checks and the verdict from the observations, as ``record.load`` does again.
@@ -20,7 +20,7 @@ from typing import Any
 from qwz.qualify import checks, record
 
 REFERENCE = "reference"
-CALIBRATION = "calibration"
+CALIBRATION = "calibration-g64"
 CANDIDATE = "candidate-g64"
 HEAD_SHA = "3f9c2a4e8b7d1c0a5e6f7b8c9d0e1f2a3b4c5d6e"
 STEPS = 20

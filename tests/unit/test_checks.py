@@ -190,3 +190,29 @@ def test_a_speed_requirement_is_judged_on_the_interval():
     assert by_name(record)[f"speedup[{CANDIDATE}]"].status == "fail"
     record = make_record(plan={"min_speedup": 1.0})
     assert by_name(record)[f"speedup[{CANDIDATE}]"].status == "pass"
+
+
+def test_a_crashed_run_is_a_fail_record_naming_the_rank_and_step(tmp_path):
+    """The launcher's report of a dead rank becomes a record (the CLI writes it), and it
+    loads, reports and compares like any other."""
+    from qwz.qualify import evidence, record, report
+    from qwz.qualify.runner import RunPlan
+    from qwz.qualify.workloads import get_workload
+
+    message = (
+        "rank 1 of 2 died with exit code 1 while running qwz.qualify.runner.qualify_rank\n"
+        "--- rank 1 ---\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+        "RuntimeError: step 3: the gloo connection closed\n"
+    )
+    plan = RunPlan(workload=get_workload("mlp"), steps=4, blocks=0)
+    crashed = evidence.build_failure_record(plan, 2, message)
+    assert crashed.verdict.status == "FAIL"
+    for trajectory in crashed.trajectories:
+        failure = trajectory.failure
+        assert (failure.kind, failure.rank, failure.step) == ("crash", 1, 3)
+        assert failure.message == "RuntimeError: step 3: the gloo connection closed"
+    path = tmp_path / "record.json"
+    record.save(crashed, path)
+    loaded = record.load(path)
+    assert "| `candidate-g64` | 3 | 1 | crash |" in report.render_markdown(loaded)
+    assert set(loaded.verdict.failed) >= {f"finite[{arm.name}]" for arm in loaded.arms}

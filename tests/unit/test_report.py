@@ -55,7 +55,7 @@ def test_markdown_of_a_passing_record(passing):
     assert "| `candidate-g64` | 0 | cuda | 58.5 MiB | 78.0 MiB |" in markdown
     assert "`52367a6622b1` on all 2 ranks | yes | reproduced" in markdown
     assert "| 20 | 5.8716 | 5.8717 | 5.8713 |" in markdown  # held-out losses
-    assert "Margin 0.09006 = max(3 × the `calibration` arm's largest gap" in markdown
+    assert "Margin 0.01801 = max(3 × the `calibration-g64` arm's largest gap" in markdown
     assert METHOD_NOTE in markdown
     assert "![" not in markdown  # no plots given, none linked
 
@@ -73,8 +73,8 @@ def test_markdown_of_a_diverged_run_names_the_step():
     payload = make_payload()
     candidate = payload["trajectories"][2]
     candidate |= {
-        "losses": candidate["losses"][:3] + [None],
-        "grad_norms": candidate["grad_norms"][:3] + [None],
+        "losses": [*candidate["losses"][:3], None],
+        "grad_norms": [*candidate["grad_norms"][:3], None],
         "held_out": candidate["held_out"][:1],
         "failure": {
             "step": 4,

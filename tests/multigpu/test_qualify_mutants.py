@@ -1,0 +1,127 @@
+"""The mutation suite: the qualification must FAIL every broken candidate, naming the check.
+
+Each mutant of ``tests/multigpu/mutants.py`` is injected into the rank processes
+through ``RunPlan.arm_hook``; the qualification runs on two real ranks (the
+``mlp`` workload: it learns, so learning can be judged, and it is quick) and
+the test asserts the verdict is FAIL and that the check family in
+``mutants.KILLED_BY`` is among the failures, on the candidate arm. The correct
+candidate must PASS on the same plan -- and, in the slow test, on 20 seeds, so
+the rate of false failures is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qwz.qualify import evidence
+from qwz.qualify.runner import RunPlan, qualify_rank
+from qwz.qualify.workloads import get_workload
+
+from . import mutants
+
+pytestmark = pytest.mark.multigpu
+
+CANDIDATE = "candidate-g64"
+PLAN = RunPlan(
+    workload=get_workload("mlp"),
+    steps=8,
+    blocks=0,  # speed is not what a mutant breaks; no timing
+    eval_every=2,
+    allgather_bucket_size=100_000,  # several chunks per gather
+)
+DEEPSPEED_MUTANTS = [
+    "never_updates",
+    "gradient_sign_flipped",
+    "weight_decay_dropped",
+    "owner_keeps_exact_shard",
+    "master_overwritten_with_decoded",
+    "one_chunk_skipped",
+    "scale_absmax_over_128",
+    "small_parameters_quantized",
+]
+
+
+def qualify(worlds, plan: RunPlan):
+    observations = worlds.get(2).run(qualify_rank, plan)[0]
+    return evidence.build_record(plan, observations)
+
+
+def mutated(subject: str, mutant: str | None, **changes) -> RunPlan:
+    hook = None if mutant is None else f"tests.multigpu.mutants:{mutant}"
+    return dataclasses.replace(PLAN, subject=subject, arm_hook=hook, **changes)
+
+
+def assert_killed(record, mutant: str) -> None:
+    expected = f"{mutants.KILLED_BY[mutant]}[{CANDIDATE}]"
+    failing = {check.name: check.detail for check in record.checks if check.status == "fail"}
+    assert record.verdict.status == "FAIL", f"{mutant} survived: {record.verdict}"
+    assert expected in failing, f"{mutant}: {expected} did not fail; failed: {failing}"
+    # Only the broken candidate is blamed: the reference and calibration arms still pass.
+    assert all(CANDIDATE in name for name in failing), failing
+
+
+@pytest.mark.parametrize("subject", ["qwz", "deepspeed"])
+def test_the_correct_candidate_passes(worlds, subject):
+    record = qualify(worlds, mutated(subject, None))
+    assert record.verdict.status == "PASS", [c for c in record.checks if c.status != "pass"]
+    # Every decisive check carried evidence on two ranks.
+    for family in ("step1-exact", "update", "own-shard", "replicas", "learning", "in-effect"):
+        assert f"{family}[{CANDIDATE}]" in record.verdict.evidence
+
+
+@pytest.mark.parametrize("mutant", list(mutants.KILLED_BY))
+def test_every_mutant_is_killed(worlds, mutant):
+    assert_killed(qualify(worlds, mutated("qwz", mutant)), mutant)
+
+
+@pytest.mark.parametrize("mutant", DEEPSPEED_MUTANTS)
+def test_mutants_are_killed_through_deepspeed(worlds, mutant):
+    pytest.importorskip("deepspeed", reason="the deepspeed subject needs DeepSpeed installed")
+    assert_killed(qualify(worlds, mutated("deepspeed", mutant)), mutant)
+
+
+@pytest.mark.parametrize(
+    "mutant, step, rank",
+    [("stalls_from_step_k", mutants.STALL_FROM_STEP, 0),
+     ("one_rank_stalls_from_step_k", mutants.STALL_FROM_STEP, 1)],
+)  # fmt: skip
+def test_a_late_failure_is_named_at_its_step_and_rank(worlds, mutant, step, rank):
+    record = qualify(worlds, mutated("qwz", mutant))
+    updates = next(item for item in record.updates if item.arm == CANDIDATE)
+    assert updates.first_violation is not None
+    assert (updates.first_violation.step, updates.first_violation.rank) == (step, rank)
+    assert updates.missing_steps[0] == [step, rank]
+    # The steps before it were checked and clean: step-1 exactness still holds.
+    assert next(c for c in record.checks if c.name == f"step1-exact[{CANDIDATE}]").passed
+
+
+def test_a_diverging_run_is_a_fail_record_naming_the_step(worlds):
+    record = qualify(worlds, mutated("qwz", None, lr=1e30))
+    assert record.verdict.status == "FAIL"
+    for trajectory in record.trajectories:
+        assert trajectory.failure is not None and trajectory.failure.kind == "non-finite"
+        assert trajectory.failure.ranks == [0, 1]
+        assert f"step {trajectory.failure.step}" in trajectory.failure.message
+    assert {f"finite[{arm.name}]" for arm in record.arms} <= set(record.verdict.failed)
+
+
+@pytest.mark.slow
+def test_no_false_failures_across_seeds(worlds, capsys):
+    """The correct candidate on 20 seeds: every run must PASS. Prints the false-failure rate
+    and the learning margins, the numbers the README quotes."""
+    outcomes = []
+    for seed in range(20):
+        record = qualify(worlds, mutated("qwz", None, seed=seed))
+        learning = next(c for c in record.checks if c.name == f"learning[{CANDIDATE}]")
+        outcomes.append((seed, record.verdict.status, learning.numbers.get("worst_gap"),
+                         learning.numbers.get("margin"), record.verdict.failed))  # fmt: skip
+    failures = [outcome for outcome in outcomes if outcome[1] != "PASS"]
+    with capsys.disabled():
+        print(f"\nfalse-failure rate: {len(failures)}/{len(outcomes)}")
+        for seed, status, gap, margin, failed in outcomes:
+            print(
+                f"  seed {seed:2d}: {status:5s} worst gap {gap:+.5f} margin {margin:.5f} {failed}"
+            )
+    assert failures == []
