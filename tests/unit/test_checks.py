@@ -201,7 +201,7 @@ def test_a_crashed_run_is_a_fail_record_naming_the_rank_and_step(tmp_path):
 
     message = (
         "rank 1 of 2 died with exit code 1 while running qwz.qualify.runner.qualify_rank\n"
-        "--- rank 1 ---\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+        '--- rank 1 ---\nTraceback (most recent call last):\n  File "x.py", line 1\n'
         "RuntimeError: step 3: the gloo connection closed\n"
     )
     plan = RunPlan(workload=get_workload("mlp"), steps=4, blocks=0)
