@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qwz import jsonio
+
 SCHEMA_VERSION = 1
 SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
 
@@ -221,27 +223,36 @@ def save(record: Record, path: pathlib.Path) -> None:
 
 
 def load(path: str | pathlib.Path) -> Record:
-    """Read and verify a record; any problem is a RecordError naming the file."""
+    """Read and verify a record; any problem is a RecordError of one line naming the file.
+
+    The file is read by ``qwz.jsonio`` ([Note: bounded JSON]: regular files only, size,
+    depth, integer and list bounds, no NaN/Infinity, no duplicate keys) and validated in
+    pydantic's strict mode: ``"2"`` is not an int, ``"false"`` not a bool."""
     path = pathlib.Path(path)
     try:
-        text = path.read_text()
-    except OSError as error:
-        raise RecordError(f"{path}: cannot read record: {error}") from None
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RecordError(f"{path}: not valid JSON (truncated or corrupt?): {error}") from None
+        payload = jsonio.read_json_file(path, what="record")
+    except jsonio.JsonInputError as error:
+        raise RecordError(str(error)) from None
     if not isinstance(payload, dict):
         raise RecordError(f"{path}: a record is a JSON object, not {type(payload).__name__}")
     version = payload.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise RecordError(
-            f"{path}: schema_version {version!r} is not supported (this qwz reads {SCHEMA_VERSION})"
+            f"{path}: schema_version {jsonio.bounded_repr(version, 60)} is not supported "
+            f"(this qwz reads the integer {SCHEMA_VERSION})"
         )
     try:
-        record = Record.model_validate(payload)
+        record = Record.model_validate(payload, strict=True)
     except ValidationError as error:
-        raise RecordError(f"{path}: does not match the record schema:\n{error}") from None
+        problems = [
+            f"{'.'.join(map(str, problem['loc'])) or '(record)'}: {problem['msg']} "
+            f"(got {jsonio.bounded_repr(problem.get('input'), 60)})"
+            for problem in error.errors(include_url=False)
+        ]
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise RecordError(
+            f"{path}: does not match the record schema: {'; '.join(problems[:3])}{more}"
+        ) from None
     expected = canonical_digest(payload)
     if record.digest != expected:
         raise RecordError(
