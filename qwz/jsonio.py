@@ -28,6 +28,7 @@ here, whose message is one line: ``ORIGIN: PROBLEM``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -94,7 +95,7 @@ def read_regular_file(path: str | os.PathLike[str], *, max_bytes: int, what: str
 
     Raises JsonInputError naming the path for a missing or unreadable path, a FIFO, a
     device, a directory, a socket, or a file larger than ``max_bytes``."""
-    origin = str(path)
+    origin = bounded_repr(str(path), 200) if len(str(path)) > 200 else str(path)
     if origin == "":
         raise JsonInputError("''", f"an empty string is not a path to a {what}")
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
@@ -102,6 +103,8 @@ def read_regular_file(path: str | os.PathLike[str], *, max_bytes: int, what: str
         descriptor = os.open(path, flags)
     except OSError as error:
         raise JsonInputError(origin, f"cannot read {what}: {error.strerror or error}") from None
+    except ValueError as error:  # an embedded NUL byte
+        raise JsonInputError(origin, f"not a usable path: {error}") from None
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):
@@ -291,6 +294,20 @@ class _BoundedRepr(reprlib.Repr):
         self.maxlist = self.maxtuple = self.maxdict = self.maxset = 8
         self.maxstring = 80
         self.maxother = 80
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # reprlib sorts the keys; a message should show them as they were written.
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [
+            f"{self.repr1(key, level - 1)}: {self.repr1(x[key], level - 1)}"
+            for key in itertools.islice(x, self.maxdict)
+        ]
+        if len(x) > self.maxdict:
+            items.append("...")
+        return "{" + ", ".join(items) + "}"
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 200:  # about 60 digits; repr() itself fails past 4300
