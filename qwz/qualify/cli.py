@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("baseline", type=pathlib.Path)
     compare.add_argument("candidate", type=pathlib.Path)
     compare.add_argument("--memory-growth-pct", type=_percentage, default=10.0)
+    compare.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="refuse (exit 2) a record not signed by the configured key "
+        "(QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE)",
+    )
     return parser
 
 
@@ -213,7 +219,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
 
     Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
     resource request costs nothing (exit 2), never a finished run's evidence."""
-    from qwz.qualify import ledger
+    from qwz.qualify import ledger, signing
     from qwz.qualify.files import writable_directory_problem
 
     problems = []
@@ -229,6 +235,10 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
         )
     if args.ledger is not None:
         problems += ledger.validate_directory(args.ledger)
+    try:
+        signing.configured_key()
+    except signing.SigningKeyError as error:
+        problems.append(str(error))
     world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world_size or 2
     numel = _workload_numel(args.workload, args.seed)
     largest_shard = -(-numel // world_size)
@@ -345,7 +355,7 @@ def _run_torchrun(plan, timeout_s: float):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import launch
-    from qwz.qualify import evidence, record, report
+    from qwz.qualify import evidence, record, report, signing
     from qwz.qualify.runner import qualify_rank
 
     problems = check_run_request(args)
@@ -383,7 +393,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".plots-", dir=out))
     plots = report.write_plots(built, staging)
     move_into(staging, list(plots.values()), out)
-    atomic_write_text(out / "report.md", report.render_markdown(built, plots))
+    key = signing.configured_key()  # usable: check_run_request tried it
+    if key is not None:
+        built = built.model_copy(update={"signature": signing.sign(built.digest, key)})
+    text = report.render_markdown(built, plots) + _signature_section(built, key)
+    atomic_write_text(out / "report.md", text)
     record.save(built, out / "record.json")
     status = "PASS" if built.verdict.passed else "FAIL: " + ", ".join(built.verdict.failed)
     print(f"wrote {out / 'record.json'}, {out / 'report.md'} and {len(plots)} plots; {status}")
@@ -391,23 +405,45 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qwz.qualify import record, report
+    from qwz.qualify import record, report, signing
 
     try:
+        key = signing.configured_key()
         loaded = record.load(args.record)
-    except record.RecordError as error:
+    except (record.RecordError, signing.SigningKeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(report.render_markdown(loaded))
+    print(_signature_section(loaded, key))
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from qwz.qualify import compare
+def _signature_section(built, key) -> str:
+    """The markdown a report ends with: signed or unsigned, by which key, verified?"""
+    from qwz.qualify.signing import describe
 
+    return f"\n## Signature\n\n{describe(built.digest, built.signature, key)}\n"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from qwz.qualify import compare, signing
+
+    try:
+        key = signing.configured_key()
+    except signing.SigningKeyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     result = compare.compare_files(
-        args.baseline, args.candidate, memory_growth_pct=args.memory_growth_pct
+        args.baseline,
+        args.candidate,
+        memory_growth_pct=args.memory_growth_pct,
+        require_signature=args.require_signature,
+        key=key,
     )
+    if result.status != compare.Status.NOT_COMPARABLE:
+        for role, path in (("baseline", args.baseline), ("candidate", args.candidate)):
+            loaded = compare.load(path)
+            print(f"{role} signature: {signing.describe(loaded.digest, loaded.signature, key)}")
     for line in result.lines:
         print(line)
     return result.status

@@ -22,6 +22,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from qwz import jsonio
+from qwz.qualify.files import atomic_write_text
+from qwz.qualify.signing import (
+    Signature,
+    SigningKey,
+    SigningKeyError,
+    configured_key,
+    sign,
+    verifies,
+)
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
@@ -191,6 +200,9 @@ class Record(_Model):
     checks: list[Check]
     verdict: Verdict
     digest: str = Field(description="sha256 of the canonical JSON of the record without digest")
+    signature: Signature | None = Field(
+        None, exclude=True, description="Keyed signature of the digest; outside the digest"
+    )
 
 
 def canonical_digest(payload: dict[str, Any]) -> str:
@@ -218,8 +230,14 @@ def seal(payload: dict[str, Any]) -> Record:
     return record.model_copy(update={"digest": digest})
 
 
-def save(record: Record, path: pathlib.Path) -> None:
-    path.write_text(json.dumps(record.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")
+def save(record: Record, path: pathlib.Path, *, key: SigningKey | None = None) -> None:
+    """Write ``record`` atomically; signed with ``key`` when given ([Note: digest and
+    signature] in qwz/qualify/signing.py), else with the signature it already carries."""
+    payload = record.model_dump(mode="json")
+    signature = sign(record.digest, key) if key is not None else record.signature
+    if signature is not None:
+        payload["signature"] = signature.model_dump()
+    atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
 
 
 def load(path: str | pathlib.Path) -> Record:
@@ -253,7 +271,9 @@ def load(path: str | pathlib.Path) -> Record:
         raise RecordError(
             f"{path}: does not match the record schema: {'; '.join(problems[:3])}{more}"
         ) from None
-    expected = canonical_digest(payload)
+    expected = canonical_digest(
+        {key: value for key, value in payload.items() if key != "signature"}
+    )
     if record.digest != expected:
         raise RecordError(
             f"{path}: digest mismatch: the record was edited after it was written "
@@ -261,6 +281,17 @@ def load(path: str | pathlib.Path) -> Record:
         )
     if record.verdict != verdict_of(record.checks):
         raise RecordError(f"{path}: the verdict does not follow from the checks")
+    if record.signature is not None:
+        try:
+            key = configured_key()
+        except SigningKeyError as error:
+            raise RecordError(f"{path}: cannot verify the signature: {error}") from None
+        ours = key is not None and record.signature.key_id == key.key_id
+        if ours and not verifies(record.digest, record.signature, key):
+            raise RecordError(
+                f"{path}: the signature of key id {key.key_id} does not verify: "
+                "the record was changed after it was signed"
+            )
     return record
 
 
