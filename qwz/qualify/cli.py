@@ -15,7 +15,9 @@ without ``--force``, more ranks or memory than the machine has, a group size
 larger than a rank's shard), 130/143 when SIGINT/SIGTERM stopped it (every
 rank is killed, nothing is written); ``report`` 0, or 2 for a record that
 cannot be trusted; ``compare`` 0 no regression, 1 regression, 2 not
-comparable or invalid; 2 for usage errors everywhere.
+comparable or invalid; ``history`` 0, or 2 when a record under the directory
+cannot be loaded (it is listed); ``promote`` 0, or 2 for a record that cannot
+be trusted or did not pass; 2 for usage errors everywhere.
 """
 
 from __future__ import annotations
@@ -198,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse (exit 2) a record not signed by the configured key "
         "(QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE)",
     )
+
+    history = commands.add_parser("history", help="trend of every record under a directory")
+    history.add_argument("directory", type=_path)
+    history.add_argument(
+        "--out", type=_path, default=None, help="write history.md and history.png here"
+    )
+
+    promote = commands.add_parser(
+        "promote", help="make a passing record the baseline the nightly gate compares with"
+    )
+    promote.add_argument("record", type=_path)
+    promote.add_argument("baseline_dir", type=_path)
     return parser
 
 
@@ -449,11 +463,59 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return result.status
 
 
+def cmd_history(args: argparse.Namespace) -> int:
+    from qwz.qualify import history, signing
+
+    if not args.directory.is_dir():
+        print(f"error: {args.directory}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        key = signing.configured_key()
+    except signing.SigningKeyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    nights, problems = history.collect(args.directory)
+    plot = None
+    if args.out is not None and nights:
+        args.out.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".plots-", dir=args.out))
+        history.write_plot(nights, staging / history.HISTORY_PLOT)
+        move_into(staging, [history.HISTORY_PLOT], args.out)
+        plot = history.HISTORY_PLOT
+    text = history.render_markdown(nights, problems, key, plot)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out / "history.md", text)
+    print(text, end="")
+    return 2 if problems or not nights else 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from qwz.qualify import history, record
+
+    try:
+        promoted = history.promote(args.record, args.baseline_dir)
+    except record.RecordError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"promoted {args.record} (head {promoted.head.sha[:12]}, {promoted.created_at}) "
+        f"to {args.baseline_dir / 'record.json'}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from qwz.launch import Interrupted
 
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare}
+    handlers = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "compare": cmd_compare,
+        "history": cmd_history,
+        "promote": cmd_promote,
+    }
     try:
         return handlers[args.command](args)
     except Interrupted as interrupted:
