@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Nightly requalification: stages 1 and 2, group sizes 64 and 8192, into runs/nightly/<date>/,
-# then the regression gate against the last qualified record of each stage. Exit non-zero on
-# a failed check, a regression, or records that cannot be compared.
+# Nightly requalification: stages 1 and 2, group sizes 64 and 8192, into
+# <dir>/history/<date>/stage<N>/ (every night is kept), then the regression gate against a
+# FIXED baseline per stage in <dir>/baseline/stage<N>/, then the trend of all nights in
+# <dir>/trend/ (qwz-qualify history). Exit non-zero on a failed check, a regression, or
+# records that cannot be compared.
+#
+# The baseline never follows the nights: comparing each night with the night before lets a
+# 1.5% slowdown a night pass forever. It changes only by a deliberate promotion:
+#   QWZ_PROMOTE=1        this run's passing records become the baselines (after review), or
+#   qwz-qualify promote <dir>/history/<date>/stage<N>/record.json <dir>/baseline/stage<N>
+# QWZ_NEW_BASELINE=1 accepts a run as the first baseline of a stage that has none (without
+# it, a missing baseline is a failure: a lost baseline must never turn the gate into a pass).
 #
 # Environment: QWZ_NIGHTLY_WORKLOAD (default qwen3-tiny; qwen3-0.6b on GPU runners),
 # QWZ_NIGHTLY_DIR (default runs/nightly), QWZ_WORLD_SIZE (default: GPU count if >= 2, else 2),
-# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_NEW_BASELINE=1 to
-# accept a run as the first qualified baseline of a stage (without it, a missing baseline is
-# a failure: a lost baseline must never turn the gate into a pass).
+# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_RECORD_KEY or
+# QWZ_RECORD_KEY_FILE (sign the records; the gate then requires verified signatures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
 workload="${QWZ_NIGHTLY_WORKLOAD:-qwen3-tiny}"
 root="${QWZ_NIGHTLY_DIR:-runs/nightly}"
-today="$(date -u +%Y-%m-%d)"
+today="$(date -u +%Y-%m-%dT%H%M%SZ)"
 gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
 if [ -z "${QWZ_WORLD_SIZE:-}" ]; then
   if [ "$gpus" -ge 2 ]; then world="$gpus"; else world=2; fi
@@ -22,11 +30,17 @@ else
 fi
 extra=()
 [ -n "${QWZ_MIN_SPEEDUP:-}" ] && extra+=(--min-speedup "$QWZ_MIN_SPEEDUP")
+gate=()
+if [ -n "${QWZ_RECORD_KEY:-}${QWZ_RECORD_KEY_FILE:-}" ]; then
+  gate+=(--require-signature)
+else
+  echo "nightly: no QWZ_RECORD_KEY: records are unsigned and the gate cannot require signatures" >&2
+fi
 failed=0
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
 for stage in 1 2; do
-  out="$root/$today/stage$stage"
+  out="$root/history/$today/stage$stage"
   args=(run --out "$out" --stage "$stage" --group-size 64 --group-size 8192
         --workload "$workload" --ledger "$root/ledger" "${extra[@]}")
   status=0
@@ -42,23 +56,27 @@ for stage in 1 2; do
     failed=1
     continue
   fi
-  baseline="$root/qualified/stage$stage/record.json"
-  if [ -f "$baseline" ]; then
+  baseline_dir="$root/baseline/stage$stage"
+  if [ -f "$baseline_dir/record.json" ]; then
     status=0
-    qwz-qualify compare "$baseline" "$out/record.json" || status=$?
+    qwz-qualify compare "${gate[@]}" "$baseline_dir/record.json" "$out/record.json" || status=$?
     if [ "$status" -ne 0 ]; then
-      echo "nightly: stage $stage compare exit $status against $baseline" >&2
+      echo "nightly: stage $stage compare exit $status against $baseline_dir/record.json" >&2
       failed=1
       continue
     fi
+    if [ "${QWZ_PROMOTE:-0}" = "1" ]; then
+      echo "nightly: QWZ_PROMOTE=1: promoting stage $stage of $today to the baseline" >&2
+      qwz-qualify promote "$out/record.json" "$baseline_dir" || failed=1
+    fi
   elif [ "${QWZ_NEW_BASELINE:-0}" = "1" ]; then
-    echo "nightly: no qualified baseline for stage $stage; QWZ_NEW_BASELINE=1: this run becomes it" >&2
+    echo "nightly: no baseline for stage $stage; QWZ_NEW_BASELINE=1: this run becomes it" >&2
+    qwz-qualify promote "$out/record.json" "$baseline_dir" || failed=1
   else
-    echo "nightly: no qualified baseline at $baseline (set QWZ_NEW_BASELINE=1 to start one)" >&2
+    echo "nightly: no baseline at $baseline_dir (set QWZ_NEW_BASELINE=1 to start one)" >&2
     failed=1
-    continue
   fi
-  mkdir -p "$root/qualified/stage$stage"
-  cp "$out"/* "$root/qualified/stage$stage/"
 done
+# The trend of every night kept so far; a record that cannot be loaded fails the job.
+qwz-qualify history "$root/history" --out "$root/trend" || failed=1
 exit "$failed"

@@ -13,7 +13,6 @@ feature that qwz does not implement is an error that says so.
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import numbers
 import pathlib
@@ -21,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from qwz.jsonio import JsonInputError, bounded_repr, parse_json_text, read_json_file
 
 DEFAULT_GROUP_SIZE = 64
 """Elements per quantization group (one fp32 scale each)."""
@@ -44,7 +45,7 @@ class ConfigError(ValueError):
 
 
 def _fail(key: str, value: Any, rule: str) -> ConfigError:
-    return ConfigError(f"{key}: {value!r} is invalid: {rule}")
+    return ConfigError(f"{key}: {bounded_repr(value)} is invalid: {rule}")
 
 
 # --------------------------------------------------------------------------- #
@@ -197,6 +198,8 @@ _OPTIMIZER_PARAMS = {
 
 
 def _closest_key(key: str, known: tuple[str, ...]) -> str | None:
+    if len(key) > 100:  # no known key is that long, and difflib is quadratic
+        return None
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if close:
         return close[0]
@@ -206,14 +209,16 @@ def _closest_key(key: str, known: tuple[str, ...]) -> str | None:
 
 
 def _unknown_key(path: str, key: Any, known: tuple[str, ...]) -> ConfigError:
-    close = _closest_key(str(key), known)
+    close = _closest_key(str(key), known) if isinstance(key, str) else None
     hint = f"; did you mean {close}?" if close else f"; known keys: {', '.join(sorted(known))}"
-    return ConfigError(f"{path}{key}: unknown key (a typo is never ignored){hint}")
+    printable = isinstance(key, str) and key.isprintable() and 0 < len(key) <= 100
+    name = key if printable else bounded_repr(key, 100)
+    return ConfigError(f"{path}{name}: unknown key (a typo is never ignored){hint}")
 
 
 def _not_supported(key: str, value: Any, detail: str = "") -> ConfigError:
     extra = f" ({detail})" if detail else ""
-    return ConfigError(f"{key}: {value!r} is not supported by qwz{extra}")
+    return ConfigError(f"{key}: {bounded_repr(value)} is not supported by qwz{extra}")
 
 
 def _check_keys(section: Mapping[str, Any], path: str, known: tuple[str, ...]) -> None:
@@ -505,8 +510,23 @@ class QwzConfig:
 
     @classmethod
     def from_deepspeed(cls, source: Mapping[str, Any] | str | pathlib.Path) -> QwzConfig:
-        """Validate a DeepSpeed config given as a dict, a JSON file path, or JSON text."""
-        config = load_json_config(source)
+        """Validate a DeepSpeed config given as a dict, a JSON file path, or JSON text.
+
+        Raises only ConfigError, with a message of bounded length."""
+        try:
+            return cls._from_config(load_json_config(source))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as error:
+            # A value no rule anticipated (say a 5,000-digit integer where a string is
+            # expected): still a config error, never a traceback from deep inside.
+            raise ConfigError(
+                f"config: a value could not be validated ({type(error).__name__}: "
+                f"{bounded_repr(str(error), 120)})"
+            ) from None
+
+    @classmethod
+    def _from_config(cls, config: dict[str, Any]) -> QwzConfig:
         _check_keys(config, "", _TOP_KNOWN)
         for key in _TOP_UNSUPPORTED:
             if key in config and not _unsupported_is_off(key, config[key]):
@@ -563,38 +583,30 @@ def _precision_section(config: Mapping[str, Any], key: str, known: tuple[str, ..
     return _bool(f"{key}.enabled", section.get("enabled", False))
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ConfigError(f"{key}: duplicate key in JSON (the later value would silently win)")
-        result[key] = value
-    return result
-
-
 def load_json_config(source: Mapping[str, Any] | str | pathlib.Path) -> dict[str, Any]:
-    """Read a config dict from a dict, a JSON file path or JSON text; duplicate keys are errors."""
+    """Read a config dict from a dict, a JSON file path or JSON text.
+
+    Text and files go through ``qwz.jsonio`` ([Note: bounded JSON]): regular files only,
+    bounded size, depth, integers and lists, duplicate keys and NaN/Infinity refused."""
     if isinstance(source, Mapping):
         return dict(source)
-    if isinstance(source, pathlib.Path) or (
-        isinstance(source, str) and not source.lstrip().startswith(("{", "["))
-    ):
-        path = pathlib.Path(source)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError, ValueError) as error:
-            raise ConfigError(f"config: cannot read JSON file {str(path)!r}: {error}") from None
-        origin = str(path)
-    elif isinstance(source, str):
-        text, origin = source, "JSON text"
-    else:
-        raise ConfigError(
-            f"config: {type(source).__name__} is invalid: pass a dict, a JSON path or JSON text"
-        )
+    if isinstance(source, str) and not source.strip():
+        raise ConfigError("config: an empty string is neither JSON text nor a path to a JSON file")
     try:
-        loaded = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"config: {origin} is not valid JSON: {error}") from None
+        if isinstance(source, pathlib.Path) or (
+            isinstance(source, str) and not source.lstrip().startswith(("{", "["))
+        ):
+            origin = f"config file {bounded_repr(str(source), 200)}"
+            loaded = read_json_file(source, what="config file")
+        elif isinstance(source, str):
+            origin = "config JSON text"
+            loaded = parse_json_text(source, origin=origin)
+        else:
+            raise ConfigError(
+                f"config: {type(source).__name__} is invalid: pass a dict, a JSON path or JSON text"
+            )
+    except JsonInputError as error:
+        raise ConfigError(f"config: {error}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config: {origin} must hold a JSON object, not {type(loaded).__name__}")
     return loaded

@@ -12,6 +12,16 @@ test session pays process start-up and rendezvous once per world size::
 with the default process group initialised (NCCL when there are enough GPUs,
 gloo otherwise; ``QWZ_BACKEND`` overrides) and the usual torchrun environment
 variables set, so DeepSpeed finds its process group too.
+
+[Note: no orphaned ranks]
+  Each rank leads its own process group (so a compile worker it starts is
+  killed with it) and, on Linux, asks the kernel for SIGKILL when its parent
+  dies, so even a SIGKILLed parent leaves no rank behind. Ranks ignore SIGINT:
+  a Ctrl-C reaches the whole terminal process group, and the parent alone
+  decides. While ``launch`` runs, SIGINT and SIGTERM in the parent raise
+  :class:`Interrupted`; leaving the ``LocalWorld`` with any exception kills every
+  rank's process group and reaps it, well within 10 s, and the CLI exits with
+  128 + the signal number (130, 143), as a shell would.
 """
 
 from __future__ import annotations
@@ -20,6 +30,9 @@ import contextlib
 import datetime
 import os
 import queue
+import signal
+import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +47,53 @@ DEFAULT_TIMEOUT_S = 300.0
 
 class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message holds its traceback or exit code."""
+
+
+class Interrupted(BaseException):  # like KeyboardInterrupt: not caught by `except Exception`
+    """SIGINT or SIGTERM reached the parent while ranks ran; every rank has been stopped."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """While inside, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread
+    (see [Note: no orphaned ranks]); a no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _detach_from_parent_signals() -> None:
+    """In a rank: own process group, SIGINT ignored, SIGKILL when the parent dies."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+            if os.getppid() == 1:  # the parent died before prctl took effect
+                os._exit(1)
 
 
 def pick_backend(world_size: int) -> str:
@@ -55,6 +115,7 @@ def _rank_main(
     tasks: Any,
     results: Any,
 ) -> None:
+    _detach_from_parent_signals()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -209,15 +270,17 @@ class LocalWorld:
                 process.join(timeout=30)
         for process in self._processes:
             if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+                _kill_rank(process)
+        for process in self._processes:
+            process.join(timeout=5)
         self.broken = True
 
     def __enter__(self) -> LocalWorld:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Leaving with an exception (Interrupted included) must not wait on busy ranks.
+        self.close(kill=exc_type is not None)
 
 
 def launch(
@@ -228,9 +291,27 @@ def launch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     **kwargs: Any,
 ) -> list[Any]:
-    """Spawn `world_size` ranks, run `fn` once on each, return the per-rank results."""
-    with LocalWorld(world_size, backend=backend, timeout_s=timeout_s) as world:
+    """Spawn `world_size` ranks, run `fn` once on each, return the per-rank results.
+
+    SIGINT or SIGTERM meanwhile stops every rank and raises :class:`Interrupted`."""
+    with signals_interrupt(), LocalWorld(world_size, backend=backend, timeout_s=timeout_s) as world:
         return world.run(fn, *args, **kwargs)
+
+
+def _kill_rank(process: Any) -> None:
+    """SIGKILL a rank's whole process group (it leads one), or the rank alone if it does not
+    lead one yet (killed before it reached ``_detach_from_parent_signals``)."""
+    pid = process.pid
+    if pid is None:
+        return
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+            return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        process.kill()
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -10,8 +10,15 @@ rank runs it and rank 0 writes the files::
 
 Exit codes: ``run`` 0 PASS, 1 FAIL (a check failed, an arm diverged or a rank
 crashed), 3 INCONCLUSIVE (the reference did not learn, so learning could not be
-judged) -- the record and report are written in every case; ``compare`` 0 no
-regression, 1 regression, 2 not comparable or invalid; 2 for usage errors
+judged) -- the record and report are written in every one of these cases; 2
+when the request is refused before any rank starts (a bad flag value, an
+unusable ``--out`` or ``--ledger``, an existing record without ``--force``, more
+ranks or memory than the machine has, a group size larger than a rank's shard),
+130/143 when SIGINT/SIGTERM stopped it (every rank is killed, nothing is
+written); ``report`` 0, or 2 for a record that cannot be trusted; ``compare`` 0
+no regression, 1 regression, 2 not comparable or invalid; ``history`` 0, or 2
+when a record under the directory cannot be loaded (it is listed); ``promote``
+0, or 2 for a record that cannot be trusted or did not pass; 2 for usage errors
 everywhere.
 """
 
@@ -19,42 +26,115 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import pathlib
 import sys
+import tempfile
 
 from qwz.config import validate_group_size
+from qwz.qualify.files import atomic_write_text, move_into
 from qwz.quant import compile_available
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
+# Argument types: each refusal names the value and the rule (argparse prefixes the flag
+# and exits 2), never Python's "invalid literal for int()".
+
+MAX_SEED = 2**63 - 1
+
+
+def _integer_text(text: str) -> int:
+    try:
+        if len(text) > 30:
+            raise ValueError
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)} is not an integer (digits, at most 30)"
+        ) from None
+
+
+def _float_text(text: str) -> float:
+    try:
+        if len(text) > 60:
+            raise ValueError
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number") from None
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+
 
 def _group_size(text: str) -> int:
     try:
-        return validate_group_size(int(text), stage=2, key="--group-size")
+        return validate_group_size(_integer_text(text), stage=2, key="--group-size")
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--group-size: ")) from None
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _integer_text(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is invalid: must be >= 0")
     return value
 
 
 def _percentage(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a percentage >= 0")
+    value = _float_text(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite percentage >= 0")
     return value
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer_text(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is invalid: must be a positive integer")
     return value
+
+
+def _positive_finite(text: str) -> float:
+    value = _float_text(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number > 0")
+    return value
+
+
+def _non_negative_finite(text: str) -> float:
+    value = _float_text(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number >= 0")
+    return value
+
+
+def _finite(text: str) -> float:
+    value = _float_text(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = _integer_text(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text} is invalid: must be in [0, 2**63 - 1]")
+    return value
+
+
+def _stage(text: str) -> int:
+    value = _integer_text(text)
+    if value not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{text} is invalid: ZeRO stage 1 or 2")
+    return value
+
+
+def _path(text: str) -> pathlib.Path:
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a usable path")
+    return pathlib.Path(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="qualify reference vs quantized arms; write evidence")
-    run.add_argument("--out", type=pathlib.Path, required=True, help="output directory")
+    run.add_argument("--out", type=_path, required=True, help="output directory")
+    run.add_argument("--force", action="store_true", help="overwrite a record already in --out")
     run.add_argument("--world-size", type=_positive, default=None, help="local ranks (default 2)")
     run.add_argument("--steps", type=_positive, default=20, help="lockstep steps (default 20)")
-    run.add_argument("--stage", type=int, choices=(1, 2), default=2)
+    run.add_argument("--stage", type=_stage, default=2, help="ZeRO stage: 1 or 2 (default 2)")
     run.add_argument(
         "--group-size",
         type=_group_size,
@@ -84,11 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--warmup-steps", type=_non_negative, default=2, help="untimed steps per arm/block"
     )
-    run.add_argument("--ledger", type=pathlib.Path, default=None, help="hash ledger directory")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--ledger", type=_path, default=None, help="hash ledger directory")
+    run.add_argument("--seed", type=_seed, default=0)
+    run.add_argument("--lr", type=_positive_finite, default=1e-3)
     run.add_argument(
-        "--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)"
+        "--weight-decay",
+        type=_non_negative_finite,
+        default=0.1,
+        help="AdamW weight decay (default 0.1)",
     )
     run.add_argument(
         "--eval-every",
@@ -120,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--min-speedup",
-        type=float,
+        type=_finite,
         default=None,
         help="fail unless the speed-up interval's lower end reaches this",
     )
@@ -131,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--timeout",
-        type=float,
+        type=_positive_finite,
         default=3600.0,
         help="seconds: the whole run (local ranks) or any one collective (torchrun)",
     )
@@ -143,7 +227,132 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("baseline", type=pathlib.Path)
     compare.add_argument("candidate", type=pathlib.Path)
     compare.add_argument("--memory-growth-pct", type=_percentage, default=10.0)
+    compare.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="refuse (exit 2) a record not signed by the configured key "
+        "(QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE)",
+    )
+
+    history = commands.add_parser("history", help="trend of every record under a directory")
+    history.add_argument("directory", type=_path)
+    history.add_argument(
+        "--out", type=_path, default=None, help="write history.md and history.png here"
+    )
+
+    promote = commands.add_parser(
+        "promote", help="make a passing record the baseline the nightly gate compares with"
+    )
+    promote.add_argument("record", type=_path)
+    promote.add_argument("baseline_dir", type=_path)
     return parser
+
+
+# --------------------------------------------------------------------------- #
+# Pre-flight: everything that can be known wrong before the first rank starts
+# --------------------------------------------------------------------------- #
+
+RANKS_PER_CORE = 4
+"""Local ranks allowed per CPU core: beyond this a run only thrashes (gloo ranks spin)."""
+RANK_OVERHEAD_BYTES = 400 * 2**20
+"""Host memory of one idle rank: the interpreter, torch and its allocator."""
+BYTES_PER_PARAMETER = 20
+"""Host memory per parameter per CPU rank, conservatively: working copy and gradient
+(fp32, unsharded), fp32 master and two Adam moments (counted unsharded)."""
+
+
+def check_run_request(args: argparse.Namespace) -> list[str]:
+    """Every reason ``run`` would fail after training or cannot be served; one line each.
+
+    Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
+    resource request costs nothing (exit 2), never a finished run's evidence."""
+    from qwz.qualify import ledger, signing
+    from qwz.qualify.files import writable_directory_problem
+
+    problems = []
+    if args.no_integration and args.subject != "deepspeed":
+        problems.append("--no-integration applies to --subject deepspeed only")
+    out_problem = writable_directory_problem(args.out, "--out")
+    if out_problem:
+        problems.append(out_problem)
+    elif (args.out / "record.json").exists() and not args.force:
+        problems.append(
+            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
+            "or choose another directory"
+        )
+    if args.ledger is not None:
+        problems += ledger.validate_directory(args.ledger)
+    try:
+        signing.configured_key()
+    except signing.SigningKeyError as error:
+        problems.append(str(error))
+    world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world_size or 2
+    numel = _workload_numel(args.workload, args.seed)
+    largest_shard = -(-numel // world_size)
+    largest_group = -(-largest_shard // 8) * 8
+    for group_size in args.group_sizes or ():
+        if group_size > largest_group:
+            problems.append(
+                f"--group-size {group_size}: larger than a rank's whole shard of the "
+                f"{args.workload} model ({numel:,} parameters / {world_size} ranks = "
+                f"{largest_shard:,}); at most {largest_group:,}"
+            )
+    if not _under_torchrun():
+        problems += _local_resource_problems(world_size, numel)
+    return problems
+
+
+def _workload_numel(name: str, seed: int) -> int:
+    """Parameters of the workload's model, counted on the meta device (no memory)."""
+    import torch
+
+    from qwz.qualify.workloads import get_workload
+
+    with torch.device("meta"):
+        model = get_workload(name).build_model(seed)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _local_resource_problems(world_size: int, numel: int) -> list[str]:
+    from qwz.launch import pick_backend
+
+    problems = []
+    cores = available_cores()
+    if world_size > RANKS_PER_CORE * cores:
+        problems.append(
+            f"--world-size {world_size}: this machine has {cores} CPU core"
+            f"{'s' if cores != 1 else ''}; local ranks are limited to {RANKS_PER_CORE} per "
+            f"core ({RANKS_PER_CORE * cores}); use torchrun across machines for more"
+        )
+    available = available_memory_bytes()
+    if available is not None and pick_backend(world_size) == "gloo":
+        needed = world_size * (RANK_OVERHEAD_BYTES + BYTES_PER_PARAMETER * numel)
+        if needed > available:
+            problems.append(
+                f"--world-size {world_size}: about {needed / 2**30:.1f} GiB of host memory "
+                f"needed for {world_size} CPU ranks of {numel:,} parameters, "
+                f"{available / 2**30:.1f} GiB available"
+            )
+    return problems
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _plan(args: argparse.Namespace):
@@ -197,11 +406,13 @@ def _run_torchrun(plan, timeout_s: float):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
-    from qwz.qualify import evidence, record, report
+    from qwz.qualify import evidence, record, report, signing
     from qwz.qualify.runner import qualify_rank
 
-    if args.no_integration and args.subject != "deepspeed":
-        print("--no-integration applies to --subject deepspeed only", file=sys.stderr)
+    problems = check_run_request(args)
+    if problems:
+        for problem in problems:
+            print(f"qwz-qualify run: error: {problem}", file=sys.stderr)
         return 2
     if args.compile and not compile_available():
         print(
@@ -245,9 +456,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    # Plots, then the report, then the record, each atomically: a run cut short leaves
+    # no record.json, or the previous one, never a partial one (qwz.qualify.files).
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".plots-", dir=out))
+    plots = report.write_plots(built, staging)
+    move_into(staging, list(plots.values()), out)
+    key = signing.configured_key()  # usable: check_run_request tried it
+    if key is not None:
+        built = built.model_copy(update={"signature": signing.sign(built.digest, key)})
+    text = report.render_markdown(built, plots) + _signature_section(built, key)
+    atomic_write_text(out / "report.md", text)
     record.save(built, out / "record.json")
-    plots = report.write_plots(built, out)
-    (out / "report.md").write_text(report.render_markdown(built, plots))
     verdict = built.verdict
     status = verdict.status
     if verdict.failed:
@@ -259,32 +478,111 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qwz.qualify import record, report
+    from qwz.qualify import record, report, signing
 
     try:
+        key = signing.configured_key()
         loaded = record.load(args.record)
-    except record.RecordError as error:
+    except (record.RecordError, signing.SigningKeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(report.render_markdown(loaded))
+    print(_signature_section(loaded, key))
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from qwz.qualify import compare
+def _signature_section(built, key) -> str:
+    """The markdown a report ends with: signed or unsigned, by which key, verified?"""
+    from qwz.qualify.signing import describe
 
+    return f"\n## Signature\n\n{describe(built.digest, built.signature, key)}\n"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from qwz.qualify import compare, signing
+
+    try:
+        key = signing.configured_key()
+    except signing.SigningKeyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     result = compare.compare_files(
-        args.baseline, args.candidate, memory_growth_pct=args.memory_growth_pct
+        args.baseline,
+        args.candidate,
+        memory_growth_pct=args.memory_growth_pct,
+        require_signature=args.require_signature,
+        key=key,
     )
+    if result.status != compare.Status.NOT_COMPARABLE:
+        for role, path in (("baseline", args.baseline), ("candidate", args.candidate)):
+            loaded = compare.load(path)
+            print(f"{role} signature: {signing.describe(loaded.digest, loaded.signature, key)}")
     for line in result.lines:
         print(line)
     return result.status
 
 
+def cmd_history(args: argparse.Namespace) -> int:
+    from qwz.qualify import history, signing
+
+    if not args.directory.is_dir():
+        print(f"error: {args.directory}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        key = signing.configured_key()
+    except signing.SigningKeyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    nights, problems = history.collect(args.directory)
+    plot = None
+    if args.out is not None and nights:
+        args.out.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=".plots-", dir=args.out))
+        history.write_plot(nights, staging / history.HISTORY_PLOT)
+        move_into(staging, [history.HISTORY_PLOT], args.out)
+        plot = history.HISTORY_PLOT
+    text = history.render_markdown(nights, problems, key, plot)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out / "history.md", text)
+    print(text, end="")
+    return 2 if problems or not nights else 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from qwz.qualify import history, record
+
+    try:
+        promoted = history.promote(args.record, args.baseline_dir)
+    except record.RecordError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"promoted {args.record} (head {promoted.head.sha[:12]}, {promoted.created_at}) "
+        f"to {args.baseline_dir / 'record.json'}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from qwz.launch import Interrupted
+
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare}
-    return handlers[args.command](args)
+    handlers = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "compare": cmd_compare,
+        "history": cmd_history,
+        "promote": cmd_promote,
+    }
+    try:
+        return handlers[args.command](args)
+    except Interrupted as interrupted:
+        print(
+            f"qwz-qualify: {interrupted}; every rank was stopped and no record was written",
+            file=sys.stderr,
+        )
+        return interrupted.exit_code
 
 
 if __name__ == "__main__":

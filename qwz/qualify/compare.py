@@ -47,6 +47,7 @@ from .report import (
     format_speedup,
     short_hash,
 )
+from .signing import SigningKey, describe, verifies
 
 
 class Status(enum.IntEnum):
@@ -442,16 +443,37 @@ def compare_files(
     candidate_path: str | pathlib.Path,
     *,
     memory_growth_pct: float = 10.0,
+    require_signature: bool = False,
+    key: SigningKey | None = None,
 ) -> Comparison:
     """Load and verify both records (``record.load``), then ``compare``; a record that cannot
-    be trusted makes the pair not comparable, with the loader's message."""
+    be trusted makes the pair not comparable, with the loader's message.
+
+    With ``require_signature``, each record must carry a signature that ``key`` verifies
+    ([Note: digest and signature]); an unsigned or wrongly signed record, or no key, makes
+    the pair not comparable."""
     records = []
     for role, path in (("baseline", baseline_path), ("candidate", candidate_path)):
         try:
-            records.append(load(path))
+            loaded = load(path)
         except RecordError as error:
             return Comparison(
                 Status.NOT_COMPARABLE,
                 [f"NOT COMPARABLE: {role} record rejected: {error}", "result: not comparable"],
             )
+        if require_signature and (
+            key is None
+            or loaded.signature is None
+            or not verifies(loaded.digest, loaded.signature, key)
+        ):
+            why = describe(loaded.digest, loaded.signature, key)
+            return Comparison(
+                Status.NOT_COMPARABLE,
+                [
+                    f"NOT COMPARABLE: {role} record {path}: a verified signature is required; "
+                    f"it is {why}",
+                    "result: not comparable",
+                ],
+            )
+        records.append(loaded)
     return compare(*records, memory_growth_pct=memory_growth_pct)

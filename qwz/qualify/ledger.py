@@ -91,3 +91,32 @@ def _siblings(
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a corrupt neighbour is reported when its own key is checked
     return found
+
+
+ENTRY_KEYS = ("head", "environment", "workload", "arm", "final_hash")
+
+
+def validate_directory(directory: pathlib.Path) -> list[str]:
+    """Problems that would make the ledger fail a run after training: one line each.
+
+    Call before any training. The directory need not exist (the first run creates it);
+    if it does, it must be a writable directory whose every ``*.json`` entry is a readable,
+    bounded UTF-8 JSON object with the entry keys."""
+    from qwz import jsonio
+    from qwz.qualify.files import writable_directory_problem
+
+    problem = writable_directory_problem(directory, "--ledger")
+    if problem or not directory.exists():
+        return [problem] if problem else []
+    problems = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            entry = jsonio.read_json_file(path, what="ledger entry")
+        except jsonio.JsonInputError as error:
+            problems.append(f"--ledger: corrupt entry {error}; remove it to re-record")
+            continue
+        missing = [key for key in ENTRY_KEYS if not isinstance(entry, dict) or key not in entry]
+        if missing or not isinstance(entry.get("final_hash"), str):
+            what = f"missing {', '.join(missing)}" if missing else "final_hash is not a string"
+            problems.append(f"--ledger: corrupt entry {path}: {what}; remove it to re-record")
+    return problems

@@ -24,6 +24,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qwz import jsonio
+from qwz.qualify.files import atomic_write_text
+from qwz.qualify.signing import (
+    Signature,
+    SigningKey,
+    SigningKeyError,
+    configured_key,
+    sign,
+    verifies,
+)
+
 SCHEMA_VERSION = 2
 SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
 
@@ -295,6 +306,9 @@ class Record(_Model):
     checks: list[Check]
     verdict: Verdict
     digest: str = Field(description="sha256 of the canonical JSON of the record without digest")
+    signature: Signature | None = Field(
+        None, exclude=True, description="Keyed signature of the digest; outside the digest"
+    )
 
 
 def canonical_digest(payload: dict[str, Any]) -> str:
@@ -396,39 +410,67 @@ def _rederive(path: pathlib.Path, record: Record) -> None:
         raise RecordError(f"{path}: the verdict does not follow from the checks")
 
 
-def save(record: Record, path: pathlib.Path) -> None:
-    path.write_text(json.dumps(record.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")
+def save(record: Record, path: pathlib.Path, *, key: SigningKey | None = None) -> None:
+    """Write ``record`` atomically; signed with ``key`` when given ([Note: digest and
+    signature] in qwz/qualify/signing.py), else with the signature it already carries."""
+    payload = record.model_dump(mode="json")
+    signature = sign(record.digest, key) if key is not None else record.signature
+    if signature is not None:
+        payload["signature"] = signature.model_dump()
+    atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
 
 
 def load(path: str | pathlib.Path) -> Record:
-    """Read and verify a record; any problem is a RecordError naming the file."""
+    """Read and verify a record; any problem is a RecordError of one line naming the file.
+
+    The file is read by ``qwz.jsonio`` ([Note: bounded JSON]: regular files only, size,
+    depth, integer and list bounds, no NaN/Infinity, no duplicate keys) and validated in
+    pydantic's strict mode: ``"2"`` is not an int, ``"false"`` not a bool."""
     path = pathlib.Path(path)
     try:
-        text = path.read_text()
-    except OSError as error:
-        raise RecordError(f"{path}: cannot read record: {error}") from None
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RecordError(f"{path}: not valid JSON (truncated or corrupt?): {error}") from None
+        payload = jsonio.read_json_file(path, what="record")
+    except jsonio.JsonInputError as error:
+        raise RecordError(str(error)) from None
     if not isinstance(payload, dict):
         raise RecordError(f"{path}: a record is a JSON object, not {type(payload).__name__}")
     version = payload.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise RecordError(
-            f"{path}: schema_version {version!r} is not supported (this qwz reads {SCHEMA_VERSION})"
+            f"{path}: schema_version {jsonio.bounded_repr(version, 60)} is not supported "
+            f"(this qwz reads the integer {SCHEMA_VERSION})"
         )
     try:
-        record = Record.model_validate(payload)
+        record = Record.model_validate(payload, strict=True)
     except ValidationError as error:
-        raise RecordError(f"{path}: does not match the record schema:\n{error}") from None
-    expected = canonical_digest(payload)
+        problems = [
+            f"{'.'.join(map(str, problem['loc'])) or '(record)'}: {problem['msg']} "
+            f"(got {jsonio.bounded_repr(problem.get('input'), 60)})"
+            for problem in error.errors(include_url=False)
+        ]
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise RecordError(
+            f"{path}: does not match the record schema: {'; '.join(problems[:3])}{more}"
+        ) from None
+    expected = canonical_digest(
+        {key: value for key, value in payload.items() if key != "signature"}
+    )
     if record.digest != expected:
         raise RecordError(
             f"{path}: digest mismatch: the record was edited after it was written "
             f"(stored {record.digest[:16]}..., content {expected[:16]}...)"
         )
     _rederive(path, record)
+    if record.signature is not None:
+        try:
+            key = configured_key()
+        except SigningKeyError as error:
+            raise RecordError(f"{path}: cannot verify the signature: {error}") from None
+        ours = key is not None and record.signature.key_id == key.key_id
+        if ours and not verifies(record.digest, record.signature, key):
+            raise RecordError(
+                f"{path}: the signature of key id {key.key_id} does not verify: "
+                "the record was changed after it was signed"
+            )
     return record
 
 

@@ -61,7 +61,9 @@ def _arm_config(quantized: bool) -> dict[str, Any]:
     }
 
 
-def _blocks() -> list[dict[str, Any]]:
+def _blocks(
+    speed_scale: float = 1.0, jitter: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+) -> list[dict[str, Any]]:
     # Five timed steps per arm and block around the block medians above.
     return [
         {
@@ -70,11 +72,12 @@ def _blocks() -> list[dict[str, Any]]:
                 reference_s * factor for factor in (0.998, 1.0, 1.004, 0.999, 1.01)
             ],
             "candidate_times_s": [
-                candidate_s * factor for factor in (1.003, 0.997, 1.0, 1.02, 0.999)
+                candidate_s / speed_scale * (1.0 + noise) * factor
+                for factor in (1.003, 0.997, 1.0, 1.02, 0.999)
             ],
         }
-        for index, (reference_s, candidate_s) in enumerate(
-            zip(REFERENCE_STEP_S, CANDIDATE_STEP_S, strict=True)
+        for index, (reference_s, candidate_s, noise) in enumerate(
+            zip(REFERENCE_STEP_S, CANDIDATE_STEP_S, jitter, strict=True)
         )
     ]
 
@@ -93,11 +96,21 @@ def _memory(arm: str) -> list[dict[str, Any]]:
 
 
 def _performance() -> dict[str, Any]:
+    return make_performance()
+
+
+def make_performance(
+    speed_scale: float = 1.0, jitter: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+) -> dict[str, Any]:
+    """The candidate's performance entry with its step times divided by ``speed_scale``
+    (0.985: 1.5% slower) and block ``i``'s candidate times multiplied by ``1 + jitter[i]``
+    (block noise, which widens the bootstrap interval). The defaults give the entry
+    ``make_payload`` uses."""
     return {
         "arm": CANDIDATE,
         "block_steps": 5,
         "warmup_steps": 3,
-        **checks.summarize_blocks(_blocks()),
+        **checks.summarize_blocks(_blocks(speed_scale, jitter)),
         "memory": _memory(CANDIDATE),
     }
 
