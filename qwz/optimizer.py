@@ -75,7 +75,10 @@ WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class NonFiniteError(FloatingPointError):
-    """A gradient or an updated weight is NaN/Inf; raised on every rank with the same text."""
+    """A gradient or an updated weight is NaN/Inf; raised on every rank with the same text.
+    ``parameters`` names the affected parameters (every rank's, sorted)."""
+
+    parameters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -449,8 +452,10 @@ class ZeroOptimizer:
         affected = sorted({name for names, _ in reports for name in names})
         bad_weights = sorted({name for _, names in reports for name in names})
         cause = f"; non-finite working weights: {', '.join(bad_weights)}" if bad_weights else ""
-        raise NonFiniteError(
+        error = NonFiniteError(
             f"step {step_index}: non-finite {what} ({detail}) in parameters: "
             f"{', '.join(affected) if affected else '(none found in the shards)'}{cause}; "
             f"{consequence}"
         )
+        error.parameters = tuple(affected)
+        raise error

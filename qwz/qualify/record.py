@@ -114,7 +114,10 @@ class Failure(_Model):
     ranks: list[int] = Field(description="Every rank that reported it")
     kind: Literal["non-finite", "error", "crash"]
     message: str
-    parameters: list[str] = Field(description="Parameters holding NaN/Inf on that rank")
+    parameters: list[str] = Field(
+        description="Parameters with a NaN/Inf gradient or weight (the engine's report, else "
+        "the working weights that rank holds)"
+    )
 
 
 class HeldOut(_Model):

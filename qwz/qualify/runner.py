@@ -324,7 +324,9 @@ def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module
         "rank": rank,
         "kind": kind,
         "message": message,
-        "parameters": observers.non_finite_parameters(module)[:20],
+        "parameters": list(
+            getattr(error, "parameters", ()) or observers.non_finite_parameters(module)
+        )[:20],
     }
 
 
