@@ -185,6 +185,18 @@ def test_one_rank_has_nothing_to_gather_and_says_so(tmp_path):
     assert "in-effect[candidate-g64]" not in loaded.verdict.evidence
 
 
+def test_one_arm_at_a_time_still_times_order_balanced_blocks(tmp_path):
+    """--one-arm-at-a-time rebuilds the arm at each switch, during the untimed warm-up."""
+    done = _cli("run", "--out", str(tmp_path / "one-arm"), *SMALL_RUN, "--one-arm-at-a-time")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    loaded = record.load(tmp_path / "one-arm" / "record.json")
+    assert loaded.plan["one_arm_resident"] is True
+    assert [block.order for block in loaded.performance[0].blocks] == ["AB", "BA"]
+    done = _cli("run", "--out", str(tmp_path / "no-warmup"), *SMALL_RUN[:-3], "--no-compile",
+                "--warmup-steps", "0", "--one-arm-at-a-time", "--world-size", "2")  # fmt: skip
+    assert done.returncode == 2 and "--warmup-steps >= 1" in done.stderr
+
+
 def test_run_rejects_an_invalid_group_size():
     done = _cli("run", "--out", "unused", "--group-size", "60")
     assert done.returncode == 2

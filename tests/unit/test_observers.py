@@ -1,0 +1,159 @@
+"""What the harness observes on a rank, at world size 1: ``qwz/qualify/observers.py``.
+
+[Note: layout-independent digests] and [Note: exact update check] are tested on
+plain tensors and a plain torch AdamW, so each property is checked without a
+process group and without an engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qwz.qualify import observers
+from qwz.shards import ShardSlot, make_own_shard, slots_in_range
+
+SETTINGS = observers.AdamWSettings(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def shards_of(values: dict[str, torch.Tensor], cuts: list[int]):
+    """The flat concatenation of `values`, cut into shards at `cuts` (as different ranks or
+    group sizes would shard it), each an OwnShard with its parameter slots."""
+    flat = torch.cat([value.reshape(-1) for value in values.values()])
+    ranges, offset = [], 0
+    for name, value in values.items():
+        ranges.append((name, offset, value.numel()))
+        offset += value.numel()
+    bounds = [0, *cuts, flat.numel()]
+    return [
+        make_own_shard(f"s{i}", flat[a:b], flat[a:b], None, None, slots_in_range(ranges, a, b))
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+@st.composite
+def parameters_and_cuts(draw):
+    sizes = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    values = {f"p{i}": torch.randn(size, generator=generator) for i, size in enumerate(sizes)}
+    total = sum(sizes)
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, total - 1)), max_size=3)))
+    cuts = [cut for cut in cuts if 0 < cut < total]
+    other = sorted(draw(st.sets(st.integers(1, max(1, total - 1)), max_size=3)))
+    other = [cut for cut in other if 0 < cut < total]
+    return values, cuts, other
+
+
+@given(parameters_and_cuts())
+def test_master_digests_do_not_depend_on_the_sharding(case):
+    values, cuts, other = case
+    names = list(values)
+    assert observers.master_digests(shards_of(values, cuts), names) == (
+        observers.master_digests(shards_of(values, other), names)
+    )
+
+
+@given(parameters_and_cuts(), st.data())
+def test_one_changed_element_always_changes_its_parameters_digest(case, data):
+    values, cuts, _ = case
+    names = list(values)
+    name = data.draw(st.sampled_from(names))
+    index = data.draw(st.integers(0, values[name].numel() - 1))
+    changed = {key: value.clone() for key, value in values.items()}
+    bits = changed[name].view(torch.int32)
+    bits[index] ^= 1 << data.draw(st.integers(0, 31))  # any single bit of the float
+    before = observers.master_digests(shards_of(values, cuts), names)
+    after = observers.master_digests(shards_of(changed, cuts), names)
+    assert before[name] != after[name]
+    assert all(before[other] == after[other] for other in names if other != name)
+
+
+def _optimizer_and_shard(numel: int = 256, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    master = torch.nn.Parameter(torch.randn(numel, generator=generator))
+    optimizer = torch.optim.AdamW(
+        [master], lr=SETTINGS.lr, betas=SETTINGS.betas, eps=SETTINGS.eps,
+        weight_decay=SETTINGS.weight_decay,
+    )  # fmt: skip
+    working = master.detach().clone()
+    shard = make_own_shard("s", master, working, None, None, (ShardSlot("w", 0, numel, 0),))
+    return master, optimizer, shard, generator
+
+
+def _train(master, optimizer, check, generator, steps: int, between=None) -> None:
+    for step in range(1, steps + 1):
+        master.grad = torch.randn(master.numel(), generator=generator)
+        check.begin_step(step)
+        optimizer.step()
+        check.end_step()
+        if between is not None:
+            between(step)
+
+
+def _check(optimizer, shard, settings=SETTINGS):
+    return observers.UpdateCheck([shard], optimizer, settings, samples_per_shard=64, seed=0, rank=0)
+
+
+def test_torch_adamw_passes_the_update_check_well_inside_the_bound():
+    master, optimizer, shard, generator = _optimizer_and_shard()
+    check = _check(optimizer, shard)
+    _train(master, optimizer, check, generator, steps=12)
+    assert check.result.violations == 0 and check.result.missing_steps == []
+    assert check.result.checked == 12 * 64
+    assert 0 < check.result.max_ratio < 1
+
+
+def test_a_different_learning_rate_is_caught_at_the_first_step():
+    master, optimizer, shard, generator = _optimizer_and_shard()
+    check = _check(optimizer, shard, observers.AdamWSettings(1.01e-3, (0.9, 0.999), 1e-8, 0.1))
+    _train(master, optimizer, check, generator, steps=3)
+    assert check.result.violations > 0
+    assert check.result.first_violation["step"] == 1
+
+
+def test_a_dropped_weight_decay_is_caught():
+    master, optimizer, shard, generator = _optimizer_and_shard()
+    optimizer.param_groups[0]["weight_decay"] = 0.0
+    check = _check(optimizer, shard)
+    _train(master, optimizer, check, generator, steps=2)
+    assert check.result.first_violation is not None
+    assert check.result.first_violation["parameter"] == "w"
+
+
+def test_a_master_written_outside_the_step_breaks_continuity():
+    master, optimizer, shard, generator = _optimizer_and_shard()
+    check = _check(optimizer, shard)
+
+    def nudge(step):
+        if step == 3:
+            with torch.no_grad():
+                master.mul_(1 + 2**-20)
+
+    _train(master, optimizer, check, generator, steps=5, between=nudge)
+    violation = check.result.first_violation
+    assert violation["step"] == 4 and "outside the optimizer step" in violation["what"]
+
+
+def test_a_skipped_optimizer_step_is_a_missing_step():
+    _, optimizer, shard, _ = _optimizer_and_shard()
+    check = _check(optimizer, shard)
+    check.begin_step(1)
+    check.end_step()  # no optimizer.step() in between
+    assert check.result.missing_steps == [1]
+    assert check.result.first_violation["what"] == "the optimizer stepped 0 times"
+
+
+def test_the_update_bound_scales_with_a_huge_weight_decay_product():
+    """lr * wd >> 1 (a diverging run): the decayed weight's own rounding is allowed for."""
+    settings = observers.AdamWSettings(lr=1e6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    master, _, shard, generator = _optimizer_and_shard()
+    optimizer = torch.optim.AdamW([master], lr=1e6, weight_decay=0.1)
+    check = _check(optimizer, shard, settings)
+    _train(master, optimizer, check, generator, steps=1)
+    assert check.result.violations == 0, check.result.first_violation
+    assert math.isfinite(check.result.max_ratio)
