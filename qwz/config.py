@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-DEFAULT_GROUP_SIZE = 64
-"""Elements per quantization group (one fp32 scale each)."""
+from qwz.quant import DEFAULT_GROUP_SIZE
 
 GROUP_SIZE_MULTIPLE = 8
 """Group sizes must be multiples of this (vector width of the int8 codes)."""

@@ -133,7 +133,7 @@ def train(config: dict[str, Any], steps: int, seed: int = 0) -> dict[str, Any]:
         region.name: {
             "shard_numel": region.layout.shard_numel,
             "numel": region.layout.numel,
-            "chunks": region.plan.num_chunks,
+            "chunks": len(engine.optimizer.gather_plan.chunks),
             "quantize": region.quantize,
         }
         for region in engine.optimizer.regions
