@@ -238,16 +238,22 @@ def all_reduce_in_buckets(
     bucket_numel: int,
     world_size: int,
     group: dist.ProcessGroup | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ReduceStats:
-    """Sum `flat` across ranks in place, `bucket_numel` elements per collective."""
+    """Sum `flat` across ranks in place, `bucket_numel` elements per collective, each
+    collective in `reduce_dtype` (default: `flat`'s dtype)."""
     if world_size == 1:
         return ReduceStats(0, 0)
+    reduce_dtype = flat.dtype if reduce_dtype is None else reduce_dtype
     collectives = bytes_sent = 0
     for start in range(0, flat.numel(), bucket_numel):
         bucket = flat[start : start + bucket_numel]
-        dist.all_reduce(bucket, group=group)
+        wire = bucket if reduce_dtype == flat.dtype else bucket.to(reduce_dtype)
+        dist.all_reduce(wire, group=group)
+        if wire is not bucket:
+            bucket.copy_(wire)
         collectives += 1
-        bytes_sent += bucket.numel() * bucket.element_size()
+        bytes_sent += wire.numel() * wire.element_size()
     return ReduceStats(collectives, bytes_sent)
 
 
@@ -262,7 +268,8 @@ def reduce_scatter_in_buckets(
     group: dist.ProcessGroup | None = None,
 ) -> ReduceStats:
     """Add the cross-rank sum of `rank`'s shard of `flat` (world_size * shard_numel,) into
-    `shard_out` (shard_numel,), `bucket_numel` elements (all ranks together) per collective."""
+    `shard_out` (shard_numel,), `bucket_numel` elements (all ranks together) per collective,
+    each collective in `flat`'s dtype."""
     shard_numel = shard_out.numel()
     rank_views = flat.view(world_size, shard_numel)
     if world_size == 1:
@@ -272,8 +279,8 @@ def reduce_scatter_in_buckets(
     collectives = bytes_sent = 0
     for start in range(0, shard_numel, per_rank):
         end = min(start + per_rank, shard_numel)
-        stacked = rank_views[:, start:end].to(shard_out.dtype).contiguous()
-        reduced = torch.empty(end - start, dtype=shard_out.dtype, device=shard_out.device)
+        stacked = rank_views[:, start:end].contiguous()
+        reduced = torch.empty(end - start, dtype=flat.dtype, device=shard_out.device)
         _reduce_scatter_into(reduced, stacked.view(-1), group)
         shard_out[start:end].add_(reduced)
         collectives += 1

@@ -60,6 +60,10 @@ class Engine:
             gradient_clipping=config.gradient_clipping,
             process_group=process_group,
             compile_kernels=compile_kernels,
+            # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
+            # dtype: the same bytes for the same config.
+            reduce_dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
+            accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
         )
         self.micro_steps = 0
         """backward() calls so far."""

@@ -34,9 +34,12 @@ One optimizer step, in communication phases
    an fp32 accumulator of the owned shard only, and frees the parameters'
    gradients, so between micro-batches a rank keeps only its shard of the
    gradient (the flattening uses a transient full-size fp32 buffer during the
-   reduction). Both average over ranks, and both reduce in fp32: twice the
-   bytes of a bf16 reduction, chosen for accuracy; the reduction is the same in
-   the reference and the quantized arm, so it does not bias a comparison.
+   reduction). Both average over ranks. The collectives run in ``reduce_dtype``
+   (the engine passes DeepSpeed's choice for the same config:
+   ``communication_data_type``, else the working dtype), and the accumulators
+   are ``accumulate_dtype`` (fp32 unless ``data_types.grad_accum_dtype`` says
+   otherwise); the reduction is the same in the reference and the quantized
+   arm, so it does not bias a comparison.
 2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
    gives the global gradient norm (reported per step). A non-finite norm
    raises :class:`NonFiniteError` on every rank, naming the step and the
@@ -74,7 +77,7 @@ from qwz import collectives, layout
 from qwz.collectives import GatherStats
 from qwz.quant import choose_kernels, group_scales
 
-WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class NonFiniteError(FloatingPointError):
@@ -93,7 +96,7 @@ class Region:
     master: torch.nn.Parameter
     """(shard_numel,) fp32: this rank's shard, the only copy the optimizer steps."""
     grad_accumulator: torch.Tensor
-    """fp32: (padded_numel,) with stage 1, (shard_numel,) with stage 2."""
+    """(padded_numel,) with stage 1, (shard_numel,) with stage 2; `accumulate_dtype`."""
     quantize: bool
 
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -131,6 +134,8 @@ class ZeroOptimizer:
         gradient_clipping: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
         compile_kernels: bool | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        accumulate_dtype: torch.dtype = torch.float32,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage: {stage} is invalid: ZeroOptimizer implements stages 1 and 2")
@@ -147,6 +152,10 @@ class ZeroOptimizer:
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.dtype = named_params[0][1].dtype
         self.device = named_params[0][1].device
+        self.reduce_dtype = self.dtype if reduce_dtype is None else reduce_dtype
+        """Dtype of the gradient collectives (default: the working dtype)."""
+        self.accumulate_dtype = accumulate_dtype
+        """Dtype of the gradient accumulators between micro-batches."""
         for name, param in named_params:
             if param.dtype != self.dtype:
                 raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
@@ -212,7 +221,7 @@ class ZeroOptimizer:
             working=working,
             master=master,
             grad_accumulator=torch.zeros(
-                accumulator_numel, dtype=torch.float32, device=self.device
+                accumulator_numel, dtype=self.accumulate_dtype, device=self.device
             ),
             quantize=quantize,
         )
@@ -279,10 +288,11 @@ class ZeroOptimizer:
         Stage 1 adds the full gradient locally; stage 2 reduce-scatters it so only the
         owned shard is kept (phase 1 of the module docstring)."""
         for region in self.regions:
-            flat_grad = self._flatten_grads(region)
             if self.stage == 1:
+                flat_grad = self._flatten_grads(region, region.grad_accumulator.dtype)
                 region.grad_accumulator.add_(flat_grad)
             else:
+                flat_grad = self._flatten_grads(region, self.reduce_dtype)
                 collectives.reduce_scatter_in_buckets(
                     flat_grad,
                     region.grad_accumulator,
@@ -393,8 +403,8 @@ class ZeroOptimizer:
 
     # -------------------------------------------------------------- internals
 
-    def _flatten_grads(self, region: Region) -> torch.Tensor:
-        flat = torch.zeros(region.layout.padded_numel, dtype=torch.float32, device=self.device)
+    def _flatten_grads(self, region: Region, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(region.layout.padded_numel, dtype=dtype, device=self.device)
         for slot, param in zip(region.layout.slots, region.params, strict=True):
             if param.grad is not None:
                 flat[slot.offset : slot.end].copy_(param.grad.reshape(-1))
@@ -408,11 +418,12 @@ class ZeroOptimizer:
                 bucket_numel=self.reduce_bucket_size,
                 world_size=self.world_size,
                 group=self.process_group,
+                reduce_dtype=self.reduce_dtype,
             )
             start, end = region.shard_range(self.rank)
-            shard = region.grad_accumulator[start:end].clone()
+            shard = region.grad_accumulator[start:end].to(torch.float32, copy=True)
         else:
-            shard = region.grad_accumulator.clone()
+            shard = region.grad_accumulator.to(torch.float32, copy=True)
         return shard.div_(self.world_size)
 
     def _raise_non_finite(

@@ -294,3 +294,22 @@ def test_owner_decodes_its_master_within_half_a_scale(worlds, stage):
     results = worlds.get(2).run(ranks.own_shard_decode_error, stage)
     for rank, result in enumerate(results):
         assert result["worst_ratio"] <= 1.0, (rank, result)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_are_reduced_in_deepspeeds_dtype_for_the_same_config(worlds, stage):
+    """DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working dtype:
+    bf16 moves half the bytes of fp32, and the key switches it."""
+    bf16 = ranks.ds_config(stage=stage, quantized=True, dtype="bf16")
+    fp32_comm = {**bf16, "communication_data_type": "fp32"}
+    by_dtype = {
+        name: worlds.get(2).run(ranks.reduction_bytes, config)
+        for name, config in (("bf16", bf16), ("fp32", fp32_comm))
+    }
+    for name, element_bytes in (("bf16", 2), ("fp32", 4)):
+        for result in by_dtype[name]:
+            assert result["reduce_dtype"] == f"torch.{'bfloat16' if name == 'bf16' else 'float32'}"
+            # Every padded gradient element once, plus two fp32 scalars: the norm and the
+            # count of non-finite updated weights.
+            expected = result["padded_numel"] * element_bytes + 2 * 4
+            assert result["reduce_bytes"] == expected, (name, result)
