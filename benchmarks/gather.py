@@ -133,9 +133,14 @@ def main() -> None:
         for group_size in args.group_sizes:
             times = _kernel_rate(numel, group_size, args.repeats)
             copy, both = times["bf16 copy"], times["quant+dequant"]
-            print(
-                f"| {numel} | {group_size} | {copy * 1e3:.1f} | {both * 1e3:.1f} | {copy / both:.2f} |"
-            )
+            cells = [
+                numel,
+                group_size,
+                f"{copy * 1e3:.1f}",
+                f"{both * 1e3:.1f}",
+                f"{copy / both:.2f}",
+            ]
+            print("| " + " | ".join(str(cell) for cell in cells) + " |")
     if args.skip_gather:
         return
     print("(a) gather phase: stock bf16 all_gather_into_tensor vs qwz, and the int8 wire alone")
