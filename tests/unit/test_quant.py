@@ -431,8 +431,13 @@ def test_fused_and_eager_kernels_produce_the_same_bytes(case, many_compiled_shap
     eager_rows, eager_decoded = encode_decode(EAGER_KERNELS, values, group_size, num_groups, dtype)
     rows, decoded = encode_decode(compiled_kernels(), values, group_size, num_groups, dtype)
     assert torch.equal(rows, eager_rows)
-    # NaN == NaN bit for bit: compare the bytes of the decode, not its values.
-    assert torch.equal(decoded.view(-1).view(torch.uint8), eager_decoded.view(-1).view(torch.uint8))
+    # The decode: the same bytes wherever it is a number. A poisoned group decodes to NaN at
+    # the same positions, but the cast of NaN to bf16/fp16 may pick another NaN payload
+    # (the wire bytes above are identical; the engine refuses to gather such a group).
+    nan = torch.isnan(decoded)
+    assert torch.equal(nan, torch.isnan(eager_decoded))
+    numbers = ~nan
+    assert torch.equal(decoded[numbers].view(torch.uint8), eager_decoded[numbers].view(torch.uint8))
 
 
 @given(case=wire_rows())
