@@ -36,7 +36,7 @@ So, for every plan::
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -117,54 +117,6 @@ def split_by_size(
     exact = [(n, s) for n, s in named_shapes if torch.Size(s).numel() <= preserve_numel]
     large = [(n, s) for n, s in named_shapes if torch.Size(s).numel() > preserve_numel]
     return exact, large
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """How one shard is cut into gather chunks; see [Note: staging bound]."""
-
-    shard_numel: int
-    chunk_numel: int
-    """Elements per rank per chunk (a whole number of units; the last chunk may be shorter)."""
-    unit_numel: int
-    unit_bytes: int
-    """Staging bytes one unit of one rank occupies."""
-    world_size: int
-
-    def chunks(self) -> Iterator[tuple[int, int]]:
-        """[start, end) of each chunk, relative to the shard."""
-        for start in range(0, self.shard_numel, self.chunk_numel):
-            yield start, min(start + self.chunk_numel, self.shard_numel)
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.shard_numel // self.chunk_numel) if self.shard_numel else 0
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of the largest chunk's staging buffer, all ranks together."""
-        return self.world_size * (self.chunk_numel // self.unit_numel) * self.unit_bytes
-
-
-def plan_chunks(
-    shard_numel: int,
-    world_size: int,
-    unit_numel: int,
-    unit_bytes: int,
-    budget_bytes: int,
-) -> ChunkPlan:
-    """Largest chunk whose staging fits `budget_bytes`, but at least one unit per rank."""
-    if shard_numel % unit_numel:
-        raise ValueError(f"shard_numel={shard_numel} is not a multiple of unit_numel={unit_numel}")
-    units_per_shard = shard_numel // unit_numel
-    units_per_chunk = max(1, min(units_per_shard, budget_bytes // (world_size * unit_bytes)))
-    return ChunkPlan(
-        shard_numel=shard_numel,
-        chunk_numel=units_per_chunk * unit_numel,
-        unit_numel=unit_numel,
-        unit_bytes=unit_bytes,
-        world_size=world_size,
-    )
 
 
 def quantized_unit_bytes(group_size: int) -> int:
