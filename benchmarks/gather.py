@@ -1,11 +1,18 @@
-"""Side-by-side benchmark of the weight gather: bf16 vs int8 (eager) vs int8 (torch.compile).
+"""Benchmarks (a) and (b) of issue 11, side by side in one run; read here, never asserted.
 
-    python benchmarks/gather.py [--world-size 2] [--numel 16777216] [--repeats 10]
+    python benchmarks/gather.py [--world-sizes 2 4] [--numels 1048576 16777216 67108864]
+                                [--group-sizes 64 8192] [--repeats 5]
 
-Runs on spawned local ranks (gloo on CPU, NCCL with enough GPUs) and prints, for
-one buffer of `numel` working-dtype elements, the median time of each variant
-and its ratio to the bf16 gather measured in the same run, interleaved so that
-drift hits every variant alike. Speed targets are read here, never asserted in tests.
+(a) The weight-gather phase -- qwz's quantized gather (fused kernels, one collective per
+    chunk, double-buffered), from the fp32 master shard into the bf16 working buffer --
+    against stock ``all_gather_into_tensor`` of the same bf16 flat buffer (what DeepSpeed
+    does), per world size, group size and buffer size (elements of the whole buffer), plus
+    the raw collective of the int8 rows alone (what the wire allows).
+(b) Quantize + dequantize element rate (one rank, fused kernels) against a bf16 copy of
+    the same buffer.
+
+Each variant is timed interleaved with its baseline (AB, AB, ...), median of `repeats`,
+so drift hits both alike. On a GPU machine the same script runs with NCCL and CUDA tensors.
 """
 
 from __future__ import annotations
@@ -13,64 +20,141 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from qwz.collectives import gather_shards
+from qwz.collectives import Staging, gather
 from qwz.launch import launch
-from qwz.layout import plan_chunks, quantized_unit_bytes
-from qwz.quant import EAGER_KERNELS, compiled_kernels
+from qwz.layout import plan_gather
+from qwz.quant import WireRow, choose_kernels, row_codes, row_scales
+
+BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default ``allgather_bucket_size``."""
 
 
-def _bench_rank(numel: int, repeats: int, group_size: int, bucket: int) -> dict[str, list[float]]:
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    shard_numel = -(-numel // (world_size * group_size)) * group_size
-    full = torch.zeros(world_size * shard_numel, dtype=torch.bfloat16, device=device)
-    master = torch.randn(shard_numel, device=device)
-    budget = bucket * 2
-    plain_plan = plan_chunks(shard_numel, world_size, group_size, group_size * 2, budget)
-    quant_plan = plan_chunks(
-        shard_numel, world_size, group_size, quantized_unit_bytes(group_size), budget
-    )
-    variants = {
-        "bf16": dict(plan=plain_plan, quantize=False, kernels=EAGER_KERNELS),
-        "int8 eager": dict(plan=quant_plan, quantize=True, kernels=EAGER_KERNELS),
-        "int8 compiled": dict(plan=quant_plan, quantize=True, kernels=compiled_kernels()),
-    }
+def _device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _timed(fn: Callable[[], object], device: torch.device, barrier: bool) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if barrier:
+        dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _interleaved(variants: dict[str, Callable[[], object]], repeats: int, barrier: bool):
+    device = _device()
+    for fn in variants.values():  # warm-up (and compile)
+        fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for options in variants.values():  # warm-up (and compile)
-        gather_shards(master, full, rank=rank, **options)
     for _ in range(repeats):
-        for name, options in variants.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            start = time.perf_counter()
-            gather_shards(master, full, rank=rank, **options)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    return times
+        for name, fn in variants.items():
+            times[name].append(_timed(fn, device, barrier))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _gather_rank(numel: int, group_size: int, repeats: int) -> dict[str, float]:
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    device = _device()
+    shard_numel = -(-numel // (world_size * group_size)) * group_size
+    flat = torch.zeros(world_size * shard_numel, dtype=torch.bfloat16, device=device)
+    master = torch.randn(shard_numel, device=device)
+    plan = plan_gather(
+        world_size=world_size,
+        source_numel=shard_numel,
+        quantize=True,
+        group_size=group_size,
+        unit_numel=group_size,
+        element_size=2,
+        budget_bytes=BUCKET_ELEMENTS * 2,
+    )
+    staging, kernels = Staging(device), choose_kernels(None).kernels
+    stock_rows = flat.view(world_size, shard_numel)
+    row = WireRow(shard_numel // group_size, group_size, 0, 2)
+    raw_rows = torch.zeros(world_size, row.row_bytes, dtype=torch.uint8, device=device)
+
+    def stock() -> None:
+        stock_rows[rank].copy_(master)  # DeepSpeed copies the stepped master in first
+        dist.all_gather_into_tensor(flat, stock_rows[rank])
+
+    def qwz() -> None:
+        gather(plan, master, stock_rows, rank=rank, staging=staging, kernels=kernels)
+
+    def wire_only() -> None:
+        dist.all_gather_into_tensor(raw_rows.view(-1), raw_rows[rank])
+
+    return _interleaved({"stock": stock, "qwz": qwz, "wire": wire_only}, repeats, True)
+
+
+def _kernel_rate(numel: int, group_size: int, repeats: int) -> dict[str, float]:
+    device = _device()
+    kernels = choose_kernels(None).kernels
+    master = torch.randn(numel, device=device)
+    bf16 = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    out = torch.empty(1, numel, dtype=torch.bfloat16, device=device)
+    row = WireRow(numel // group_size, group_size, 0, 2)
+    rows = torch.empty(1, row.row_bytes, dtype=torch.uint8, device=device)
+    scales, codes = row_scales(rows, row), row_codes(rows, row)
+
+    def copy() -> None:
+        bf16.copy_(master)
+
+    def quantize_dequantize() -> None:
+        kernels.encode(master, scales[0], codes[0])
+        kernels.decode(scales, codes, out)
+
+    return _interleaved({"bf16 copy": copy, "quant+dequant": quantize_dequantize}, repeats, False)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--numel", type=int, default=1 << 24)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--bucket", type=int, default=500_000_000)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--numels", type=int, nargs="+", default=[1 << 20, 1 << 24, 1 << 26])
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[64, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-gather", action="store_true")
     args = parser.parse_args()
-    times = launch(
-        _bench_rank, args.world_size, args.numel, args.repeats, args.group_size, args.bucket
-    )[0]
-    baseline = statistics.median(times["bf16"])
-    print(f"{args.numel} elements, world size {args.world_size}, G={args.group_size}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"  {name:14s} {median * 1e3:9.2f} ms   speed-up vs bf16 {baseline / median:5.2f}x")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"kernels: {choose_kernels(None).kernels.name}")
+    print("(b) quantize + dequantize vs a bf16 copy, one rank")
+    print("| elements | G | bf16 copy ms | quant+dequant ms | rate vs copy |")
+    print("|---|---|---|---|---|")
+    for numel in args.numels:
+        for group_size in args.group_sizes:
+            times = _kernel_rate(numel, group_size, args.repeats)
+            copy, both = times["bf16 copy"], times["quant+dequant"]
+            cells = [
+                numel,
+                group_size,
+                f"{copy * 1e3:.1f}",
+                f"{both * 1e3:.1f}",
+                f"{copy / both:.2f}",
+            ]
+            print("| " + " | ".join(str(cell) for cell in cells) + " |")
+    if args.skip_gather:
+        return
+    print("(a) gather phase: stock bf16 all_gather_into_tensor vs qwz, and the int8 wire alone")
+    print("| W | elements | G | stock ms | qwz ms | qwz speed-up | wire-only speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for world_size in args.world_sizes:
+        for numel in args.numels:
+            for group_size in args.group_sizes:
+                times = launch(_gather_rank, world_size, numel, group_size, args.repeats)[0]
+                stock, ours, wire = times["stock"], times["qwz"], times["wire"]
+                print(
+                    f"| {world_size} | {numel} | {group_size} | {stock * 1e3:.1f} | "
+                    f"{ours * 1e3:.1f} | {stock / ours:.2f}x | {stock / wire:.2f}x |"
+                )
 
 
 if __name__ == "__main__":

@@ -16,17 +16,39 @@ decodes the whole staging buffer with the same kernel and writes the result
 into its working buffer. Equal bytes in, the same deterministic decode, equal
 values out. The master shard is never overwritten with the decoded values, so
 quantization error does not accumulate in the optimizer's state.
+
+[Note: gather pipeline]
+:func:`gather` runs one collective per chunk (quantized rows and the exact stream in one
+row, [Note: wire row] in quant.py) through staging buffers allocated once
+(:class:`Staging`) and, with two buffers, overlaps them::
+
+    pack k  ->  launch k (async)  ->  wait k-1  ->  decode k-1  ->  pack k+1 ...
+
+so chunk k's collective is in flight while chunk k - 1 is decoded and chunk k + 1 packed.
+Buffer ``k % 2`` is packed again only after chunk k - 2 was decoded from it, so nothing is
+overwritten while it is still read. Packing reads the fp32 master straight into the row;
+decoding writes straight into the destination (strided views allowed): no per-chunk
+temporary the size of a chunk.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from qwz.layout import SCALE_BYTES, ChunkPlan
-from qwz.quant import EAGER_KERNELS, QuantKernels
+from qwz.layout import GatherPlan
+from qwz.quant import (
+    EAGER_KERNELS,
+    QuantKernels,
+    WireRow,
+    quantize_groups,
+    row_codes,
+    row_scales,
+    row_values,
+)
 
 
 class GatherStats(NamedTuple):
@@ -37,7 +59,7 @@ class GatherStats(NamedTuple):
     bytes_sent: int
     """Bytes this rank contributed to the collectives (its input slots)."""
     peak_staging_bytes: int
-    """Largest staging buffer allocated for one chunk, all ranks' slots together."""
+    """Staging bytes in use during the gather, all buffers and all ranks' rows together."""
 
 
 class ReduceStats(NamedTuple):
@@ -45,9 +67,14 @@ class ReduceStats(NamedTuple):
     bytes_sent: int
 
 
-def _all_gather_into(output: torch.Tensor, slot: torch.Tensor, group: dist.ProcessGroup | None):
+def _all_gather_into(
+    output: torch.Tensor,
+    slot: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    async_op: bool = False,
+) -> Any:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, slot, group=group)
+    return gather(output, slot, group=group, async_op=async_op)
 
 
 def _reduce_scatter_into(
@@ -57,53 +84,151 @@ def _reduce_scatter_into(
     scatter(output, stacked, group=group)
 
 
-@torch.no_grad()
-def gather_shards(
-    local_shard: torch.Tensor,
-    full: torch.Tensor,
-    *,
-    plan: ChunkPlan,
+class Staging:
+    """Staging buffers allocated once and reused by every gather that shares them; see
+    [Note: staging bound] (layout.py) and [Note: gather pipeline]."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.buffers: list[torch.Tensor] = []
+
+    def reserve(self, plan: GatherPlan) -> None:
+        """Make sure the buffers can serve `plan` (allocates only when they cannot)."""
+        while len(self.buffers) < plan.num_buffers:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        for index in range(plan.num_buffers):
+            if self.buffers[index].numel() < plan.buffer_bytes:
+                self.buffers[index] = torch.empty(
+                    plan.buffer_bytes, dtype=torch.uint8, device=self.device
+                )
+
+    def rows(self, index: int, world_size: int, row: WireRow) -> torch.Tensor:
+        """(world_size, row_bytes) uint8 view of buffer `index` for one chunk."""
+        return self.buffers[index][: world_size * row.row_bytes].view(world_size, -1)
+
+
+class MaskedGroups(NamedTuple):
+    """Groups of one chunk of this rank's quantized stream that hold both quantized and
+    exact elements: they are re-encoded with the exact elements zeroed, so a small
+    parameter's values never widen its neighbours' scales."""
+
+    group_index: torch.Tensor
+    """int64 (n,): the groups, counted from the chunk's first group."""
+    element_index: torch.Tensor
+    """int64 (n, G): their elements in the source (clamped into it)."""
+    keep: torch.Tensor
+    """bool (n, G): which of them are quantized (not exact, not padding)."""
+
+
+def _pack(
+    chunk: Any,
+    rows: torch.Tensor,
     rank: int,
-    quantize: bool,
+    source: torch.Tensor,
+    exact_source: torch.Tensor | None,
+    kernels: QuantKernels,
+    masked: MaskedGroups | None,
+    dtype: torch.dtype,
+) -> None:
+    """Write this rank's row of `chunk`: codes and scales straight from the fp32 source,
+    then the raw and exact elements cast to the working `dtype`."""
+    row = chunk.row
+    own = rows[rank : rank + 1]
+    if row.num_groups:
+        scales, codes = row_scales(own, row)[0], row_codes(own, row)[0]
+        kernels.encode(source[chunk.start : chunk.end], scales, codes)
+        if masked is not None:
+            values = torch.where(masked.keep, source[masked.element_index], 0.0)
+            masked_codes, masked_scales = quantize_groups(values)
+            scales.index_copy_(0, masked.group_index, masked_scales)
+            codes.view(row.num_groups, -1).index_copy_(0, masked.group_index, masked_codes)
+    if not (row.raw_numel or row.exact_numel):
+        return
+    values = row_values(own, row, dtype)[0]
+    if row.raw_numel:
+        values[: row.raw_numel].copy_(source[chunk.start : chunk.end])
+    for piece in chunk.pieces:
+        if piece.owner == rank:
+            at = row.raw_numel + piece.row_offset
+            values[at : at + piece.numel].copy_(
+                exact_source[piece.source_offset : piece.source_offset + piece.numel]
+            )
+
+
+def _decode(
+    chunk: Any,
+    rows: torch.Tensor,
+    dest: torch.Tensor,
+    exact_dest: torch.Tensor | None,
+    kernels: QuantKernels,
+) -> None:
+    """Decode every rank's row of `chunk` into `dest`, then its exact pieces."""
+    row = chunk.row
+    if row.num_groups:
+        kernels.decode(
+            row_scales(rows, row), row_codes(rows, row), dest[:, chunk.start : chunk.end]
+        )
+    if not (row.raw_numel or chunk.pieces):
+        return
+    values = row_values(rows, row, dest.dtype)
+    if row.raw_numel:
+        dest[:, chunk.start : chunk.end].copy_(values[:, : row.raw_numel])
+    for piece in chunk.pieces:
+        at = row.raw_numel + piece.row_offset
+        exact_dest[piece.owner, piece.dest_offset : piece.dest_offset + piece.numel].copy_(
+            values[piece.owner, at : at + piece.numel]
+        )
+
+
+@torch.no_grad()
+def gather(
+    plan: GatherPlan,
+    source: torch.Tensor,
+    dest: torch.Tensor,
+    *,
+    rank: int,
+    staging: Staging,
+    exact_source: torch.Tensor | None = None,
+    exact_dest: torch.Tensor | None = None,
+    masked: Sequence[MaskedGroups | None] | None = None,
     group: dist.ProcessGroup | None = None,
     kernels: QuantKernels = EAGER_KERNELS,
 ) -> GatherStats:
-    """Write every rank's `local_shard` into `full`, chunk by chunk.
+    """Write every rank's `source` into every rank's `dest`, chunk by chunk, one collective
+    per chunk, pipelined; see [Note: gather pipeline] and [Note: replica consistency].
 
-    local_shard: (shard_numel,), any float dtype (the fp32 master shard).
-    full: (world_size * shard_numel,), the working buffer, written in place.
-    With `quantize`, each chunk travels as int8 codes + fp32 scales in groups of
-    ``plan.unit_numel``; otherwise in `full`'s dtype. See [Note: staging bound]
-    in layout.py and [Note: replica consistency] above.
+    source: (>= plan.source_numel,) this rank's main stream (the fp32 master shard).
+    dest: (W, >= plan.source_numel) a view of the working buffer, one row per rank.
+    exact_source / exact_dest: this rank's exact stream and the (W, n) view its pieces
+    land in (default: `source` and `dest`). masked: per chunk, see :class:`MaskedGroups`.
     """
-    world_size, shard_numel = plan.world_size, plan.shard_numel
-    if local_shard.numel() != shard_numel or full.numel() != world_size * shard_numel:
-        raise ValueError(
-            f"gather_shards: local_shard has {local_shard.numel()} and full has {full.numel()} "
-            f"elements; the plan needs {shard_numel} and {world_size * shard_numel}"
-        )
-    rank_views = full.view(world_size, shard_numel)
-    group_size = plan.unit_numel
-    collectives = bytes_sent = peak_staging = 0
-    for start, end in plan.chunks():
-        chunk_numel = end - start
-        if quantize:
-            row_bytes = chunk_numel + (chunk_numel // group_size) * SCALE_BYTES
-            staging = torch.empty(world_size, row_bytes, dtype=torch.uint8, device=full.device)
-            kernels.pack(local_shard[start:end], staging[rank], group_size)
-        else:
-            staging = torch.empty(world_size, chunk_numel, dtype=full.dtype, device=full.device)
-            staging[rank].copy_(local_shard[start:end])
-        peak_staging = max(peak_staging, staging.numel() * staging.element_size())
+    world_size = plan.world_size
+    exact_source = source if exact_source is None else exact_source
+    exact_dest = dest if exact_dest is None else exact_dest
+    staging.reserve(plan)
+    pending: list[tuple[Any, Any, torch.Tensor]] = []
+    for index, chunk in enumerate(plan.chunks):
+        rows = staging.rows(index % plan.num_buffers, world_size, chunk.row)
+        if plan.num_buffers == 1 and pending:
+            _finish(*pending.pop(), dest, exact_dest, kernels)
+        chunk_masked = masked[index] if masked else None
+        _pack(chunk, rows, rank, source, exact_source, kernels, chunk_masked, dest.dtype)
+        work = None
         if world_size > 1:
-            _all_gather_into(staging.view(-1), staging[rank], group)
-            collectives += 1
-            bytes_sent += staging[rank].numel() * staging.element_size()
-        if quantize:
-            kernels.unpack(staging, rank_views[:, start:end], group_size)
-        else:
-            rank_views[:, start:end].copy_(staging)
-    return GatherStats(collectives, bytes_sent, peak_staging)
+            work = _all_gather_into(rows.view(-1), rows[rank], group, async_op=True)
+        if pending:
+            _finish(*pending.pop(), dest, exact_dest, kernels)
+        pending.append((work, chunk, rows))
+    while pending:
+        _finish(*pending.pop(), dest, exact_dest, kernels)
+    collectives = len(plan.chunks) if world_size > 1 else 0
+    return GatherStats(collectives, plan.wire_bytes(), plan.staging_bytes)
+
+
+def _finish(work, chunk, rows, dest, exact_dest, kernels) -> None:
+    if work is not None:
+        work.wait()
+    _decode(chunk, rows, dest, exact_dest, kernels)
 
 
 @torch.no_grad()
@@ -113,16 +238,22 @@ def all_reduce_in_buckets(
     bucket_numel: int,
     world_size: int,
     group: dist.ProcessGroup | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ReduceStats:
-    """Sum `flat` across ranks in place, `bucket_numel` elements per collective."""
+    """Sum `flat` across ranks in place, `bucket_numel` elements per collective, each
+    collective in `reduce_dtype` (default: `flat`'s dtype)."""
     if world_size == 1:
         return ReduceStats(0, 0)
+    reduce_dtype = flat.dtype if reduce_dtype is None else reduce_dtype
     collectives = bytes_sent = 0
     for start in range(0, flat.numel(), bucket_numel):
         bucket = flat[start : start + bucket_numel]
-        dist.all_reduce(bucket, group=group)
+        wire = bucket if reduce_dtype == flat.dtype else bucket.to(reduce_dtype)
+        dist.all_reduce(wire, group=group)
+        if wire is not bucket:
+            bucket.copy_(wire)
         collectives += 1
-        bytes_sent += bucket.numel() * bucket.element_size()
+        bytes_sent += wire.numel() * wire.element_size()
     return ReduceStats(collectives, bytes_sent)
 
 
@@ -137,7 +268,8 @@ def reduce_scatter_in_buckets(
     group: dist.ProcessGroup | None = None,
 ) -> ReduceStats:
     """Add the cross-rank sum of `rank`'s shard of `flat` (world_size * shard_numel,) into
-    `shard_out` (shard_numel,), `bucket_numel` elements (all ranks together) per collective."""
+    `shard_out` (shard_numel,), `bucket_numel` elements (all ranks together) per collective,
+    each collective in `flat`'s dtype."""
     shard_numel = shard_out.numel()
     rank_views = flat.view(world_size, shard_numel)
     if world_size == 1:
@@ -147,8 +279,8 @@ def reduce_scatter_in_buckets(
     collectives = bytes_sent = 0
     for start in range(0, shard_numel, per_rank):
         end = min(start + per_rank, shard_numel)
-        stacked = rank_views[:, start:end].to(shard_out.dtype).contiguous()
-        reduced = torch.empty(end - start, dtype=shard_out.dtype, device=shard_out.device)
+        stacked = rank_views[:, start:end].contiguous()
+        reduced = torch.empty(end - start, dtype=flat.dtype, device=shard_out.device)
         _reduce_scatter_into(reduced, stacked.view(-1), group)
         shard_out[start:end].add_(reduced)
         collectives += 1

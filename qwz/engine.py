@@ -34,7 +34,7 @@ class Engine:
         config: QwzConfig,
         *,
         process_group: dist.ProcessGroup | None = None,
-        compile_kernels: bool = False,
+        compile_kernels: bool | None = None,
     ):
         _check_supported(config)
         distributed = dist.is_available() and dist.is_initialized()
@@ -60,6 +60,10 @@ class Engine:
             gradient_clipping=config.gradient_clipping,
             process_group=process_group,
             compile_kernels=compile_kernels,
+            # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
+            # dtype: the same bytes for the same config.
+            reduce_dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
+            accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
         )
         self.micro_steps = 0
         """backward() calls so far."""
@@ -136,13 +140,15 @@ def initialize(
     config: Mapping[str, Any] | str | QwzConfig,
     *,
     process_group: dist.ProcessGroup | None = None,
-    compile_kernels: bool = False,
+    compile_kernels: bool | None = None,
 ) -> Engine:
     """Build an :class:`Engine` from a DeepSpeed-style config (dict, JSON path or JSON text).
 
     Uses the default process group unless `process_group` is given; without an
     initialised process group it runs on one rank with the collectives skipped.
-    `compile_kernels` fuses the quantize/dequantize kernels with ``torch.compile``.
+    `compile_kernels`: None (default) fuses the gather's kernels with ``torch.compile`` when
+    a one-time probe shows it works here, else uses the eager kernels (same bytes) and logs
+    why (``engine.optimizer.kernel_fallback``); True requires fusion; False keeps eager.
     """
     parsed = config if isinstance(config, QwzConfig) else QwzConfig.from_deepspeed(config)
     return Engine(model, parsed, process_group=process_group, compile_kernels=compile_kernels)

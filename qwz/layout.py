@@ -14,24 +14,37 @@ quantizes to zero codes and never moves.
 [Note: staging bound]
 The weight gather moves each rank's shard in chunks. A chunk carries the same
 number of alignment units (quantization groups) from every rank, so one
-collective of equal-sized inputs serves it. Its staging buffer (for a quantized
-buffer: int8 codes plus fp32 scales; otherwise the working dtype) holds
-``world_size * units_per_chunk * unit_bytes`` bytes, and ``units_per_chunk`` is
-the largest count that keeps this within the budget of
-``allgather_bucket_size`` elements of the working dtype -- except that a chunk
-always carries at least one unit per rank, so a budget smaller than
-``world_size`` units still makes progress (and exceeds it by design).
+collective of equal-sized rows serves it; the row also carries the chunk's
+share of the exact stream ([Note: wire row], quant.py). Staging is allocated
+once per gather plan and reused: two buffers, so that chunk k's collective runs
+while chunk k + 1 is packed and chunk k - 1 decoded ([Note: gather pipeline],
+collectives.py). Each buffer holds ``world_size`` rows of the largest chunk,
+and the planner keeps *both buffers together* within the budget of
+``allgather_bucket_size`` elements of the working dtype: each buffer gets half.
+When half the budget cannot hold one unit (and one exact element) per rank, the
+plan falls back to a single buffer with the smallest chunk -- one unit per rank,
+plus one element of an exact stream of its own or the exact elements inside
+that unit -- so a tiny budget still makes progress (and exceeds it by design,
+as before, by that one minimal chunk).
+So, for every plan::
+
+    staging_bytes = num_buffers * world_size * max(row_bytes)
+                 <= max(budget_bytes, world_size * minimal_row_bytes)
+
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-SCALE_BYTES = 4
-"""Bytes of one fp32 scale on the wire."""
+from qwz.quant import SCALE_BYTES, WireRow
+
+__all__ = ["SCALE_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -106,54 +119,172 @@ def split_by_size(
     return exact, large
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """How one shard is cut into gather chunks; see [Note: staging bound]."""
-
-    shard_numel: int
-    chunk_numel: int
-    """Elements per rank per chunk (a whole number of units; the last chunk may be shorter)."""
-    unit_numel: int
-    unit_bytes: int
-    """Staging bytes one unit of one rank occupies."""
-    world_size: int
-
-    def chunks(self) -> Iterator[tuple[int, int]]:
-        """[start, end) of each chunk, relative to the shard."""
-        for start in range(0, self.shard_numel, self.chunk_numel):
-            yield start, min(start + self.chunk_numel, self.shard_numel)
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.shard_numel // self.chunk_numel) if self.shard_numel else 0
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of the largest chunk's staging buffer, all ranks together."""
-        return self.world_size * (self.chunk_numel // self.unit_numel) * self.unit_bytes
-
-
-def plan_chunks(
-    shard_numel: int,
-    world_size: int,
-    unit_numel: int,
-    unit_bytes: int,
-    budget_bytes: int,
-) -> ChunkPlan:
-    """Largest chunk whose staging fits `budget_bytes`, but at least one unit per rank."""
-    if shard_numel % unit_numel:
-        raise ValueError(f"shard_numel={shard_numel} is not a multiple of unit_numel={unit_numel}")
-    units_per_shard = shard_numel // unit_numel
-    units_per_chunk = max(1, min(units_per_shard, budget_bytes // (world_size * unit_bytes)))
-    return ChunkPlan(
-        shard_numel=shard_numel,
-        chunk_numel=units_per_chunk * unit_numel,
-        unit_numel=unit_numel,
-        unit_bytes=unit_bytes,
-        world_size=world_size,
-    )
-
-
 def quantized_unit_bytes(group_size: int) -> int:
     """Staging bytes of one quantization group: int8 codes plus one fp32 scale."""
     return group_size + SCALE_BYTES
+
+
+# --------------------------------------------------------------------------- #
+# Gather plans: chunks whose rows carry quantized groups and exact elements
+# --------------------------------------------------------------------------- #
+
+
+class ExactPiece(NamedTuple):
+    """A run of elements that travels exactly: ``numel`` elements of `owner`'s exact source
+    from ``source_offset``, at ``row_offset`` of the row's exact part, written to the
+    owner's row of the exact destination at ``dest_offset``."""
+
+    owner: int
+    source_offset: int
+    dest_offset: int
+    row_offset: int
+    numel: int
+
+
+class GatherChunk(NamedTuple):
+    """One collective: main-stream elements [start, end) of every rank's shard (``end`` is
+    at most the real source length; quantized rows zero-pad the last group) and the exact
+    pieces that ride in the same rows."""
+
+    start: int
+    end: int
+    row: WireRow
+    pieces: tuple[ExactPiece, ...]
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Every chunk of one gather, and the staging it needs; see [Note: staging bound]."""
+
+    world_size: int
+    quantize: bool
+    group_size: int
+    """Elements per quantization group (the main stream's unit when quantizing)."""
+    source_numel: int
+    """Real elements of each rank's main stream (the padded shard may be longer)."""
+    chunks: tuple[GatherChunk, ...]
+    num_buffers: int
+    """2: double-buffered pipeline; 1: the budget holds only one minimal chunk."""
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of the largest row (one rank, one chunk)."""
+        return max((chunk.row.row_bytes for chunk in self.chunks), default=0)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of one staging buffer (all ranks' rows of the largest chunk)."""
+        return self.world_size * self.row_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of all staging buffers together: what [Note: staging bound] bounds."""
+        return self.num_buffers * self.buffer_bytes
+
+    def wire_bytes(self) -> int:
+        """Bytes one rank contributes to the gather's collectives (0 with one rank)."""
+        if self.world_size == 1:
+            return 0
+        return sum(chunk.row.row_bytes for chunk in self.chunks)
+
+
+def _pieces_by_quota(
+    exact_numel: int, world_size: int, num_chunks: int
+) -> list[tuple[ExactPiece, ...]]:
+    """Exact streams of `exact_numel` elements per rank (every rank the same, in a buffer of
+    their own) spread evenly over the chunks, each rank's run to its own row."""
+    quota = -(-exact_numel // num_chunks)
+    result = []
+    for index in range(num_chunks):
+        first = min(index * quota, exact_numel)
+        numel = min(quota, exact_numel - first)
+        pieces = tuple(ExactPiece(owner, first, first, 0, numel) for owner in range(world_size))
+        result.append(pieces if numel else ())
+    return result
+
+
+def _pieces_by_position(
+    runs: Sequence[Sequence[tuple[int, int]]], ranges: Sequence[tuple[int, int]]
+) -> list[tuple[ExactPiece, ...]]:
+    """Exact elements inside the main stream's own buffer: `runs[owner]` are sorted,
+    disjoint [start, end) ranges of the owner's shard. Each travels with the chunk whose
+    range holds it, so it is written after that chunk's quantized decode."""
+    starts = [[start for start, _ in owner_runs] for owner_runs in runs]
+    result = []
+    for first, last in ranges:
+        pieces = []
+        for owner, owner_runs in enumerate(runs):
+            row_offset = 0
+            index = max(0, bisect.bisect_right(starts[owner], first) - 1)
+            for start, end in owner_runs[index:]:
+                if start >= last:
+                    break
+                low, high = max(start, first), min(end, last)
+                if low < high:
+                    pieces.append(ExactPiece(owner, low, low, row_offset, high - low))
+                    row_offset += high - low
+        result.append(tuple(pieces))
+    return result
+
+
+def plan_gather(
+    *,
+    world_size: int,
+    source_numel: int,
+    quantize: bool,
+    group_size: int,
+    unit_numel: int,
+    element_size: int,
+    budget_bytes: int,
+    exact_numel: int = 0,
+    exact_runs: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> GatherPlan:
+    """Plan a gather of every rank's main stream of `source_numel` real elements, in units
+    of `unit_numel` (quantization groups when quantizing; the last one zero-padded), plus an
+    exact stream: either `exact_numel` elements per rank in a buffer of their own, spread
+    evenly over the chunks, or `exact_runs` per rank inside the main stream's buffer, each
+    with the chunk that covers it. Picks the fewest chunks whose staging keeps
+    [Note: staging bound]."""
+    if exact_numel and exact_runs is not None:
+        raise ValueError("exact_numel and exact_runs: give one exact stream, not both")
+    units = -(-source_numel // unit_numel)
+
+    def chunks_of(num_chunks: int) -> tuple[GatherChunk, ...]:
+        step = -(-units // num_chunks) * unit_numel
+        starts = range(0, source_numel, step) if source_numel else range(0)
+        ranges = [(start, min(start + step, source_numel)) for start in starts]
+        if exact_runs is not None:
+            all_pieces = _pieces_by_position(exact_runs, ranges)
+        else:
+            ranges += [(source_numel, source_numel)] * (num_chunks - len(ranges))
+            all_pieces = _pieces_by_quota(exact_numel, world_size, len(ranges))
+        chunks = []
+        for (start, end), pieces in zip(ranges, all_pieces, strict=True):
+            counts = [0] * world_size
+            for piece in pieces:
+                counts[piece.owner] += piece.numel
+            exact = max(counts)
+            if end == start and not exact:
+                continue
+            if quantize:
+                groups = -(-(end - start) // group_size)
+                row = WireRow(groups, group_size, exact, element_size)
+            else:
+                row = WireRow(0, group_size, exact, element_size, raw_numel=end - start)
+            chunks.append(GatherChunk(start, end, row, pieces))
+        return tuple(chunks)
+
+    most_chunks = max(units, exact_numel, 1)
+    for num_buffers in (2, 1):
+        buffer_budget = budget_bytes // num_buffers
+        num_chunks = 1
+        while True:
+            chunks = chunks_of(num_chunks)
+            needed = world_size * max((chunk.row.row_bytes for chunk in chunks), default=0)
+            if needed <= buffer_budget or num_chunks >= most_chunks:
+                break
+            grown = -(-num_chunks * needed // max(buffer_budget, 1))
+            num_chunks = min(most_chunks, max(num_chunks + 1, grown))
+        if needed <= buffer_budget:
+            return GatherPlan(world_size, quantize, group_size, source_numel, chunks, num_buffers)
+    return GatherPlan(world_size, quantize, group_size, source_numel, chunks, 1)

@@ -34,9 +34,12 @@ One optimizer step, in communication phases
    an fp32 accumulator of the owned shard only, and frees the parameters'
    gradients, so between micro-batches a rank keeps only its shard of the
    gradient (the flattening uses a transient full-size fp32 buffer during the
-   reduction). Both average over ranks, and both reduce in fp32: twice the
-   bytes of a bf16 reduction, chosen for accuracy; the reduction is the same in
-   the reference and the quantized arm, so it does not bias a comparison.
+   reduction). Both average over ranks. The collectives run in ``reduce_dtype``
+   (the engine passes DeepSpeed's choice for the same config:
+   ``communication_data_type``, else the working dtype), and the accumulators
+   are ``accumulate_dtype`` (fp32 unless ``data_types.grad_accum_dtype`` says
+   otherwise); the reduction is the same in the reference and the quantized
+   arm, so it does not bias a comparison.
 2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
    gives the global gradient norm (reported per step). A non-finite norm
    raises :class:`NonFiniteError` on every rank, naming the step and the
@@ -48,9 +51,12 @@ One optimizer step, in communication phases
    master shard only. Non-finite updated weights raise on every rank before
    any working copy is touched (the master and optimizer state have taken the
    update by then, and the error says so).
-4. *Weight gather.* ``collectives.gather_shards`` moves every master shard
-   into every working buffer, chunk by chunk, with staging bounded by
-   ``allgather_bucket_size`` ([Note: staging bound], layout.py). Every rank,
+4. *Weight gather.* ``collectives.gather`` moves every master shard into
+   every working buffer, chunk by chunk, one collective per chunk: the
+   quantized region's groups and, in the same rows, an even share of the exact
+   region ([Note: wire row], quant.py), double-buffered through staging
+   allocated once and bounded by ``allgather_bucket_size`` ([Note: staging
+   bound], layout.py; [Note: gather pipeline], collectives.py). Every rank,
    the owner included, writes the decoded values, so replicas are
    bit-identical after every step while the master stays exact
    ([Note: replica consistency], collectives.py).
@@ -69,9 +75,9 @@ import torch.distributed as dist
 
 from qwz import collectives, layout, shards
 from qwz.collectives import GatherStats
-from qwz.quant import EAGER_KERNELS, compiled_kernels
+from qwz.quant import choose_kernels, group_scales
 
-WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class NonFiniteError(FloatingPointError):
@@ -93,8 +99,7 @@ class Region:
     master: torch.nn.Parameter
     """(shard_numel,) fp32: this rank's shard, the only copy the optimizer steps."""
     grad_accumulator: torch.Tensor
-    """fp32: (padded_numel,) with stage 1, (shard_numel,) with stage 2."""
-    plan: layout.ChunkPlan
+    """(padded_numel,) with stage 1, (shard_numel,) with stage 2; `accumulate_dtype`."""
     quantize: bool
 
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -150,7 +155,9 @@ class ZeroOptimizer:
         reduce_bucket_size: int,
         gradient_clipping: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
-        compile_kernels: bool = False,
+        compile_kernels: bool | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        accumulate_dtype: torch.dtype = torch.float32,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage: {stage} is invalid: ZeroOptimizer implements stages 1 and 2")
@@ -165,12 +172,22 @@ class ZeroOptimizer:
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0
-        self.kernels = compiled_kernels() if compile_kernels else EAGER_KERNELS
         self.dtype = named_params[0][1].dtype
         self.device = named_params[0][1].device
+        self.reduce_dtype = self.dtype if reduce_dtype is None else reduce_dtype
+        """Dtype of the gradient collectives (default: the working dtype)."""
+        self.accumulate_dtype = accumulate_dtype
+        """Dtype of the gradient accumulators between micro-batches."""
         for name, param in named_params:
             if param.dtype != self.dtype:
                 raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
+
+        choice = choose_kernels(compile_kernels)
+        self.kernels = choice.kernels
+        """The gather's kernels: fused by default when ``torch.compile`` works here."""
+        self.kernel_fallback = choice.fallback_reason
+        """Why the fused kernels are not in use although wanted (None when they are)."""
+        self._check_same_kernels_on_every_rank()
 
         exact, large = layout.split_by_size(
             [(name, param.shape) for name, param in named_params], preserve_numel
@@ -184,10 +201,12 @@ class ZeroOptimizer:
         ):
             if members:
                 self.regions.append(
-                    self._build_region(
-                        region_name, members, by_name, alignment, quantize, budget_bytes
-                    )
+                    self._build_region(region_name, members, by_name, alignment, quantize)
                 )
+        self.gather_plan = self._plan_gather(budget_bytes)
+        """One plan for the whole weight gather (both regions, one collective per chunk)."""
+        self.staging = collectives.Staging(self.device)
+        self.staging.reserve(self.gather_plan)
         self.optimizer = _build_torch_optimizer(
             optimizer_type, optimizer_params, [region.master for region in self.regions]
         )
@@ -203,7 +222,6 @@ class ZeroOptimizer:
         by_name: dict[str, torch.nn.Parameter],
         alignment: int,
         quantize: bool,
-        budget_bytes: int,
     ) -> Region:
         flat = layout.build_layout(members, self.world_size, alignment)
         working = torch.zeros(flat.padded_numel, dtype=self.dtype, device=self.device)
@@ -218,13 +236,6 @@ class ZeroOptimizer:
         start, end = flat.shard_range(self.rank)
         master = torch.nn.Parameter(working[start:end].to(torch.float32).clone())
         accumulator_numel = flat.padded_numel if self.stage == 1 else flat.shard_numel
-        if quantize:
-            unit_numel, unit_bytes = alignment, layout.quantized_unit_bytes(alignment)
-        else:
-            unit_numel, unit_bytes = alignment, alignment * working.element_size()
-        plan = layout.plan_chunks(
-            flat.shard_numel, self.world_size, unit_numel, unit_bytes, budget_bytes
-        )
         return Region(
             name=name,
             layout=flat,
@@ -232,11 +243,49 @@ class ZeroOptimizer:
             working=working,
             master=master,
             grad_accumulator=torch.zeros(
-                accumulator_numel, dtype=torch.float32, device=self.device
+                accumulator_numel, dtype=self.accumulate_dtype, device=self.device
             ),
-            plan=plan,
             quantize=quantize,
         )
+
+    def _plan_gather(self, budget_bytes: int) -> layout.GatherPlan:
+        """The main stream is the quantized region when there is one (quantized, or in the
+        working dtype for the reference arm); the exact region rides in its rows."""
+        main, exact = self.regions[-1], self._exact_region()
+        return layout.plan_gather(
+            world_size=self.world_size,
+            source_numel=main.layout.shard_numel,
+            quantize=main.quantize,
+            group_size=self.group_size,
+            unit_numel=main.layout.alignment,
+            element_size=main.working.element_size(),
+            budget_bytes=budget_bytes,
+            exact_numel=0 if exact is None else exact.layout.shard_numel,
+        )
+
+    def _exact_region(self) -> Region | None:
+        """The exact region when it rides along the quantized one (None otherwise)."""
+        if len(self.regions) == 2:
+            return self.regions[0]
+        return None
+
+    def _check_same_kernels_on_every_rank(self) -> None:
+        """Eager and fused kernels produce the same bytes, but a rank that silently runs
+        other kernels than its peers is a configuration error: raise on every rank."""
+        if self.world_size == 1:
+            return
+        fused = torch.tensor(
+            [self.kernels.name == "compiled", self.kernels.name != "compiled"],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        dist.all_reduce(fused, group=self.process_group)
+        if int(fused[0]) not in (0, self.world_size):
+            raise RuntimeError(
+                f"rank {self.rank}: ranks disagree on the gather kernels ({int(fused[0])} of "
+                f"{self.world_size} fused; this rank: {self.kernels.name}, "
+                f"fallback: {self.kernel_fallback}); pass compile_kernels explicitly"
+            )
 
     def _global_rank(self, group_rank: int) -> int:
         if self.process_group is None:
@@ -261,10 +310,11 @@ class ZeroOptimizer:
         Stage 1 adds the full gradient locally; stage 2 reduce-scatters it so only the
         owned shard is kept (phase 1 of the module docstring)."""
         for region in self.regions:
-            flat_grad = self._flatten_grads(region)
             if self.stage == 1:
+                flat_grad = self._flatten_grads(region, region.grad_accumulator.dtype)
                 region.grad_accumulator.add_(flat_grad)
             else:
+                flat_grad = self._flatten_grads(region, self.reduce_dtype)
                 collectives.reduce_scatter_in_buckets(
                     flat_grad,
                     region.grad_accumulator,
@@ -335,18 +385,22 @@ class ZeroOptimizer:
         return grad_norm
 
     def gather_weights(self) -> dict[str, GatherStats]:
-        """Phase 4: write every rank's master shard into every working copy."""
+        """Phase 4: write every rank's master shard into every working copy (one gather
+        for both regions, keyed by the region whose chunks carry it)."""
+        main, exact = self.regions[-1], self._exact_region()
+        world_size = self.world_size
         self.last_gather = {
-            region.name: collectives.gather_shards(
-                region.master.detach(),
-                region.working,
-                plan=region.plan,
+            main.name: collectives.gather(
+                self.gather_plan,
+                main.master.detach(),
+                main.working.view(world_size, -1),
                 rank=self.rank,
-                quantize=region.quantize,
+                staging=self.staging,
+                exact_source=None if exact is None else exact.master.detach(),
+                exact_dest=None if exact is None else exact.working.view(world_size, -1),
                 group=self.process_group,
                 kernels=self.kernels,
             )
-            for region in self.regions
         }
         return self.last_gather
 
@@ -390,16 +444,16 @@ class ZeroOptimizer:
                     return torch.zeros(slot.shape, dtype=torch.float32, device=self.device)
                 size = self.group_size
                 first, last = slot.offset // size, (slot.end - 1) // size + 1
-                groups = region.working[first * size : last * size].float().view(-1, size)
-                scales = (groups.abs().amax(dim=1) / 127).repeat_interleave(size)
+                working = region.working[first * size : last * size]
+                scales = group_scales(working, size).repeat_interleave(size)
                 local = slot.offset - first * size
                 return scales[local : local + slot.numel].view(slot.shape)
         raise KeyError(f"{param_name}: not a parameter of this optimizer")
 
     # -------------------------------------------------------------- internals
 
-    def _flatten_grads(self, region: Region) -> torch.Tensor:
-        flat = torch.zeros(region.layout.padded_numel, dtype=torch.float32, device=self.device)
+    def _flatten_grads(self, region: Region, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(region.layout.padded_numel, dtype=dtype, device=self.device)
         for slot, param in zip(region.layout.slots, region.params, strict=True):
             if param.grad is not None:
                 flat[slot.offset : slot.end].copy_(param.grad.reshape(-1))
@@ -413,11 +467,12 @@ class ZeroOptimizer:
                 bucket_numel=self.reduce_bucket_size,
                 world_size=self.world_size,
                 group=self.process_group,
+                reduce_dtype=self.reduce_dtype,
             )
             start, end = region.shard_range(self.rank)
-            shard = region.grad_accumulator[start:end].clone()
+            shard = region.grad_accumulator[start:end].to(torch.float32, copy=True)
         else:
-            shard = region.grad_accumulator.clone()
+            shard = region.grad_accumulator.to(torch.float32, copy=True)
         return shard.div_(self.world_size)
 
     def _raise_non_finite(

@@ -1,27 +1,38 @@
-"""Pure group-wise symmetric int8 quantization.
+"""Pure group-wise symmetric int8 quantization, and the wire format of the quantized gather.
 
-Nothing here knows about processes or configs. The flat primitives
-(:func:`quantize_groups`, :func:`dequantize_groups`) are what the gather calls
-on every chunk; :func:`quantize` / :func:`dequantize` wrap them for tensors of
-any shape. Both are straight-line tensor code (no data-dependent Python branch,
-no ``.item()``), so ``torch.compile`` can fuse them.
+Nothing here knows about processes or configs. This module owns the numbers every other
+module relies on: :data:`DEFAULT_GROUP_SIZE`, the scale formula (:func:`scale_from_absmax`,
+:func:`group_scales`), the decode error bound (:data:`DECODE_ERROR_SLACK`) and the byte
+layout of one rank's wire row (:class:`WireRow`). The kernels (:func:`encode_into`,
+:func:`decode_into`) are straight-line tensor code (no data-dependent Python branch, no
+``.item()``), so ``torch.compile`` fuses each into one pass over memory.
 
 [Note: quantization math]
 For each group of ``G`` consecutive elements, in fp32 whatever the input dtype
 (never staged through fp16, so bf16 values beyond 65504 stay finite)::
 
-    scale = absmax / 127            # fp32, >= 0 (see the two edge cases below)
-    code  = round(x / scale)        # int8 in [-127, 127]; 0 where scale == 0
+    scale = absmax / 127            # fp32, correctly rounded; >= 0 (two edge cases below)
+    code  = round(x * (1 / scale))  # int8 in [-127, 127]; 0 where scale == 0
     x_hat = code * scale            # fp32, then cast to the working dtype
 
-``absmax`` maps to exactly 127 (not 128 clamped to 127), so the error bound
-``|x_hat - x| <= scale / 2`` holds for every finite element (before the cast
-back, up to the fp32 rounding of the division and the product, a few 2**-24 of
-a scale), and an all-zero group has scale 0 and decodes to exact zeros. Two edge
-cases of fp32 adjust the scale: a nonzero scale is at least the smallest normal
-fp32 (2**-126), so groups whose absmax is below ~2**-119 keep the bound with that
-scale instead of a subnormal one; and a scale whose ``127 * scale`` would round up
-to inf (absmax at the very top of the fp32 range) is one ulp smaller.
+``absmax`` maps to 127 (not 128 clamped to 127), and an all-zero group has scale 0 and
+decodes to exact zeros. The code multiplies by the fp32 reciprocal of the scale instead of
+dividing (a division costs 2.3x a multiply on CPU): ``fl(x * fl(1 / scale))`` differs from
+``x / scale`` by at most ``|x / scale| * (2 * 2**-24 + 2**-48) <= 127 * 2**-23`` of a code,
+so the code can round the other way when ``x / scale`` lies that close to a half-integer;
+the product ``code * scale`` adds at most ``127 * 2**-24`` of a scale. Hence, for every
+finite element, before the cast back to the working dtype::
+
+    |x_hat - x| <= scale / 2 + DECODE_ERROR_SLACK * scale,   DECODE_ERROR_SLACK = 2**-15
+
+(``127 * 2**-23 + 127 * 2**-24 ~ 2.3e-5 < 2**-15 ~ 3.05e-5``). Two edge cases of fp32 adjust
+the scale: a nonzero scale is at least the smallest normal fp32 (2**-126), so groups whose
+absmax is below ~2**-119 keep the bound with that scale instead of a subnormal one (and
+``1 / scale`` stays finite); and a scale whose ``127 * scale`` would round up to inf (absmax
+at the very top of the fp32 range) is one ulp smaller.
+
+Eager and fused kernels compute the same expression in the same order and produce the same
+bytes (tested), so ranks can never diverge by kernel choice.
 
 Non-finite input: a group that holds a NaN or an Inf gets a non-finite scale
 (NaN or Inf), and every element of that group decodes to NaN or Inf. A finite
@@ -35,22 +46,68 @@ Shapes::
     codes              int8    (ceil(N / G), G)   last group zero-padded
     scales             float32 (ceil(N / G),)
     dequantize(q)      x's shape, x's dtype unless `dtype` is given
+
+[Note: wire row]
+One rank's contribution to one gather collective is a row of bytes::
+
+    [ scales: 4 * U ][ codes: U * G ][ exact: E * element_size ][ pad to 4 ]
+
+``U`` quantization groups (fp32 scales first, so they sit at a 4-byte aligned offset), their
+int8 codes, then ``E`` elements that travel exactly in the working dtype (small parameters),
+then at most 3 zero bytes so that the next rank's row, and with it its scales, starts 4-byte
+aligned. Without quantization the row is ``[ values: U * G ][ exact: E ]`` in the working
+dtype, which needs no padding. Every rank's row of one collective has the same length.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from qwz.config import DEFAULT_GROUP_SIZE
+DEFAULT_GROUP_SIZE = 64
+"""Elements per quantization group (one fp32 scale each)."""
 
 INT8_MAX = 127
 """Largest code magnitude; the code range is symmetric, [-127, 127]."""
 
+SCALE_BYTES = 4
+"""Bytes of one fp32 scale on the wire."""
+
+DECODE_ERROR_SLACK = 2.0**-15
+"""Beyond half a scale, the most an element decodes away from its fp32 value, in scales
+(before the cast to the working dtype); see [Note: quantization math]."""
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+logger = logging.getLogger("qwz")
+
+
+def scale_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
+    """The scale of each group from its fp32 absmax: ``absmax / 127``, zero for a zero group,
+    a nonzero scale at least 2**-126, one ulp smaller where ``127 * scale`` would overflow.
+    The one scale formula of qwz; see [Note: quantization math]."""
+    absmax = absmax.to(torch.float32)
+    scales = torch.where(
+        absmax == 0, absmax, torch.clamp(absmax / INT8_MAX, min=torch.finfo(torch.float32).tiny)
+    )
+    overflows = torch.isinf(scales * INT8_MAX) & torch.isfinite(absmax)
+    scales = torch.where(overflows, torch.nextafter(scales, torch.zeros_like(scales)), scales)
+    # One NaN bit pattern, whichever kernel computed it (vectorized max may keep another
+    # payload or sign), so a poisoned group is the same bytes on the wire either way.
+    return torch.where(torch.isnan(scales), torch.full_like(scales, torch.nan), scales)
+
+
+def group_scales(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Scale of each group of `group_size` consecutive elements of flat `values` (the last
+    group zero-padded): float32 (ceil(numel / group_size),)."""
+    flat = values.detach().reshape(-1).to(torch.float32)
+    padding = -flat.numel() % group_size
+    groups = torch.nn.functional.pad(flat, (0, padding)).view(-1, group_size)
+    return scale_from_absmax(groups.abs().amax(dim=1))
 
 
 class QuantizedTensor(NamedTuple):
@@ -89,24 +146,85 @@ def quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     See [Note: quantization math].
     """
     values = groups.to(torch.float32)
-    absmax = values.abs().amax(dim=1)  # (num_groups,)
-    # A nonzero scale is at least the smallest normal fp32: a subnormal scale would lose
-    # its precision (or flush to zero) and break the error bound.
-    scales = torch.where(
-        absmax == 0, absmax, torch.clamp(absmax / INT8_MAX, min=torch.finfo(torch.float32).tiny)
-    )
-    # Next to the top of the fp32 range, 127 * fl(absmax / 127) can round up to inf; step
-    # such a scale down by one ulp so a finite group always decodes to finite values.
-    overflows = torch.isinf(scales * INT8_MAX) & torch.isfinite(absmax)
-    scales = torch.where(overflows, torch.nextafter(scales, torch.zeros_like(scales)), scales)
-    # A zero scale divides by one instead, so 0 / 1 gives the exact zero code;
-    # NaN/Inf scales pass through and poison the whole group on decode.
-    divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round(values / divisor[:, None])
+    scales = scale_from_absmax(values.abs().amax(dim=1))  # (num_groups,)
+    # A zero scale multiplies by zero instead, giving the exact zero code; NaN/Inf scales
+    # give NaN codes (zeroed below) and poison the whole group on decode.
+    inverse = torch.where(scales == 0, torch.zeros_like(scales), 1.0 / scales)
+    codes = torch.round(values * inverse[:, None])
     # NaN codes (from a non-finite group) become 0 so every code stays in range;
     # the group's non-finite scale still decodes it to non-finite values.
     codes = torch.nan_to_num(codes, nan=0.0).clamp_(-INT8_MAX, INT8_MAX)
     return codes.to(torch.int8), scales
+
+
+class WireRow(NamedTuple):
+    """Byte layout of one rank's row in one gather collective; see [Note: wire row]."""
+
+    num_groups: int
+    """Quantization groups U (with quantization off: 0, and `raw_numel` elements instead)."""
+    group_size: int
+    exact_numel: int
+    """Elements E sent exactly in the working dtype after the codes."""
+    element_size: int
+    """Bytes of one working-dtype element."""
+    raw_numel: int = 0
+    """Without quantization: elements sent in the working dtype before the exact ones."""
+
+    @property
+    def codes_offset(self) -> int:
+        return self.num_groups * SCALE_BYTES
+
+    @property
+    def exact_offset(self) -> int:
+        return self.codes_offset + self.num_groups * self.group_size
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.exact_offset + (self.raw_numel + self.exact_numel) * self.element_size
+
+    @property
+    def row_bytes(self) -> int:
+        """Payload rounded up to 4 bytes when scales are present (the next row's scales
+        stay aligned); at most 3 bytes of padding."""
+        if not self.num_groups:
+            return self.payload_bytes
+        return -(-self.payload_bytes // SCALE_BYTES) * SCALE_BYTES
+
+
+def row_scales(rows: torch.Tensor, row: WireRow) -> torch.Tensor:
+    """fp32 scales (W, U) of wire rows `rows` (W, >= row_bytes) uint8 (a view)."""
+    return rows[:, : row.codes_offset].view(torch.float32)
+
+
+def row_codes(rows: torch.Tensor, row: WireRow) -> torch.Tensor:
+    """int8 codes (W, U * G) of wire rows (a view)."""
+    return rows[:, row.codes_offset : row.exact_offset].view(torch.int8)
+
+
+def row_values(rows: torch.Tensor, row: WireRow, dtype: torch.dtype) -> torch.Tensor:
+    """Working-dtype elements (W, raw_numel + exact_numel) after the codes (a view)."""
+    end = row.exact_offset + (row.raw_numel + row.exact_numel) * row.element_size
+    return rows[:, row.exact_offset : end].view(dtype)
+
+
+def encode_into(values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor) -> None:
+    """Quantize `values` (n,) straight into a wire row's `scales_out` (U,) fp32 and
+    `codes_out` (U * G,) int8, G = U * G / U; ``n <= U * G``, the rest of the last groups is
+    zero. One pass when fused; see [Note: quantization math]."""
+    num_groups = scales_out.shape[0]
+    padding = codes_out.shape[0] - values.shape[0]
+    groups = torch.nn.functional.pad(values.to(torch.float32), (0, padding))
+    codes, scales = quantize_groups(groups.view(num_groups, -1))
+    scales_out.copy_(scales)
+    codes_out.copy_(codes.view(-1))
+
+
+def decode_into(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode wire rows' `scales` (W, U) fp32 and `codes` (W, U * G) int8 straight into
+    `out` (W, n), any float dtype, ``n <= U * G`` (may be a strided view)."""
+    world_size, num_groups = scales.shape
+    values = codes.view(world_size, num_groups, -1).to(torch.float32) * scales[:, :, None]
+    out.copy_(values.view(world_size, -1)[:, : out.shape[1]])
 
 
 def dequantize_groups(
@@ -116,71 +234,143 @@ def dequantize_groups(
     return (codes.to(torch.float32) * scales[:, None]).to(dtype)
 
 
-def pack_groups(
-    values: torch.Tensor,
-    row: torch.Tensor,
-    group_size: int,
-    quantize_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_groups,
-) -> None:
-    """Quantize `values` (n,) into one wire row: `row` (n + 4 * n / G,) uint8 receives the
-    int8 codes, then the fp32 scales, as raw bytes. `n` must be a multiple of `group_size`."""
-    numel = values.numel()
-    codes, scales = quantize_fn(values.view(-1, group_size))
-    row[:numel].copy_(codes.view(-1).view(torch.uint8))
-    row[numel:].copy_(scales.view(torch.uint8))
-
-
-def unpack_groups(rows: torch.Tensor, out: torch.Tensor, group_size: int) -> None:
-    """Decode wire rows (W, n + 4 * n / G) uint8 into `out` (W, n), any float dtype (may be a
-    strided view), the inverse of :func:`pack_groups` applied row by row."""
-    numel = out.shape[1]
-    codes = rows[:, :numel].view(torch.int8).reshape(-1, group_size)
-    scales = rows[:, numel:].view(torch.float32).reshape(-1)
-    out.copy_(dequantize_groups(codes, scales, out.dtype).view(out.shape))
-
-
 class QuantKernels(NamedTuple):
     """The wire-format kernels a gather uses: eager, or fused by ``torch.compile``."""
 
-    pack: Callable[[torch.Tensor, torch.Tensor, int], None]
-    unpack: Callable[[torch.Tensor, torch.Tensor, int], None]
+    name: str
+    """``"eager"`` or ``"compiled"``."""
+    encode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-EAGER_KERNELS = QuantKernels(pack_groups, unpack_groups)
+EAGER_KERNELS = QuantKernels("eager", encode_into, decode_into)
+
+
+class _FusedKernel:
+    """One kernel fused by ``torch.compile``, falling back to the eager kernel (same bytes)
+    if dynamo hits its recompile limit: logged and recorded in `fallback`, never silent.
+
+    Gathers call it with two shapes per plan (full chunk and tail), so the limit means many
+    distinct plans in one process, not a kernel that recompiles every call.
+    """
+
+    def __init__(self, eager: Callable[..., None]):
+        self.eager = eager
+        self.fused = torch.compile(eager, dynamic=False)
+        self.fallback: str | None = None
+
+    def __call__(self, *args: torch.Tensor) -> None:
+        if self.fallback is not None:
+            return self.eager(*args)
+        import torch._dynamo
+
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return self.fused(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            self.fallback = f"{self.eager.__name__}: recompile limit hit ({error}); eager now"
+            logger.warning("qwz: fused kernel %s", self.fallback)
+            return self.eager(*args)
+
+
+class _FusedDecode:
+    """:func:`decode_into` fused on whole groups; the partial last group of a row (a source
+    that is not a whole number of groups) is decoded eagerly -- the same bytes -- which also
+    keeps the fused kernel clear of an inductor CPU bug seen in torch 2.13 (a fused copy
+    into a partial last group left it unwritten)."""
+
+    def __init__(self) -> None:
+        self.kernel = _FusedKernel(decode_into)
+
+    @property
+    def fallback(self) -> str | None:
+        return self.kernel.fallback
+
+    def __call__(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+        group_size = codes.shape[1] // scales.shape[1]
+        numel = out.shape[1]
+        whole = numel // group_size
+        if whole:
+            self.kernel(
+                scales[:, :whole], codes[:, : whole * group_size], out[:, : whole * group_size]
+            )
+        if whole * group_size < numel:
+            decode_into(
+                scales[:, whole : whole + 1],
+                codes[:, whole * group_size : (whole + 1) * group_size],
+                out[:, whole * group_size :],
+            )
 
 
 @functools.cache
 def compiled_kernels() -> QuantKernels:
-    """The same math fused by ``torch.compile`` (compiled on first use, per shape).
+    """The same kernels fused by ``torch.compile`` (compiled on first use, per shape)."""
+    return QuantKernels("compiled", _FusedKernel(encode_into), _FusedDecode())
 
-    Fusion matters: eager, each step of the math is a pass over memory and the quantized
-    gather ends up slower than sending bf16. The fused kernels may round ``x / scale``
-    through a reciprocal, so their codes can differ from the eager ones by one; every rank
-    uses the same kernels, so replicas stay bit-identical, and the error bound of
-    [Note: quantization math] still holds.
-    """
-    # The byte-level copies into the wire row stay eager (they are plain memcpys); the
-    # quantize math is what fusion speeds up.
-    fused_quantize = torch.compile(quantize_groups, dynamic=False)
-    return QuantKernels(
-        functools.partial(pack_groups, quantize_fn=fused_quantize),
-        torch.compile(unpack_groups, dynamic=False),
-    )
+
+def kernel_fallbacks() -> list[str]:
+    """Recompile-limit fallbacks of the fused kernels in this process (empty when none)."""
+    if compiled_kernels.cache_info().currsize == 0:
+        return []
+    kernels = compiled_kernels()
+    return [k.fallback for k in (kernels.encode, kernels.decode) if k.fallback is not None]
+
+
+def _probe_kernels(kernels: QuantKernels) -> None:
+    """Run `kernels` once on a small row and require the eager kernels' bytes."""
+    group_size = 8
+    values = torch.linspace(-3.0, 5.0, 3 * group_size - 5)
+    rows = {}
+    for candidate in (EAGER_KERNELS, kernels):
+        row = torch.zeros(1, 3 * (group_size + SCALE_BYTES), dtype=torch.uint8)
+        layout = WireRow(num_groups=3, group_size=group_size, exact_numel=0, element_size=4)
+        candidate.encode(values, row_scales(row, layout)[0], row_codes(row, layout)[0])
+        decoded = torch.empty(1, values.numel(), dtype=torch.bfloat16)
+        candidate.decode(row_scales(row, layout), row_codes(row, layout), decoded)
+        rows[candidate.name] = (row, decoded)
+    (eager_row, eager_decoded), (row, decoded) = rows["eager"], rows[kernels.name]
+    if not (torch.equal(eager_row, row) and torch.equal(eager_decoded, decoded)):
+        raise RuntimeError("fused kernels do not reproduce the eager kernels' bytes")
 
 
 @functools.cache
-def compile_available() -> bool:
-    """Whether ``torch.compile`` works here (on CPU it needs a C++ compiler): compiles and
-    runs the quantize kernel once on a small tensor."""
+def compile_probe() -> str | None:
+    """Why ``torch.compile`` cannot serve the kernels here (None when it can): compiles and
+    runs both kernels once on a small row (on CPU this needs a C++ compiler) and checks
+    they produce the eager kernels' bytes."""
     try:
-        compiled_kernels().pack(
-            torch.ones(2 * DEFAULT_GROUP_SIZE),
-            torch.empty(2 * DEFAULT_GROUP_SIZE + 8, dtype=torch.uint8),
-            DEFAULT_GROUP_SIZE,
-        )
-    except Exception:
-        return False
-    return True
+        _probe_kernels(compiled_kernels())
+    except Exception as error:  # any failure means: use eager, and say why
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def compile_available() -> bool:
+    """Whether the fused kernels work here (see :func:`compile_probe`)."""
+    return compile_probe() is None
+
+
+class KernelChoice(NamedTuple):
+    """Which kernels a gather uses, and why."""
+
+    kernels: QuantKernels
+    fallback_reason: str | None
+    """Why the fused kernels were not used although wanted (None when they were, or when
+    eager was asked for)."""
+
+
+def choose_kernels(compile_kernels: bool | None) -> KernelChoice:
+    """Kernels for `compile_kernels`: True fused (raise if they do not work), False eager,
+    None (the default) fused when the probe passes, else eager with the reason logged."""
+    if compile_kernels is False:
+        return KernelChoice(EAGER_KERNELS, None)
+    reason = compile_probe()
+    if reason is None:
+        return KernelChoice(compiled_kernels(), None)
+    if compile_kernels:
+        raise RuntimeError(f"compile_kernels=True but torch.compile cannot fuse them: {reason}")
+    logger.warning("qwz: fused kernels unavailable (%s); using eager kernels", reason)
+    return KernelChoice(EAGER_KERNELS, reason)
 
 
 def quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedTensor:
@@ -206,9 +396,3 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Te
     out_dtype = q.dtype if dtype is None else dtype
     flat = dequantize_groups(q.codes, q.scales, out_dtype).reshape(-1)
     return flat[: q.numel].reshape(q.shape)
-
-
-def group_scales(values: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The scale of each group of `values` ((k * group_size,) any float dtype), exactly as
-    :func:`quantize_groups` computes it: (k,) float32."""
-    return quantize_groups(values.reshape(-1, group_size))[1]

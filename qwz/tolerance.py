@@ -37,10 +37,6 @@ import math
 
 import torch
 
-DECODE_SLACK = 4 * 127 * torch.finfo(torch.float32).eps
-"""fp32 rounding of the quantizer's division and product, relative to the scale (4 ulps of
-absmax = 4 * 127 ulps of the scale's unit)."""
-
 
 def adam_update_bound(step: int, betas: tuple[float, float]) -> float:
     """C_t: the largest |m_hat / sqrt(v_hat)| Adam can produce at `step` (1-based)."""
@@ -103,13 +99,15 @@ def own_shard_decode_check(
     master: (n,) fp32 master shard; working: (n,) the working copy of the same elements.
     Elements flagged in `exact` (bool, (n,)) must equal the master cast to the working dtype
     bit for bit (inf when one does not); the others must be within ``scale / 2`` of the
-    master plus the cast's half-ulp, with each group's scale computed from the master itself
+    master plus ``DECODE_ERROR_SLACK * scale`` (the kernels' rounding, [Note: quantization
+    math]) plus the cast's half-ulp, with each group's scale computed from the master itself
     by the quantizer's own formula (exact elements zeroed, as they do not travel in the
     quantized stream). Returns ``(worst error / bound, its position)``: <= 1 when the gather
     is right; (0.0, 0) for an empty shard.
 
     Unlike the drift bound, this needs no reference run and does not loosen with steps: a
     wrong scale, group, chunk or owner shows up at any step."""
+    from qwz.quant import DECODE_ERROR_SLACK
     from qwz.shards import shard_scales
 
     master = master.detach().float().reshape(-1)
@@ -122,7 +120,7 @@ def own_shard_decode_check(
         return math.inf, int(mismatch.nonzero()[0])
     scales = shard_scales(master, group_size, exact)  # (num_groups,)
     half_scale = (scales / 2).repeat_interleave(group_size)[: master.numel()]
-    slack = (DECODE_SLACK * scales).repeat_interleave(group_size)[: master.numel()]
+    slack = (DECODE_ERROR_SLACK * scales).repeat_interleave(group_size)[: master.numel()]
     # The cast rounds the decoded value, which may sit in the binade above the master's.
     magnitude = torch.maximum(master.abs(), working.float().abs())
     bound = half_scale + half_ulp(magnitude, working.dtype) + slack

@@ -133,7 +133,7 @@ def train(config: dict[str, Any], steps: int, seed: int = 0) -> dict[str, Any]:
         region.name: {
             "shard_numel": region.layout.shard_numel,
             "numel": region.layout.numel,
-            "chunks": region.plan.num_chunks,
+            "chunks": len(engine.optimizer.gather_plan.chunks),
             "quantize": region.quantize,
         }
         for region in engine.optimizer.regions
@@ -277,3 +277,17 @@ def own_shard_decode_error(stage: int, steps: int = 3, group_size: int = 64) -> 
         safe = torch.where(half_scale > 0, half_scale, torch.ones_like(half_scale))
         worst = max(worst, float(((error - slack) / safe).max()))
     return {"worst_ratio": worst}
+
+
+def reduction_bytes(config: dict[str, Any]) -> dict[str, Any]:
+    """Bytes one rank puts into gradient reductions over one micro-batch and step, and the
+    padded element count of the reduced buffers (both regions)."""
+    engine = qwz.initialize(build_model(0), config=config)
+    with WireProbe() as probe:
+        engine.backward(_loss(engine, 0, 0, 0))
+        engine.step()
+    return {
+        "reduce_bytes": probe.bytes["reduce"],
+        "padded_numel": sum(region.layout.padded_numel for region in engine.optimizer.regions),
+        "reduce_dtype": str(engine.optimizer.reduce_dtype),
+    }

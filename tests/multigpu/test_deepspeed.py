@@ -192,7 +192,7 @@ def test_installed_deepspeed_is_in_the_supported_range():
 def test_only_deepspeeds_zero_optimizer_is_taken_over():
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(qwz.ConfigError, match="DeepSpeedZeroOptimizer"):
-        qwz_deepspeed._take_over(other, QuantizedWeights(enabled=True))
+        qwz_deepspeed.takeover._take_over(other, QuantizedWeights(enabled=True))
 
 
 class _FakeEngine:
@@ -212,7 +212,9 @@ def _capture_deepspeed(monkeypatch) -> dict:
 
     monkeypatch.setattr(deepspeed, "initialize", fake_initialize)
     monkeypatch.setattr(
-        qwz_deepspeed, "_take_over", lambda optimizer, requested: captured.update(took=requested)
+        qwz_deepspeed.takeover,
+        "_take_over",
+        lambda optimizer, requested, **kernels: captured.update(took=requested),
     )
     return captured
 
@@ -276,13 +278,20 @@ def test_plan_of_a_small_parameter_straddling_two_partitions():
         process_group=None,
         group_size=8,
         preserve_numel=9,
-        budget_bytes=3 * 2 * quantized_unit_bytes(8),
+        budget_bytes=2 * 3 * (2 * quantized_unit_bytes(8) + 10 * 2),
         element_size=2,
     )
     assert [p.tolist() for p in plan.exact_positions] == [[], [4, 5, 6, 7, 8, 9], list(range(10))]
-    assert list(plan.quantized_plan.chunks()) == [(0, 16)]  # 10 padded to 16: two groups/rank
-    assert plan.own_exact_bounds == ((0, 6),)
-    assert plan.exact_plan.shard_numel == 10  # the longest rank's exact count
+    assert plan.exact_runs == ((), ((4, 10),), ((0, 10),))
+    # 10 elements = 2 groups of 8 (the second zero-padded), in one chunk: the budget holds
+    # two rows of 2 scales + 16 codes + 10 exact elements (rank 2's) per rank, not two chunks.
+    (chunk,) = plan.gather_plan.chunks
+    assert (chunk.start, chunk.end, chunk.row.num_groups, chunk.row.exact_numel) == (0, 10, 2, 10)
+    # Rank 1's group 0 holds quantized [0, 4) and exact [4, 8): re-encoded with the exact
+    # ones zeroed; group 1 is exact up to the partition's end (and padding): not masked.
+    (masked,) = plan.masked
+    assert masked.group_index.tolist() == [0]
+    assert masked.keep.tolist() == [[True] * 4 + [False] * 4]
 
 
 # --------------------------------------------------------------------------- #
@@ -364,7 +373,8 @@ def test_weight_gather_wire_bytes(ds_worlds, world_size, group_size):
     for rank, result in enumerate(results):
         expected = _expected_qwz_bytes(result, world_size, group_size, BF16_BYTES)
         for check in result["checks"]:
-            assert check["gathered_bytes"] == expected, (rank, check, expected)
+            # [Note: wire row]: one collective here, its row padded to 4 bytes (< 4 bytes).
+            assert expected <= check["gathered_bytes"] < expected + 4, (rank, check, expected)
             assert check["unquantized_bytes"] == result["partition_numels"][0] * BF16_BYTES
             ratio = check["gathered_bytes"] / check["unquantized_bytes"]
             assert ratio >= ideal, (rank, ratio, ideal)
@@ -432,15 +442,18 @@ def test_staging_bound_respected(ds_worlds, world_size, bucket):
     group_size = 64
     results = _train(ds_worlds, world_size, steps=2, stage=2, group_size=group_size, bucket=bucket)
     budget_bytes = int(bucket) * BF16_BYTES
-    minimum_bytes = world_size * quantized_unit_bytes(group_size)  # one group per rank
+    # [Note: staging bound]: at least one group per rank, plus the exact elements inside it
+    # (at most a group's worth of bf16), the row padded to 4 bytes ([Note: wire row]).
+    one_group = world_size * quantized_unit_bytes(group_size)
+    minimum_bytes = world_size * (-(-(quantized_unit_bytes(group_size) + group_size * 2) // 4) * 4)
     flat_bytes = world_size * results[0]["partition_numels"][0] * BF16_BYTES
     for rank, result in enumerate(results):
         assert result["allgather_bucket_size"] == int(bucket)
         for check in result["checks"]:
             largest = check["largest_gather_output_bytes"]
             assert largest <= max(budget_bytes, minimum_bytes), (rank, largest, budget_bytes)
-            if bucket == 64:
-                assert largest == minimum_bytes  # the one-group-per-rank minimum, by design
+            if bucket == 64:  # the one-group-per-rank minimum, by design
+                assert one_group <= largest <= minimum_bytes
             if bucket == 5e8:
                 assert largest < flat_bytes  # one chunk, and still smaller than stock's gather
             assert check["in_effect"]

@@ -314,7 +314,6 @@ UNSUPPORTED_ON: tuple[tuple[str | None, str, st.SearchStrategy[Any]], ...] = (
     (None, "prescale_gradients", st.just(True)),
     (None, "gradient_predivide_factor", st.floats(1.5, 8.0)),
     (None, "sequence_parallel_size", st.integers(2, 8)),
-    (None, "communication_data_type", st.sampled_from(["fp16", "bf16", "fp32"])),
     (None, "compile", st.just({"enabled": True})),
 )
 

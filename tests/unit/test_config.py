@@ -490,3 +490,25 @@ def test_default_only_keys_accept_exactly_deepspeeds_default(value):
 def test_json_array_text_is_read_as_json_not_as_a_path():
     with pytest.raises(qwz.ConfigError, match="must hold a JSON object"):
         qwz.QwzConfig.from_deepspeed("[1, 2]")
+
+
+@pytest.mark.parametrize("value", ["fp16", "bf16", "fp32", None])
+def test_communication_and_grad_accum_dtypes_are_read(value):
+    config = qwz.QwzConfig.from_deepspeed(
+        {"communication_data_type": value, "data_types": {"grad_accum_dtype": value}}
+    )
+    assert config.communication_dtype == value and config.grad_accum_dtype == value
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"communication_data_type": "int8"}, "communication_data_type"),
+        ({"data_types": {"grad_accum_dtype": "fp64"}}, "data_types.grad_accum_dtype"),
+        ({"data_types": {"grad_acum_dtype": "fp32"}}, "grad_acum_dtype"),
+        ({"data_types": "fp32"}, "data_types"),
+    ],
+)
+def test_bad_communication_and_grad_accum_dtypes_name_the_key(config, key):
+    with pytest.raises(qwz.ConfigError, match=key):
+        qwz.QwzConfig.from_deepspeed(config)

@@ -1,6 +1,6 @@
-"""[Note: own shards] (qwz/shards.py) for DeepSpeed's ZeRO-1/2 optimizer, stock or taken over.
+"""The seam of [Note: own shards] (qwz/shards.py) over DeepSpeed's ZeRO-1/2 optimizer.
 
-DeepSpeed keeps, per param group ``i``, this rank's fp32 master partition
+The same for a stock optimizer and one qwz took over. DeepSpeed keeps, per param group ``i``, this rank's fp32 master partition
 (``single_partition_of_fp32_groups[i]``) and the working copy of the same
 elements (``parallel_partitioned_bit16_groups[i][rank]``, a slice of the flat
 bit16 buffer the parameters view). When qwz's gather took over, a partition

@@ -1,0 +1,237 @@
+"""The takeover: :func:`initialize` and the two bound methods it replaces.
+
+[Note: what is replaced]
+DeepSpeed's ``DeepSpeedZeroOptimizer.step`` steps the fp32 master partition,
+copies it into this rank's slice of the flat bit16 buffer and then calls the
+module-level ``all_gather_dp_groups(groups_flat=self.bit16_groups_flat,
+partitioned_param_groups=self.parallel_partitioned_bit16_groups, ...)``,
+which all-gathers every rank's slice in the working dtype.
+``update_lp_params`` (used after a universal-checkpoint load) does the same.
+qwz replaces exactly that gather and nothing else:
+
+* Two *bound methods of the one optimizer object* that ``deepspeed.initialize``
+  built are replaced, ``step`` and ``update_lp_params``. Each runs DeepSpeed's
+  own class method unchanged, inside a scope where the name
+  ``all_gather_dp_groups`` of ``deepspeed.runtime.zero.stage_1_and_2``
+  resolves to a dispatcher. The dispatcher runs qwz's gather only when it is
+  handed *this* optimizer's own buffers (checked by identity) and otherwise
+  calls DeepSpeed's function; the module name is restored when the call
+  returns, even on error. So every other engine in the process, built by a
+  plain ``deepspeed.initialize`` before or after, stays stock, and this
+  engine's gradient reduction, norm, clipping, loss scaling, overflow skip and
+  optimizer step are DeepSpeed's own code. (The scope is process-global for
+  the duration of one ``step``: two engines stepping in two threads at once
+  are not supported, and DeepSpeed does not support that either.)
+* A step that should have gathered but did not reach the dispatcher (a
+  DeepSpeed change) raises instead of silently training stock.
+* ``quantization_group_size`` (the group size in force: G, or None when qwz
+  does not gather), ``qwz_gather_stats`` (the last
+  :class:`~qwz.collectives.GatherStats`, summed over groups and chunks) and
+  ``qwz_gathers`` (how many qwz gathers ran) are set on the optimizer object.
+
+Why it is safe: when the gather runs, the master partition has been stepped
+and DeepSpeed has nothing left to do but refresh the parameter views, which
+still point into ``bit16_groups_flat``. qwz writes that same buffer in place,
+so its layout, its partitions, the parameter views and every later DeepSpeed
+code path (checkpointing, ``zero_grad``, the next backward) see the usual
+tensors with new values. The fp32 master is only read, never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qwz.collectives import Staging
+from qwz.config import (
+    DEFAULT_PRESERVE_NUMEL,
+    GROUP_SIZE_KEY,
+    PRESERVE_KEY,
+    QUANTIZED_WEIGHTS_KEY,
+    ConfigError,
+    QuantizedWeights,
+    parse_stage,
+)
+from qwz.integrations.deepspeed import shards
+from qwz.integrations.deepspeed.config import check_supported, gather_enabled, take_config
+from qwz.integrations.deepspeed.gather import gather_optimizer_weights, plan_optimizer
+from qwz.quant import choose_kernels
+
+_OPTIMIZER_ATTRIBUTES = (
+    "bit16_groups_flat",
+    "parallel_partitioned_bit16_groups",
+    "single_partition_of_fp32_groups",
+    "real_dp_process_group",
+    "round_robin_bit16_meta",
+    "round_robin_bit16_offsets",
+    "allgather_bucket_size",
+    "cpu_offload",
+    "overflow",
+)
+"""What the gather reads from DeepSpeedZeroOptimizer; a build without one of them is refused."""
+
+
+def initialize(
+    *args: Any,
+    qwz_gather: bool | None = None,
+    compile_kernels: bool | None = None,
+    **kwargs: Any,
+) -> tuple:
+    """``deepspeed.initialize`` with ``zero_quantized_weights`` made real at stages 1 and 2.
+
+    Same arguments and return value ``(engine, optimizer, dataloader, lr_scheduler)``;
+    the config may be given as ``config``, ``config_params`` or ``args.deepspeed_config``
+    (a dict, a JSON path or JSON text). ``qwz_gather=False`` (default: the
+    ``QWZ_DEEPSPEED_GATHER`` environment variable, on unless 0/false/off) validates
+    and strips the qwz keys but leaves DeepSpeed stock. ``compile_kernels``: None
+    (default) fuses the gather's kernels with ``torch.compile`` when a one-time probe shows
+    it works here, else uses the eager kernels (same bytes) and logs why
+    (``optimizer.qwz_kernel_fallback``); True requires fusion; False keeps eager.
+    """
+    import deepspeed
+
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    config = take_config(bound.arguments)
+    if config is None:  # DeepSpeed reports the missing config its own way
+        return deepspeed.initialize(*bound.args, **bound.kwargs)
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f"zero_optimization: {zero!r} is invalid: must be a JSON object")
+    zero = dict(zero)
+    stage = parse_stage(zero)
+    requested = QuantizedWeights.from_section(zero, stage)
+    take_over = requested.enabled and stage in (1, 2) and gather_enabled(qwz_gather)
+    if stage == 3 and requested.preserve_numel != DEFAULT_PRESERVE_NUMEL:
+        raise ConfigError(
+            f"zero_optimization.{PRESERVE_KEY}: {requested.preserve_numel!r} is invalid: "
+            "only qwz's stage 1/2 gather honours it; stage 3 uses DeepSpeed's own qwZ"
+        )
+    if take_over:
+        check_supported(deepspeed.__version__, config, zero, stage)
+    for key in (GROUP_SIZE_KEY, PRESERVE_KEY) + ((QUANTIZED_WEIGHTS_KEY,) if take_over else ()):
+        zero.pop(key, None)
+    if "zero_optimization" in config:
+        config["zero_optimization"] = zero
+    bound.arguments["config"] = config
+
+    result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    optimizer = result[0].optimizer
+    if stage in (1, 2) and _is_zero_optimizer(optimizer):
+        shards.attach(optimizer)
+    if take_over:
+        _take_over(optimizer, requested, compile_kernels=compile_kernels)
+    elif stage in (1, 2) and _is_zero_optimizer(optimizer):
+        optimizer.quantization_group_size = None
+        optimizer.qwz_gather_stats = None
+        optimizer.qwz_gathers = 0
+    return result
+
+
+def _is_zero_optimizer(optimizer: Any) -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return type(optimizer) is DeepSpeedZeroOptimizer
+
+
+def _take_over(
+    optimizer: Any, requested: QuantizedWeights, compile_kernels: bool | None = None
+) -> None:
+    """Replace the weight gather of this one optimizer object; see [Note: what is replaced]."""
+    if not _is_zero_optimizer(optimizer):
+        raise ConfigError(
+            f"zero_optimization.{QUANTIZED_WEIGHTS_KEY}: True is not supported with "
+            f"{type(optimizer).__name__}: qwz extends DeepSpeedZeroOptimizer (ZeRO stages 1/2) only"
+        )
+    missing = [name for name in _OPTIMIZER_ATTRIBUTES if not hasattr(optimizer, name)]
+    if missing:
+        raise ConfigError(
+            f"deepspeed: this build's DeepSpeedZeroOptimizer lacks {missing}, which "
+            "qwz.integrations.deepspeed reads; it is not a supported DeepSpeed"
+        )
+    if optimizer.cpu_offload:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer: offload is not supported with "
+            f"{QUANTIZED_WEIGHTS_KEY}"
+        )
+    optimizer.qwz_plans = plan_optimizer(optimizer, requested)
+    optimizer.quantization_group_size = requested.group_size
+    optimizer.qwz_preserve_numel = requested.preserve_numel
+    optimizer.qwz_gather_stats = None
+    optimizer.qwz_gathers = 0
+    choice = choose_kernels(compile_kernels)
+    optimizer.qwz_kernels = choice.kernels
+    optimizer.qwz_kernel_fallback = choice.fallback_reason
+    optimizer.qwz_staging = Staging(optimizer.bit16_groups_flat[0].device)
+    _check_same_kernels_on_every_rank(optimizer)
+    optimizer.step = types.MethodType(_step, optimizer)
+    optimizer.update_lp_params = types.MethodType(_update_lp_params, optimizer)
+
+
+def _check_same_kernels_on_every_rank(optimizer: Any) -> None:
+    """Eager and fused kernels write the same bytes, but ranks that silently run different
+    kernels are a misconfiguration: raise on every rank (over every dp group)."""
+    for process_group in {id(g): g for g in optimizer.real_dp_process_group}.values():
+        world_size = dist.get_world_size(group=process_group)
+        if world_size == 1:
+            continue
+        device = optimizer.bit16_groups_flat[0].device
+        fused = torch.tensor([int(optimizer.qwz_kernels.name == "compiled")], device=device)
+        dist.all_reduce(fused, group=process_group)
+        if int(fused) not in (0, world_size):
+            raise RuntimeError(
+                f"ranks disagree on the gather kernels ({int(fused)} of {world_size} fused; "
+                f"this rank: {optimizer.qwz_kernels.name}, fallback: "
+                f"{optimizer.qwz_kernel_fallback}); pass compile_kernels explicitly"
+            )
+
+
+def _step(self: Any, closure: Any = None) -> Any:
+    """DeepSpeedZeroOptimizer.step with its weight gather done by qwz."""
+    gathers_before = self.qwz_gathers
+    with _gather_redirected(self):
+        result = type(self).step(self, closure)
+    if not self.overflow and self.qwz_gathers == gathers_before:
+        raise RuntimeError(
+            "qwz.integrations.deepspeed: DeepSpeed's step did not call all_gather_dp_groups, "
+            "so qwz could not quantize the weight gather; this DeepSpeed is not supported"
+        )
+    return result
+
+
+def _update_lp_params(self: Any) -> Any:
+    """DeepSpeedZeroOptimizer.update_lp_params with its weight gather done by qwz."""
+    with _gather_redirected(self):
+        return type(self).update_lp_params(self)
+
+
+@contextlib.contextmanager
+def _gather_redirected(optimizer: Any) -> Iterator[None]:
+    """Within the block, DeepSpeed's ``all_gather_dp_groups`` runs qwz's gather for this
+    optimizer's own buffers and stays DeepSpeed's for anything else."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    stock = stage_1_and_2.all_gather_dp_groups
+    signature = inspect.signature(stock)
+
+    def all_gather_dp_groups(*args: Any, **kwargs: Any) -> None:
+        call = signature.bind(*args, **kwargs).arguments
+        if (
+            call.get("groups_flat") is optimizer.bit16_groups_flat
+            and call.get("partitioned_param_groups") is optimizer.parallel_partitioned_bit16_groups
+        ):
+            optimizer.qwz_gather_stats = gather_optimizer_weights(optimizer)
+            optimizer.qwz_gathers += 1
+            return None
+        return stock(*args, **kwargs)
+
+    stage_1_and_2.all_gather_dp_groups = all_gather_dp_groups
+    try:
+        yield
+    finally:
+        stage_1_and_2.all_gather_dp_groups = stock
