@@ -309,7 +309,8 @@ def test_gradients_are_reduced_in_deepspeeds_dtype_for_the_same_config(worlds, s
     for name, element_bytes in (("bf16", 2), ("fp32", 4)):
         for result in by_dtype[name]:
             assert result["reduce_dtype"] == f"torch.{'bfloat16' if name == 'bf16' else 'float32'}"
-            # Every padded gradient element once, plus two fp32 scalars: the norm and the
-            # count of non-finite updated weights.
-            expected = result["padded_numel"] * element_bytes + 2 * 4
+            # Every padded gradient element once, plus two scalars: the sum of squares for the
+            # norm (float64, see optimizer._sum_of_squares) and the fp32 count of non-finite
+            # updated weights.
+            expected = result["padded_numel"] * element_bytes + 8 + 4
             assert result["reduce_bytes"] == expected, (name, result)
