@@ -45,6 +45,8 @@ class Engine:
         if distributed and dist.get_backend(process_group) == "nccl":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         self.module = model.to(WORKING_DTYPES[config.dtype])
+        if distributed and world_size > 1:
+            broadcast_module_state(self.module, process_group)
         zero = config.zero
         assert config.optimizer is not None  # _check_supported
         self.optimizer = ZeroOptimizer(
@@ -97,6 +99,30 @@ class Engine:
         self.global_grad_norm = float(grad_norm)
         self.global_steps += 1
         return True
+
+
+@torch.no_grad()
+def broadcast_module_state(
+    module: torch.nn.Module, process_group: dist.ProcessGroup | None
+) -> None:
+    """Make every parameter (trainable or frozen) and every buffer group rank 0's, exactly.
+
+    [Note: replicas start identical]
+    Ranks may build their models from different seeds. The optimizer only ever sees the
+    trainable parameters, so frozen ones (a LoRA base) and buffers (BatchNorm statistics)
+    would otherwise stay different on every rank for the whole run, as would the forward
+    pass built on them. Like DeepSpeed at initialisation, the engine broadcasts the whole
+    module state from group rank 0 once; the optimizer's own broadcast of its flat buffers
+    then changes nothing."""
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    tensors = [param.data for param in module.parameters()] + list(module.buffers())
+    for tensor in tensors:
+        if tensor.is_contiguous():
+            dist.broadcast(tensor, src=source, group=process_group)
+        else:
+            staged = tensor.contiguous()
+            dist.broadcast(staged, src=source, group=process_group)
+            tensor.copy_(staged)
 
 
 def _check_supported(config: QwzConfig) -> None:
