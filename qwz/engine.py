@@ -15,12 +15,15 @@ The engine reads the config; the optimizer below it receives plain arguments.
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from qwz import checkpoint
 from qwz.config import ConfigError, QwzConfig
 from qwz.optimizer import WORKING_DTYPES, ZeroOptimizer
 
@@ -99,6 +102,18 @@ class Engine:
         self.global_grad_norm = float(grad_norm)
         self.global_steps += 1
         return True
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> pathlib.Path:
+        """Write this rank's fp32 master shards, optimizer state, step counters and module
+        state not owned by the optimizer, plus a manifest; call on every rank, at an
+        accumulation boundary. See [Note: checkpoint layout] (checkpoint.py)."""
+        return checkpoint.save(self, directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore everything save_checkpoint wrote, all or nothing, and re-gather the working
+        weights from the restored masters; call on every rank. Raises CheckpointError (nothing
+        loaded) for a damaged checkpoint or one of another layout. Returns the manifest."""
+        return checkpoint.load(self, directory)
 
 
 @torch.no_grad()
