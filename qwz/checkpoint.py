@@ -154,19 +154,23 @@ def save(engine: Engine, directory: str | os.PathLike[str]) -> pathlib.Path:
             f"{engine.config.gradient_accumulation_steps} of an accumulation window; the "
             "pending gradients are not part of a checkpoint: save after the window's step()"
         )
+    try:
+        optimizer_state = engine.optimizer.state_dict()
+    except RuntimeError as error:  # gradients of a backward without its step()
+        raise CheckpointError(f"checkpoint {root}: {error}") from None
+    payload = {
+        "format": FORMAT,
+        "rank": group.rank,
+        "layout": _layout_fields(engine),
+        "optimizer": optimizer_state,
+        "module_extras": _module_extras(engine),
+        "engine": _engine_state(engine),
+    }
     root.mkdir(parents=True, exist_ok=True)
     if group.rank == 0:
         manifest_path.unlink(missing_ok=True)
     group.barrier()
 
-    payload = {
-        "format": FORMAT,
-        "rank": group.rank,
-        "layout": _layout_fields(engine),
-        "optimizer": engine.optimizer.state_dict(),
-        "module_extras": _module_extras(engine),
-        "engine": _engine_state(engine),
-    }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()

@@ -67,7 +67,7 @@ class Engine:
             compile_kernels=compile_kernels,
         )
         self.micro_steps = 0
-        """backward() calls so far."""
+        """step() calls so far (micro-batches), as DeepSpeed counts them."""
         self.global_steps = 0
         """Optimizer steps taken so far."""
         self.global_grad_norm: float | None = None
@@ -84,24 +84,30 @@ class Engine:
         return self.train(False)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next step() call will update the weights."""
-        return (self.micro_steps % self.config.gradient_accumulation_steps) == 0
+        """True while the current micro-batch is the last of its accumulation window, so
+        that this micro-batch's step() updates the weights.
+
+        As in DeepSpeed, ``micro_steps`` counts step() calls, so the answer is the same
+        before and after this micro-batch's backward, and True on the last micro-batch."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` scaled by 1 / gradient_accumulation_steps, then hand the
         gradients to the optimizer (stage 2 reduce-scatters them right away)."""
         (loss / self.config.gradient_accumulation_steps).backward()
         self.optimizer.accumulate_gradients()
-        self.micro_steps += 1
 
     def step(self) -> bool:
-        """Take an optimizer step at the accumulation boundary; return whether it stepped."""
-        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
-            return False
-        grad_norm = self.optimizer.step(self.global_steps + 1)
-        self.global_grad_norm = float(grad_norm)
-        self.global_steps += 1
-        return True
+        """End this micro-batch; at the accumulation boundary take the optimizer step.
+        Returns whether the weights were updated. Call it once per micro-batch, after
+        backward, as with DeepSpeed."""
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            grad_norm = self.optimizer.step(self.global_steps + 1)
+            self.global_grad_norm = float(grad_norm)
+            self.global_steps += 1
+        self.micro_steps += 1
+        return boundary
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> pathlib.Path:
         """Write this rank's fp32 master shards, optimizer state, step counters and module

@@ -104,11 +104,23 @@ class Region:
 def _build_torch_optimizer(
     kind: str, params: dict[str, Any], masters: list[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed's ``_configure_basic_optimizer`` would build for the same
+    config section, with the same hyperparameters.
+
+    [Note: DeepSpeed's optimizer defaults]
+    For Adam and AdamW DeepSpeed builds its own FusedAdam (or DeepSpeedCPUAdam) unless
+    ``torch_adam`` is true; both default ``weight_decay`` to 0, where ``torch.optim.AdamW``
+    defaults it to 0.01, so an absent ``weight_decay`` is 0 here unless ``torch_adam``.
+    ``"AdamW"`` is always decoupled; ``"Adam"`` is decoupled (AdamW) unless ``adam_w_mode`` is
+    false, then L2 (torch.optim.Adam, which FusedAdam's mode 0 matches). SGD is
+    ``torch.optim.SGD`` with the given arguments in both."""
     params = dict(params)
-    params.pop("torch_adam", None)  # implementation choice in DeepSpeed; no numeric effect
+    torch_adam = params.pop("torch_adam", False)
     adam_w_mode = params.pop("adam_w_mode", True)
     if kind == "sgd":
         return torch.optim.SGD(masters, **params)
+    if not torch_adam:
+        params.setdefault("weight_decay", 0.0)
     if kind == "adamw" or (kind == "adam" and adam_w_mode):
         return torch.optim.AdamW(masters, **params)
     return torch.optim.Adam(masters, **params)

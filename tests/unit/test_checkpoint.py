@@ -188,3 +188,13 @@ def test_save_in_the_middle_of_an_accumulation_window_is_refused(tmp_path):
     with pytest.raises(qwz.CheckpointError, match="micro-batch 1 of 2"):
         engine.save_checkpoint(tmp_path)
     assert not (tmp_path / MANIFEST).exists()
+
+
+def test_save_after_a_backward_without_its_step_is_refused(tmp_path):
+    engine = engine_for(0)
+    train(engine, 1, 1)
+    inputs = torch.randn(6, 12)
+    engine.backward(engine(inputs).square().mean())
+    with pytest.raises(qwz.CheckpointError, match="gradients of an unfinished accumulation"):
+        engine.save_checkpoint(tmp_path)
+    assert not (tmp_path / MANIFEST).exists()
