@@ -57,7 +57,11 @@ class Engine:
             stage=zero.stage,
             optimizer_type=config.optimizer.type,
             optimizer_params=dict(config.optimizer.params),
-            quantize_weights=zero.quantized_weights.enabled,
+            # [Note: one rank gathers exactly] With one rank in the group there is nothing to
+            # send, so quantizing would only add int8 error where no byte is saved (stock
+            # DeepSpeed gathers nothing there either): the working copy is the master cast to
+            # the working dtype, and quantization_group_size reports None.
+            quantize_weights=zero.quantized_weights.enabled and world_size > 1,
             group_size=zero.quantized_weights.group_size,
             preserve_numel=zero.quantized_weights.preserve_numel,
             allgather_bucket_size=zero.allgather_bucket_size,
