@@ -1,5 +1,6 @@
 """qwz: ZeRO-1/2 with a bounded, group-wise int8 quantized weight all-gather."""
 
+from qwz.checkpoint import CheckpointError
 from qwz.config import DEFAULT_GROUP_SIZE, ConfigError, QwzConfig
 from qwz.engine import Engine, initialize
 from qwz.hashing import param_hash
@@ -8,6 +9,7 @@ from qwz.quant import QuantizedTensor, dequantize, quantize
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
+    "CheckpointError",
     "ConfigError",
     "Engine",
     "NonFiniteError",

@@ -15,12 +15,15 @@ The engine reads the config; the optimizer below it receives plain arguments.
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from qwz import checkpoint
 from qwz.config import ConfigError, QwzConfig
 from qwz.optimizer import WORKING_DTYPES, ZeroOptimizer
 
@@ -45,6 +48,8 @@ class Engine:
         if distributed and dist.get_backend(process_group) == "nccl":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         self.module = model.to(WORKING_DTYPES[config.dtype])
+        if distributed and world_size > 1:
+            broadcast_module_state(self.module, process_group)
         zero = config.zero
         assert config.optimizer is not None  # _check_supported
         self.optimizer = ZeroOptimizer(
@@ -52,7 +57,11 @@ class Engine:
             stage=zero.stage,
             optimizer_type=config.optimizer.type,
             optimizer_params=dict(config.optimizer.params),
-            quantize_weights=zero.quantized_weights.enabled,
+            # [Note: one rank gathers exactly] With one rank in the group there is nothing to
+            # send, so quantizing would only add int8 error where no byte is saved (stock
+            # DeepSpeed gathers nothing there either): the working copy is the master cast to
+            # the working dtype, and quantization_group_size reports None.
+            quantize_weights=zero.quantized_weights.enabled and world_size > 1,
             group_size=zero.quantized_weights.group_size,
             preserve_numel=zero.quantized_weights.preserve_numel,
             allgather_bucket_size=zero.allgather_bucket_size,
@@ -66,7 +75,7 @@ class Engine:
             accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
         )
         self.micro_steps = 0
-        """backward() calls so far."""
+        """step() calls so far (micro-batches), as DeepSpeed counts them."""
         self.global_steps = 0
         """Optimizer steps taken so far."""
         self.global_grad_norm: float | None = None
@@ -83,24 +92,66 @@ class Engine:
         return self.train(False)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next step() call will update the weights."""
-        return (self.micro_steps % self.config.gradient_accumulation_steps) == 0
+        """True while the current micro-batch is the last of its accumulation window, so
+        that this micro-batch's step() updates the weights.
+
+        As in DeepSpeed, ``micro_steps`` counts step() calls, so the answer is the same
+        before and after this micro-batch's backward, and True on the last micro-batch."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` scaled by 1 / gradient_accumulation_steps, then hand the
         gradients to the optimizer (stage 2 reduce-scatters them right away)."""
         (loss / self.config.gradient_accumulation_steps).backward()
         self.optimizer.accumulate_gradients()
-        self.micro_steps += 1
 
     def step(self) -> bool:
-        """Take an optimizer step at the accumulation boundary; return whether it stepped."""
-        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
-            return False
-        grad_norm = self.optimizer.step(self.global_steps + 1)
-        self.global_grad_norm = float(grad_norm)
-        self.global_steps += 1
-        return True
+        """End this micro-batch; at the accumulation boundary take the optimizer step.
+        Returns whether the weights were updated. Call it once per micro-batch, after
+        backward, as with DeepSpeed."""
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            grad_norm = self.optimizer.step(self.global_steps + 1)
+            self.global_grad_norm = float(grad_norm)
+            self.global_steps += 1
+        self.micro_steps += 1
+        return boundary
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> pathlib.Path:
+        """Write this rank's fp32 master shards, optimizer state, step counters and module
+        state not owned by the optimizer, plus a manifest; call on every rank, at an
+        accumulation boundary. See [Note: checkpoint layout] (checkpoint.py)."""
+        return checkpoint.save(self, directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore everything save_checkpoint wrote, all or nothing, and re-gather the working
+        weights from the restored masters; call on every rank. Raises CheckpointError (nothing
+        loaded) for a damaged checkpoint or one of another layout. Returns the manifest."""
+        return checkpoint.load(self, directory)
+
+
+@torch.no_grad()
+def broadcast_module_state(
+    module: torch.nn.Module, process_group: dist.ProcessGroup | None
+) -> None:
+    """Make every parameter (trainable or frozen) and every buffer group rank 0's, exactly.
+
+    [Note: replicas start identical]
+    Ranks may build their models from different seeds. The optimizer only ever sees the
+    trainable parameters, so frozen ones (a LoRA base) and buffers (BatchNorm statistics)
+    would otherwise stay different on every rank for the whole run, as would the forward
+    pass built on them. Like DeepSpeed at initialisation, the engine broadcasts the whole
+    module state from group rank 0 once; the optimizer's own broadcast of its flat buffers
+    then changes nothing."""
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    tensors = [param.data for param in module.parameters()] + list(module.buffers())
+    for tensor in tensors:
+        if tensor.is_contiguous():
+            dist.broadcast(tensor, src=source, group=process_group)
+        else:
+            staged = tensor.contiguous()
+            dist.broadcast(staged, src=source, group=process_group)
+            tensor.copy_(staged)
 
 
 def _check_supported(config: QwzConfig) -> None:

@@ -109,11 +109,23 @@ class Region:
 def _build_torch_optimizer(
     kind: str, params: dict[str, Any], masters: list[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed's ``_configure_basic_optimizer`` would build for the same
+    config section, with the same hyperparameters.
+
+    [Note: DeepSpeed's optimizer defaults]
+    For Adam and AdamW DeepSpeed builds its own FusedAdam (or DeepSpeedCPUAdam) unless
+    ``torch_adam`` is true; both default ``weight_decay`` to 0, where ``torch.optim.AdamW``
+    defaults it to 0.01, so an absent ``weight_decay`` is 0 here unless ``torch_adam``.
+    ``"AdamW"`` is always decoupled; ``"Adam"`` is decoupled (AdamW) unless ``adam_w_mode`` is
+    false, then L2 (torch.optim.Adam, which FusedAdam's mode 0 matches). SGD is
+    ``torch.optim.SGD`` with the given arguments in both."""
     params = dict(params)
-    params.pop("torch_adam", None)  # implementation choice in DeepSpeed; no numeric effect
+    torch_adam = params.pop("torch_adam", False)
     adam_w_mode = params.pop("adam_w_mode", True)
     if kind == "sgd":
         return torch.optim.SGD(masters, **params)
+    if not torch_adam:
+        params.setdefault("weight_decay", 0.0)
     if kind == "adamw" or (kind == "adam" and adam_w_mode):
         return torch.optim.AdamW(masters, **params)
     return torch.optim.Adam(masters, **params)
@@ -428,6 +440,82 @@ class ZeroOptimizer:
                 )
             )
         return result
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: a copy of each fp32 master shard, the layout it belongs
+        to, and the torch optimizer's state (see [Note: checkpoint layout], checkpoint.py)."""
+        if self._has_gradients:
+            raise RuntimeError(
+                "state_dict: gradients of an unfinished accumulation window are pending; "
+                "take the optimizer step first (they are not part of a checkpoint)"
+            )
+        return {
+            "regions": [
+                {
+                    "name": region.name,
+                    "shard_numel": region.layout.shard_numel,
+                    "slots": [[s.name, s.offset, s.numel] for s in region.layout.slots],
+                    "master": region.master.detach().clone(),
+                }
+                for region in self.regions
+            ],
+            "torch_optimizer": self.optimizer.state_dict(),
+        }
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise ValueError naming the first difference if `state` does not fit this
+        optimizer's regions and torch optimizer; changes nothing."""
+        saved = [(r["name"], r["shard_numel"], r["slots"]) for r in state["regions"]]
+        here = [
+            (r.name, r.layout.shard_numel, [[s.name, s.offset, s.numel] for s in r.layout.slots])
+            for r in self.regions
+        ]
+        if [name for name, *_ in saved] != [name for name, *_ in here]:
+            raise ValueError(
+                f"regions {[n for n, *_ in saved]} in the state, {[n for n, *_ in here]} here"
+            )
+        for (name, numel, slots), (_, own_numel, own_slots) in zip(saved, here, strict=True):
+            if numel != own_numel or slots != own_slots:
+                raise ValueError(
+                    f"region {name}: a shard of {numel} elements over parameters "
+                    f"{[slot[0] for slot in slots]} in the state, {own_numel} over "
+                    f"{[slot[0] for slot in own_slots]} here"
+                )
+        for region, entry in zip(self.regions, state["regions"], strict=True):
+            master = entry["master"]
+            if master.dtype != torch.float32 or master.shape != region.master.shape:
+                raise ValueError(
+                    f"region {region.name}: master {master.dtype} {tuple(master.shape)}, "
+                    f"expected torch.float32 {tuple(region.master.shape)}"
+                )
+        torch_state = state["torch_optimizer"]
+        groups = torch_state["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("torch optimizer: parameter groups differ from this optimizer's")
+        numels = [master.numel() for master in self.master_shards().values()]
+        for index, entry in torch_state["state"].items():
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.numel() != numels[index]:
+                    raise ValueError(
+                        f"torch optimizer state {key} of parameter {index}: {value.numel()} "
+                        f"elements, expected {numels[index]}"
+                    )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the master shards and the torch optimizer state exactly, then re-gather
+        every working copy from the masters ([Note: resume from the masters], checkpoint.py).
+        Checks everything (:meth:`check_state_dict`) before changing anything."""
+        self.check_state_dict(state)
+        self.optimizer.load_state_dict(state["torch_optimizer"])
+        with torch.no_grad():
+            for region, entry in zip(self.regions, state["regions"], strict=True):
+                region.master.copy_(entry["master"])
+                region.grad_accumulator.zero_()
+                region.master.grad = None
+        self._has_gradients = False
+        self.gather_weights()
 
     def master_shards(self) -> dict[str, torch.Tensor]:
         """This rank's fp32 master shard of each region (read-only views)."""

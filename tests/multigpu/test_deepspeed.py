@@ -334,7 +334,62 @@ def test_every_step_gathers_the_decoded_master_through_qwz(ds_worlds, world_size
         assert all(result["decode_matches"]), f"rank {rank}: own partition != decode of master"
 
 
+def deepspeed_fp16_missing() -> str | None:
+    """Why DeepSpeed would refuse fp16 on this machine, or None when it accepts it.
+
+    DeepSpeed's engine raises "Type fp16 is not supported on your device" exactly when
+    ``get_accelerator().is_fp16_supported()`` is falsy (``_do_sanity_check``); its CPU
+    accelerator answers through oneDNN, which has fp16 only on CPUs with AVX512-FP16 or
+    AMX-FP16. Ask the same question, so the test skips exactly where DeepSpeed refuses."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.is_fp16_supported():
+        return None
+    return (
+        f"Type fp16 is not supported on your device: DeepSpeed's {accelerator.device_name()} "
+        "accelerator reports no fp16 (is_fp16_supported() is falsy; on CPU oneDNN needs "
+        "AVX512-FP16 or AMX-FP16)"
+    )
+
+
+def test_fp16_probe_agrees_with_deepspeeds_own_refusal(monkeypatch):
+    """The skip below must follow DeepSpeed's check, not a guess: with the accelerator's
+    answer forced either way, the probe and DeepSpeed's sanity check agree."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class PrecisionChecksPassed(Exception):
+        """Raised by the fake engine at the first check after the precision ones."""
+
+    def precision_checks_passed() -> None:
+        raise PrecisionChecksPassed
+
+    accelerator = get_accelerator()
+    fake = argparse.Namespace(
+        fp16_enabled=lambda: True,
+        bfloat16_enabled=lambda: False,
+        _assert_valid_mixed_precision_config=precision_checks_passed,
+    )
+    for supported in (True, False):
+        monkeypatch.setattr(accelerator, "is_fp16_supported", lambda value=supported: value)
+        refused = None
+        try:
+            DeepSpeedEngine._do_sanity_check(fake)
+        except ValueError as error:
+            refused = str(error)
+        except PrecisionChecksPassed:
+            pass
+        missing = deepspeed_fp16_missing()
+        assert (refused is None) == (missing is None), (supported, refused, missing)
+        if refused is not None:
+            assert missing is not None and missing.startswith(refused.rstrip("."))
+
+
 def test_fp16_overflow_steps_skip_the_gather_and_later_steps_use_it(ds_worlds):
+    missing = deepspeed_fp16_missing()
+    if missing is not None:
+        pytest.skip(missing)
     # 2**24 loss scale: the first steps overflow in fp16 and DeepSpeed skips them (no
     # gather at all, which must not be mistaken for a missing takeover), then it backs off.
     results = _train(ds_worlds, 2, stage=2, dtype="fp16", group_size=64, initial_scale_power=24)

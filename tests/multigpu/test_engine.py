@@ -63,8 +63,10 @@ def _single_process_adamw(
     rank's micro-batch (the mean over it equals the average of the per-rank means).
     Returns the final parameters and the gradient norm before clipping at each step."""
     model = ranks.build_model(0)
+    # The config sets no weight_decay: DeepSpeed's default, 0 ([Note: DeepSpeed's optimizer
+    # defaults], qwz/optimizer.py), not torch's 0.01.
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=ranks.LR, betas=ranks.BETAS, eps=REFERENCE_EPS
+        model.parameters(), lr=ranks.LR, betas=ranks.BETAS, eps=REFERENCE_EPS, weight_decay=0.0
     )
     norms = []
     for step in range(steps):

@@ -617,21 +617,26 @@ def quantized_runs(draw) -> QuantizedRun:
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
 
 
-def one_step(run: QuantizedRun, *, quantized: bool) -> qwz.Engine:
-    engine = qwz.initialize(
-        build_model(run.seed),
-        config=ds_config(
-            stage=run.stage,
-            optimizer=ADAMW,
-            bucket=run.bucket,
-            quantized=quantized,
-            group_size=run.group_size,
-            dtype=run.dtype,
-        ),
+def one_step(run: QuantizedRun, *, quantized: bool) -> types.SimpleNamespace:
+    """One step of a ZeroOptimizer built directly: the engine gathers exactly on one rank
+    ([Note: one rank gathers exactly], engine.py), so the quantized gather at world size 1
+    is exercised one layer below it."""
+    model = build_model(run.seed).to(torch.bfloat16 if run.dtype == "bf16" else torch.float32)
+    optimizer = qwz.ZeroOptimizer(
+        list(model.named_parameters()),
+        stage=run.stage,
+        optimizer_type="adamw",
+        optimizer_params=dict(ADAMW["params"]),
+        quantize_weights=quantized,
+        group_size=run.group_size,
+        preserve_numel=PRESERVE_NUMEL,
+        allgather_bucket_size=run.bucket,
+        reduce_bucket_size=10,
     )
-    engine.backward(loss_of(engine, make_batches(run.seed, 1)[0]))
-    assert engine.step()
-    return engine
+    loss_of(model, make_batches(run.seed, 1)[0]).backward()
+    optimizer.accumulate_gradients()
+    optimizer.step(1)
+    return types.SimpleNamespace(module=model, optimizer=optimizer)
 
 
 @ENGINE_EXAMPLES
