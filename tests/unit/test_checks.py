@@ -112,10 +112,18 @@ def test_one_rank_has_no_replicas_and_no_wire():
     payload = make_payload(environment={"world_size": 1, "device_names": ["NVIDIA H200"]})
     for hashes in payload["hashes"]:
         hashes["per_rank"] = hashes["per_rank"][:1]
-    payload["probes"][0] |= {"reported_group_sizes": [64], "gather_bytes_per_step": 0,
+    # qwz's engine gathers a one-rank group exactly and reports no group size.
+    payload["probes"][0] |= {"reported_group_sizes": [None], "gather_bytes_per_step": 0,
                              "reference_gather_bytes_per_step": 0}  # fmt: skip
     record = make_record(**payload)
     names = by_name(record)
+    assert names[f"probe[{CANDIDATE}]"].status == "pass"
+    reporting = copy.deepcopy(payload)
+    reporting["probes"][0]["reported_group_sizes"] = [64]
+    assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "fail"
+    # DeepSpeed's drop-in quantizes on one rank too, and must report the group size.
+    reporting["subject"] = {"name": "deepspeed", "version": "0.19.8", "sha": None}
+    assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "pass"
     assert names[f"in-effect[{CANDIDATE}]"].status == "n/a"
     assert names[f"replicas[{CANDIDATE}]"].status == "n/a"
     assert record.verdict.status == "PASS"

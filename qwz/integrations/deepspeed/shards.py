@@ -1,10 +1,10 @@
 """The seam of [Note: own shards] (qwz/shards.py) over DeepSpeed's ZeRO-1/2 optimizer.
 
-The same for a stock optimizer and one qwz took over. DeepSpeed keeps, per param group ``i``, this rank's fp32 master partition
-(``single_partition_of_fp32_groups[i]``) and the working copy of the same
-elements (``parallel_partitioned_bit16_groups[i][rank]``, a slice of the flat
-bit16 buffer the parameters view). When qwz's gather took over, a partition
-travels in groups of G elements starting at the partition's first element,
+The same for a stock optimizer and one qwz took over. DeepSpeed keeps, per param
+group ``i``, this rank's fp32 master partition (``single_partition_of_fp32_groups[i]``)
+and the working copy of the same elements (``parallel_partitioned_bit16_groups[i][rank]``,
+a slice of the flat bit16 buffer the parameters view). When qwz's gather took over, a
+partition travels in groups of G elements starting at the partition's first element,
 except the small parameters' positions, which travel exactly (the plan's
 ``exact_positions``); stock DeepSpeed sends the working dtype for everything.
 """
