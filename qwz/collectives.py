@@ -266,10 +266,12 @@ def reduce_scatter_in_buckets(
     world_size: int,
     bucket_numel: int,
     group: dist.ProcessGroup | None = None,
+    scratch: dict[str, torch.Tensor] | None = None,
 ) -> ReduceStats:
     """Add the cross-rank sum of `rank`'s shard of `flat` (world_size * shard_numel,) into
     `shard_out` (shard_numel,), `bucket_numel` elements (all ranks together) per collective,
-    each collective in `flat`'s dtype."""
+    each collective in `flat`'s dtype. `scratch`: a dict the caller keeps, where the
+    collective's output buffer is allocated once and reused on later calls."""
     shard_numel = shard_out.numel()
     rank_views = flat.view(world_size, shard_numel)
     if world_size == 1:
@@ -280,12 +282,27 @@ def reduce_scatter_in_buckets(
     for start in range(0, shard_numel, per_rank):
         end = min(start + per_rank, shard_numel)
         stacked = rank_views[:, start:end].contiguous()
-        reduced = torch.empty(end - start, dtype=flat.dtype, device=shard_out.device)
+        reduced = _scratch(scratch, end - start, flat.dtype, shard_out.device)
         _reduce_scatter_into(reduced, stacked.view(-1), group)
         shard_out[start:end].add_(reduced)
         collectives += 1
         bytes_sent += stacked.numel() * stacked.element_size()
     return ReduceStats(collectives, bytes_sent)
+
+
+def _scratch(
+    scratch: dict[str, torch.Tensor] | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A (numel,) buffer: from `scratch` when it holds one large enough of `dtype`, else new
+    (and kept there)."""
+    if scratch is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = f"reduce-scatter {dtype}"
+    buffer = scratch.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        scratch[key] = buffer
+    return buffer[:numel]
 
 
 def all_reduce_sum(value: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None):
