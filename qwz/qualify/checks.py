@@ -309,7 +309,7 @@ def derive(record: Record) -> list[Check]:
     checks += _learning(record, reference.name if reference else None, candidates)
 
     # --- an explicit speed requirement, when the run was given one
-    min_speedup = record.plan.get("min_speedup")
+    min_speedup = record.plan.min_speedup
     if min_speedup is not None:
         for performance in record.performance:
             name = f"speedup[{performance.arm}]"

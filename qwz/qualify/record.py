@@ -287,6 +287,16 @@ class Verdict(_Model):
     not_applicable: list[str] = Field(description="Checks with nothing to test, and why")
 
 
+class Plan(BaseModel):
+    """The run plan (qwz.qualify.runner.RunPlan) as data; the one key a check reads is typed."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    min_speedup: float | None = Field(
+        None, description="The lower end the speed-up interval must reach; null: not judged"
+    )
+
+
 class Record(_Model):
     schema_version: Literal[2] = SCHEMA_VERSION
     created_at: str
@@ -294,7 +304,7 @@ class Record(_Model):
     subject: Subject
     environment: Environment
     workload: Workload
-    plan: dict[str, Any] = Field(description="The run plan (qwz.qualify.runner.RunPlan) as data")
+    plan: Plan
     arms: list[Arm]
     trajectories: list[Trajectory]
     learning: Learning

@@ -190,7 +190,7 @@ def test_one_arm_at_a_time_still_times_order_balanced_blocks(tmp_path):
     done = _cli("run", "--out", str(tmp_path / "one-arm"), *SMALL_RUN, "--one-arm-at-a-time")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     loaded = record.load(tmp_path / "one-arm" / "record.json")
-    assert loaded.plan["one_arm_resident"] is True
+    assert loaded.plan.model_dump()["one_arm_resident"] is True
     assert [block.order for block in loaded.performance[0].blocks] == ["AB", "BA"]
     done = _cli("run", "--out", str(tmp_path / "no-warmup"), *SMALL_RUN[:-3], "--no-compile",
                 "--warmup-steps", "0", "--one-arm-at-a-time", "--world-size", "2")  # fmt: skip
