@@ -22,7 +22,7 @@ import json
 import pathlib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qwz import jsonio
 from qwz.qualify.files import atomic_write_text
@@ -319,6 +319,26 @@ class Record(_Model):
     checks: list[Check]
     verdict: Verdict
     digest: str = Field(description="sha256 of the canonical JSON of the record without digest")
+
+    @model_validator(mode="after")
+    def _arms_agree(self) -> Record:
+        """Every section names arms the record has: each arm once in its own sections, one
+        reference (the checks are derived per arm and compare with the reference)."""
+        names = [arm.name for arm in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names repeat: {names}")
+        if [arm.role for arm in self.arms].count("reference") != 1:
+            raise ValueError("a record has exactly one arm with role 'reference'")
+        for section in ("trajectories", "step_one", "updates", "hashes"):
+            listed = [item.arm for item in getattr(self, section)]
+            if sorted(listed) != sorted(names):
+                raise ValueError(f"{section} names arms {listed}, the record has {names}")
+        for section in ("own_shards", "drift", "probes", "memory", "performance"):
+            unknown = {item.arm for item in getattr(self, section)} - set(names)
+            if unknown:
+                raise ValueError(f"{section} names arms the record does not have: {unknown}")
+        return self
+
     signature: Signature | None = Field(
         None, exclude=True, description="Keyed signature of the digest; outside the digest"
     )
