@@ -18,7 +18,7 @@ from typing import Any
 from qwz.qualify import checks as derived
 from qwz.qualify import ledger, provenance
 from qwz.qualify.record import Environment, Record, seal
-from qwz.qualify.runner import CALIBRATION, REFERENCE, RunPlan, plan_dict
+from qwz.qualify.runner import CALIBRATION, REFERENCE, RunPlan, empty_observation, plan_dict
 from qwz.tolerance import master_drift_bound
 
 
@@ -289,21 +289,7 @@ def build_failure_record(plan: RunPlan, world_size: int, message: str) -> Record
         "parameters": [],
     }
     environment = provenance.environment([provenance.device_name()] * world_size)
-    empty = {
-        "losses": [],
-        "grad_norms": [],
-        "held_out": [],
-        "step1_digests": None,
-        "update": None,
-        "own_shard": None,
-        "replica_divergence": None,
-        "drift_max_abs": [],
-        "gather_bytes": 0,
-        "final_hash": None,
-        "group_size": None,
-        "failure": failure,
-        "memory": {"kind": "rss", "peak_allocated_bytes": 0, "peak_reserved_bytes": None},
-    }
+    empty = empty_observation(failure)
     observations = [
         {
             "rank": rank,

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .record import Arm, Performance, Record
+from .record import Arm, Record
 from .stats import METHOD_NOTE
 
 SHORT_HASH_CHARS = 12
@@ -67,11 +67,6 @@ def format_bytes(count: int | float) -> str:
 
 def short_hash(value: str | None) -> str:
     return "—" if value is None else value[:SHORT_HASH_CHARS]
-
-
-def peak_allocated_bytes(performance: Performance) -> int:
-    """The largest peak allocation over ranks: the rank that decides whether a job fits."""
-    return max((memory.peak_allocated_bytes for memory in performance.memory), default=0)
 
 
 def reference_arm(record: Record) -> Arm | None:
@@ -730,24 +725,4 @@ def _performance_section(record: Record) -> list[str]:
                 f"{performance.test}.",
                 "",
             ]
-        if performance.memory:
-            lines += [
-                f"Peak memory (largest allocation over ranks: "
-                f"{format_bytes(peak_allocated_bytes(performance))}):",
-                "",
-            ]
-            lines += _table(
-                ["rank", "kind", "peak allocated", "peak reserved"],
-                [
-                    (
-                        memory.rank,
-                        memory.kind,
-                        format_bytes(memory.peak_allocated_bytes),
-                        "—"
-                        if memory.peak_reserved_bytes is None
-                        else format_bytes(memory.peak_reserved_bytes),
-                    )
-                    for memory in performance.memory
-                ],
-            )
     return lines

@@ -330,6 +330,26 @@ def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module
     }
 
 
+def empty_observation(failure: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What one rank observes of one arm, before its first step (or when it never ran)."""
+    return {
+        "losses": [],
+        "grad_norms": [],
+        "held_out": [],
+        "step1_digests": None,
+        "update": None,
+        "own_shard": None,
+        "replica_divergence": None,
+        "drift_max_abs": [],
+        "gather_bytes": 0,
+        "final_hash": None,
+        "group_size": None,
+        "failure": failure,
+        "steps_completed": 0,
+        "memory": {"kind": "rss", "peak_allocated_bytes": 0, "peak_reserved_bytes": None},
+    }
+
+
 def _train_arm(
     plan: RunPlan,
     arm: ArmSpec,
@@ -342,20 +362,7 @@ def _train_arm(
     workload = plan.workload
     _release_memory()
     _reset_peak_memory()
-    obs: dict[str, Any] = {
-        "losses": [],
-        "grad_norms": [],
-        "held_out": [],
-        "step1_digests": None,
-        "update": None,
-        "own_shard": None,
-        "replica_divergence": None,
-        "drift_max_abs": [],
-        "gather_bytes": 0,
-        "final_hash": None,
-        "group_size": None,
-        "failure": None,
-    }
+    obs = empty_observation()
     sampled: dict[str, list[torch.Tensor]] = {}
     engine: ArmEngine | None = None
     update_check: observers.UpdateCheck | None = None
