@@ -262,11 +262,11 @@ def derive(record: Record) -> list[Check]:
     # --- the group size in force, and the bytes on the wire
     for probe in record.probes:
         reported = probe.reported_group_sizes
-        # qwz's engine gathers a one-rank group exactly (nothing to save on the wire) and
-        # reports no group size there; DeepSpeed's drop-in quantizes and reports it.
-        one_rank_exact = world_size == 1 and record.subject.name == "qwz"
+        # A one-rank group is gathered exactly (nothing to save on the wire), by qwz's engine
+        # and by the drop-in, and no group size is reported there.
+        one_rank_exact = world_size == 1
         expected = None if one_rank_exact else probe.requested_group_size
-        why = " (one rank: qwz's engine gathers exactly and reports none)" if one_rank_exact else ""
+        why = " (one rank: the gather is exact and reports none)" if one_rank_exact else ""
         checks.append(
             _check(
                 f"probe[{probe.arm}]",

@@ -121,9 +121,9 @@ def test_one_rank_has_no_replicas_and_no_wire():
     reporting = copy.deepcopy(payload)
     reporting["probes"][0]["reported_group_sizes"] = [64]
     assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "fail"
-    # DeepSpeed's drop-in quantizes on one rank too, and must report the group size.
+    # The DeepSpeed drop-in gathers one rank exactly as well: a reported size is a failure.
     reporting["subject"] = {"name": "deepspeed", "version": "0.19.8", "sha": None}
-    assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "pass"
+    assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "fail"
     assert names[f"in-effect[{CANDIDATE}]"].status == "n/a"
     assert names[f"replicas[{CANDIDATE}]"].status == "n/a"
     assert record.verdict.status == "PASS"

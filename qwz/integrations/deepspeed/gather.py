@@ -36,8 +36,8 @@ multiple of ``2 * W``; qwz never changes that layout). qwz gathers it with one
 
 Every rank, the owner included, writes the decoded values of every partition,
 so replicas are bit-identical after every step ([Note: replica consistency],
-collectives.py). With one rank the same code runs with the collectives
-skipped, as in qwz's own engine (stock DeepSpeed gathers nothing then).
+collectives.py). A group of one rank is copied exactly from its master, as stock
+DeepSpeed does and as qwz's own engine does (nothing to save on the wire).
 
 Wire bytes per rank and step: ``P_pad * (1 + 4/G)`` plus the exact elements
 (``P_pad``: ``P`` rounded up to ``G``) plus at most 3 bytes of row padding per
@@ -269,7 +269,14 @@ def gather_flat_group(
 ) -> GatherStats:
     """Gather one flat group: quantized rows with the exact runs in them, one collective per
     chunk. master: (P,) this rank's fp32 master partition. flat: (W * P,) DeepSpeed's working
-    buffer, written in place on every rank (the owner's own partition included)."""
+    buffer, written in place on every rank (the owner's own partition included).
+
+    A group of one rank is copied exactly, as stock DeepSpeed does: nothing travels, so
+    quantizing would add int8 error and save no byte ([Note: one rank gathers exactly],
+    qwz/engine.py)."""
+    if plan.world_size == 1:
+        flat.copy_(master)
+        return GatherStats(0, 0, 0)
     return gather(
         plan.gather_plan,
         master,

@@ -45,7 +45,7 @@ def own_shards(optimizer: Any) -> list[OwnShard]:
         start = rank * partition_numel
         slots = slots_in_range(ranges, start, start + partition_numel)
         exact, size = None, None
-        if plans is not None and group_size:
+        if plans is not None and group_size and plans[i].world_size > 1:
             plan = plans[i]
             size = group_size
             exact = torch.zeros(partition_numel, dtype=torch.bool, device=master.device)

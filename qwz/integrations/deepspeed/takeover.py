@@ -160,7 +160,9 @@ def _take_over(
             f"{QUANTIZED_WEIGHTS_KEY}"
         )
     optimizer.qwz_plans = plan_optimizer(optimizer, requested)
-    optimizer.quantization_group_size = requested.group_size
+    # One-rank groups are copied exactly (gather.py); with only those, nothing is quantized.
+    quantizing = any(plan.world_size > 1 for plan in optimizer.qwz_plans)
+    optimizer.quantization_group_size = requested.group_size if quantizing else None
     optimizer.qwz_preserve_numel = requested.preserve_numel
     optimizer.qwz_gather_stats = None
     optimizer.qwz_gathers = 0
