@@ -1,0 +1,92 @@
+"""collectives.gather at world size 1: the same code the multigpu suite runs with real ranks,
+with the collectives skipped (STYLE.md, "world_size == 1 is the same code")."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import qwz
+from qwz.collectives import Staging, gather
+from qwz.layout import plan_gather
+
+from .single_rank import fewer_examples
+from .strategies import tensors
+
+
+def test_no_process_group():
+    """Every single-rank test relies on running without one (world size 1)."""
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+# --------------------------------------------------------------------------- #
+# collectives.gather at world size 1
+# --------------------------------------------------------------------------- #
+
+WORKING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GatherCase(NamedTuple):
+    local_shard: torch.Tensor
+    """fp32 (shard_numel,), magnitudes within fp16's range."""
+    dtype: torch.dtype
+    group_size: int
+    budgets: list[int]
+    """Staging budgets in bytes: below one unit, one unit, random, unbounded."""
+
+
+@st.composite
+def gather_cases(draw) -> GatherCase:
+    group_size = draw(st.one_of(st.sampled_from([8, 64]), st.integers(1, 32).map(lambda k: 8 * k)))
+    num_groups = draw(st.integers(0, 24))
+    local_shard = draw(tensors(num_groups * group_size, torch.float32, (-20, 15))).reshape(-1)
+    largest = (num_groups + 1) * (group_size + 4) * 4
+    budgets = [0, group_size, draw(st.integers(0, largest)), draw(st.integers(0, largest)), 2**40]
+    return GatherCase(local_shard, draw(st.sampled_from(WORKING_DTYPES)), group_size, budgets)
+
+
+def check_gather(case: GatherCase, *, quantize: bool, unit_numel: int, expected: torch.Tensor):
+    element_size = torch.finfo(case.dtype).bits // 8
+    shard_numel = case.local_shard.numel()
+    # The smallest chunk: one unit (codes + scale, or elements) of this one rank.
+    minimal = unit_numel + 4 if quantize else unit_numel * element_size
+    for budget in case.budgets:
+        plan = plan_gather(
+            world_size=1,
+            source_numel=shard_numel,
+            quantize=quantize,
+            group_size=case.group_size,
+            unit_numel=unit_numel,
+            element_size=element_size,
+            budget_bytes=budget,
+        )
+        # NaN everywhere first: an element the gather does not write fails torch.equal.
+        full = torch.full((1, shard_numel), math.nan, dtype=case.dtype)
+        stats = gather(plan, case.local_shard, full, rank=0, staging=Staging())
+        assert torch.equal(full[0], expected), f"budget {budget} B, {len(plan.chunks)} chunks"
+        assert stats.collectives == 0
+        assert stats.bytes_sent == 0
+        assert stats.peak_staging_bytes == plan.staging_bytes <= max(budget, minimal)
+
+
+@fewer_examples(2)
+@given(case=gather_cases(), exact_unit=st.booleans())
+def test_unquantized_gather_is_a_cast_whatever_the_chunking(case, exact_unit):
+    """The exact region chunks in units of 1 element, the quantized region with quantization
+    off in units of a group; neither changes a value."""
+    unit_numel = 1 if exact_unit else case.group_size
+    expected = case.local_shard.to(case.dtype)
+    check_gather(case, quantize=False, unit_numel=unit_numel, expected=expected)
+
+
+@fewer_examples(2)
+@given(case=gather_cases())
+def test_quantized_gather_is_dequantize_of_quantize_whatever_the_chunking(case):
+    q = qwz.quantize(case.local_shard, case.group_size)
+    expected = qwz.dequantize(q, case.dtype)
+    check_gather(case, quantize=True, unit_numel=case.group_size, expected=expected)
