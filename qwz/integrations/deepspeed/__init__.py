@@ -37,7 +37,7 @@ from qwz.integrations.deepspeed.gather import (
     gather_optimizer_weights,
     plan_flat_group,
 )
-from qwz.integrations.deepspeed.takeover import initialize
+from qwz.integrations.deepspeed.takeover import LossyResumeError, initialize
 
 _version_tuple = version_tuple  # the name the tests have always used
 
@@ -45,6 +45,7 @@ __all__ = [
     "GATHER_ENV",
     "SUPPORTED_DEEPSPEED",
     "FlatGroupPlan",
+    "LossyResumeError",
     "WeightGatherCheck",
     "config",
     "detector",
