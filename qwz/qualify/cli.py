@@ -75,46 +75,30 @@ def _group_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error).removeprefix("--group-size: ")) from None
 
 
-def _non_negative(text: str) -> int:
-    value = _integer_text(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be >= 0")
-    return value
+def _checked(parse, accept, rule: str):
+    """An argparse type: `parse` the text, then refuse values `accept` rejects, naming `rule`."""
+
+    def check(text: str):
+        value = parse(text)
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"{text} is invalid: must be {rule}")
+        return value
+
+    return check
 
 
-def _percentage(text: str) -> float:
-    value = _float_text(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite percentage >= 0")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _integer_text(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a positive integer")
-    return value
-
-
-def _positive_finite(text: str) -> float:
-    value = _float_text(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number > 0")
-    return value
-
-
-def _non_negative_finite(text: str) -> float:
-    value = _float_text(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number >= 0")
-    return value
-
-
-def _finite(text: str) -> float:
-    value = _float_text(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be a finite number")
-    return value
+_non_negative = _checked(_integer_text, lambda value: value >= 0, ">= 0")
+_positive = _checked(_integer_text, lambda value: value >= 1, "a positive integer")
+_percentage = _checked(
+    _float_text, lambda value: math.isfinite(value) and value >= 0, "a finite percentage >= 0"
+)
+_positive_finite = _checked(
+    _float_text, lambda value: math.isfinite(value) and value > 0, "a finite number > 0"
+)
+_non_negative_finite = _checked(
+    _float_text, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0"
+)
+_finite = _checked(_float_text, math.isfinite, "a finite number")
 
 
 def _seed(text: str) -> int:

@@ -137,14 +137,23 @@ def replica_divergence(module: torch.nn.Module) -> list[str]:
     return [name for name, differs in zip(names, (low != high).tolist(), strict=True) if differs]
 
 
-def exact_required_mask(shard: seam.OwnShard, param_numel: dict[str, int], preserve: int):
-    """(n,) bool: elements of parameters of at most `preserve` elements, which must travel
-    exactly whatever the engine says (DESIGN: small parameters are sent exactly)."""
-    mask = torch.zeros(shard.master.numel(), dtype=torch.bool, device=shard.master.device)
-    for slot in shard.slots:
-        if param_numel[slot.name] <= preserve:
-            mask[slot.start : slot.end] = True
-    return mask
+def exact_masks(
+    shards: Sequence[seam.OwnShard],
+    group_size: int | None,
+    param_numel: dict[str, int],
+    preserve: int,
+) -> list[torch.Tensor]:
+    """Per shard, (n,) bool: the elements that must travel exactly whatever the engine says
+    -- those of parameters of at most `preserve` elements (DESIGN: small parameters are sent
+    exactly), and every element when nothing is quantized (`group_size` None)."""
+    masks = []
+    for shard in shards:
+        mask = torch.zeros(shard.master.numel(), dtype=torch.bool, device=shard.master.device)
+        for slot in shard.slots:
+            if group_size is None or param_numel[slot.name] <= preserve:
+                mask[slot.start : slot.end] = True
+        masks.append(mask)
+    return masks
 
 
 @dataclass
@@ -155,22 +164,17 @@ class OwnShardResult:
 
 def check_own_shards(
     shards: Sequence[seam.OwnShard],
+    exact: Sequence[torch.Tensor],
     group_size: int | None,
-    param_numel: dict[str, int],
-    preserve: int,
     step: int,
     rank: int,
     result: OwnShardResult,
 ) -> None:
     """The tight decode check of every own shard against its master (qwz/tolerance.py), with
-    the *requested* group size and the design's exactness rule, never the engine's claims."""
-    for shard in shards:
-        exact = exact_required_mask(shard, param_numel, preserve)
-        if group_size is None:
-            exact = torch.ones_like(exact)
-        ratio, position = own_shard_decode_check(
-            shard.master, shard.working, group_size or 1, exact
-        )
+    the *requested* group size and the design's exactness rule (`exact`, from
+    :func:`exact_masks`), never the engine's claims."""
+    for shard, mask in zip(shards, exact, strict=True):
+        ratio, position = own_shard_decode_check(shard.master, shard.working, group_size or 1, mask)
         result.max_ratio = max(result.max_ratio, ratio)
         if ratio > 1.0 and result.first_violation is None:
             name, index = seam.slot_of(shard, position)
@@ -180,7 +184,7 @@ def check_own_shards(
                 "parameter": name,
                 "index": index,
                 "ratio": ratio if math.isfinite(ratio) else None,
-                "exact_required": bool(exact[position]),
+                "exact_required": bool(mask[position]),
             }
 
 
@@ -266,15 +270,10 @@ class UpdateCheck:
             values = param.detach().reshape(-1)[index].double().cpu()
             if self._last_after is not None:
                 moved = values != self._last_after[shard_index]
-                if bool(moved.any()):
-                    self.result.violations += int(moved.sum())
-                    position = int(moved.nonzero()[0])
-                    self._violation(
-                        shard_index,
-                        int(index[position]),
-                        "master changed outside the optimizer step",
-                        math.inf,
-                    )
+                at = self._count(moved)
+                if at is not None:
+                    what = "master changed outside the optimizer step"
+                    self._violation(shard_index, int(index[at]), what, math.inf)
             before.append(
                 {
                     "p": values,
@@ -332,19 +331,23 @@ class UpdateCheck:
             if ratio.numel():
                 worst = float(ratio.max())
                 self.result.max_ratio = max(self.result.max_ratio, worst)
-                bad = ratio > 1
-                if bool(bad.any()):
-                    self.result.violations += int(bad.sum())
-                    position = int(bad.nonzero()[0])
-                    self._violation(
-                        shard_index,
-                        int(index[position]),
-                        f"expected {float(expected[position]):.9g}, got "
-                        f"{float(actual[position]):.9g} (bound {float(bound[position]):.3g})",
-                        float(ratio[position]),
+                at = self._count(ratio > 1)
+                if at is not None:
+                    what = (
+                        f"expected {float(expected[at]):.9g}, got {float(actual[at]):.9g} "
+                        f"(bound {float(bound[at]):.3g})"
                     )
+                    self._violation(shard_index, int(index[at]), what, float(ratio[at]))
         self._last_after = after
         self._before = None
+
+    def _count(self, bad: torch.Tensor) -> int | None:
+        """Add the sampled elements flagged in `bad` to the violations; the first one's
+        sample position (None when none is flagged)."""
+        if not bool(bad.any()):
+            return None
+        self.result.violations += int(bad.sum())
+        return int(bad.nonzero()[0])
 
     def _violation(self, shard_index: int, position: int, what: str, ratio: float) -> None:
         if self.result.first_violation is not None:

@@ -373,8 +373,12 @@ def _train_arm(
         module = engine.module
         names = [name for name, _ in module.named_parameters()]
         numel = {name: param.numel() for name, param in module.named_parameters()}
+        # The shards' tensors are live views, so one call serves every step; which of their
+        # elements must travel exactly never changes either.
+        shards = engine.own_shards()
+        exact_masks = observers.exact_masks(shards, arm.group_size, numel, PRESERVE_NUMEL)
         update_check = observers.UpdateCheck(
-            engine.own_shards(),
+            shards,
             engine.shard_optimizer,
             plan.adamw,
             samples_per_shard=plan.update_samples,
@@ -411,16 +415,9 @@ def _train_arm(
             obs["gather_bytes"] = int(probe.bytes["gather"])
             if arm.noise_group_size is not None:
                 _perturb(engine, arm.noise_group_size, plan.seed, step)
-            shards = engine.own_shards()
             if check_own:
                 observers.check_own_shards(
-                    shards,
-                    arm.group_size,
-                    numel,
-                    PRESERVE_NUMEL,
-                    step,
-                    rank,
-                    own_result,
+                    shards, exact_masks, arm.group_size, step, rank, own_result
                 )
             divergent = observers.replica_divergence(module)
             if divergent and obs["replica_divergence"] is None:

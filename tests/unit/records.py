@@ -272,6 +272,30 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
     return payload
 
 
+def violation(step: int, rank: int, ratio: float, what: str = "expected 0.1, got 0.2"):
+    """A first violation of lm_head.weight[12], as the update and own-shard checks record."""
+    return {
+        "step": step,
+        "rank": rank,
+        "parameter": "lm_head.weight",
+        "index": 12,
+        "what": what,
+        "ratio": ratio,
+    }
+
+
+def non_finite_failure(step: int, rank: int, message: str) -> dict[str, Any]:
+    """An arm that stopped at `step` on both ranks with a NaN/Inf in lm_head.weight."""
+    return {
+        "step": step,
+        "rank": rank,
+        "ranks": [0, 1],
+        "kind": "non-finite",
+        "message": message,
+        "parameters": ["lm_head.weight"],
+    }
+
+
 def make_record(**overrides: Any) -> record.Record:
     """``make_payload(**overrides)``, validated and sealed with its digest."""
     return record.seal(make_payload(**overrides))

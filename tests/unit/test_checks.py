@@ -12,7 +12,15 @@ import pytest
 
 from qwz.qualify import checks
 
-from .records import CALIBRATION, CANDIDATE, EVAL_STEPS, REFERENCE, make_payload, make_record
+from .records import (
+    CALIBRATION,
+    CANDIDATE,
+    EVAL_STEPS,
+    REFERENCE,
+    make_payload,
+    make_record,
+    non_finite_failure,
+)
 
 
 def by_name(record):
@@ -78,14 +86,9 @@ def test_a_diverged_arm_fails_finite_naming_step_rank_and_parameters():
     candidate["losses"] = candidate["losses"][:6]
     candidate["grad_norms"] = candidate["grad_norms"][:6]
     candidate["held_out"] = candidate["held_out"][:2]
-    candidate["failure"] = {
-        "step": 7,
-        "rank": 1,
-        "ranks": [0, 1],
-        "kind": "non-finite",
-        "message": "NonFiniteError: step 7: non-finite gradient (norm inf)",
-        "parameters": ["lm_head.weight"],
-    }
+    candidate["failure"] = non_finite_failure(
+        7, 1, "NonFiniteError: step 7: non-finite gradient (norm inf)"
+    )
     record = make_record(trajectories=payload["trajectories"])
     check = by_name(record)[f"finite[{CANDIDATE}]"]
     assert check.status == "fail"

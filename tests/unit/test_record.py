@@ -15,7 +15,7 @@ import pytest
 
 from qwz.qualify import record
 
-from .records import make_payload, make_record
+from .records import make_payload, make_record, violation
 
 
 def saved(tmp_path: pathlib.Path, **overrides: Any) -> pathlib.Path:
@@ -45,17 +45,7 @@ def test_round_trip(tmp_path):
 
 def test_round_trip_of_a_failing_record(tmp_path):
     updates = make_payload()["updates"]
-    updates[2] |= {
-        "violations": 3,
-        "first_violation": {
-            "step": 7,
-            "rank": 1,
-            "parameter": "lm_head.weight",
-            "index": 12,
-            "what": "expected 0.1, got 0.2",
-            "ratio": 4.5,
-        },
-    }
+    updates[2] |= {"violations": 3, "first_violation": violation(step=7, rank=1, ratio=4.5)}
     loaded = record.load(saved(tmp_path, updates=updates))
     assert not loaded.verdict.passed and loaded.verdict.status == "FAIL"
     assert loaded.verdict.failed == ["update[candidate-g64]"]

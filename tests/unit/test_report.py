@@ -7,7 +7,15 @@ import pytest
 from qwz.qualify import report
 from qwz.qualify.stats import METHOD_NOTE
 
-from .records import CANDIDATE, HEAD_SHA, REFERENCE, make_payload, make_record
+from .records import (
+    CANDIDATE,
+    HEAD_SHA,
+    REFERENCE,
+    make_payload,
+    make_record,
+    non_finite_failure,
+    violation,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,14 +30,7 @@ def failing_record():
     payload["updates"][2] |= {
         "violations": 3,
         "max_ratio": 2.75,
-        "first_violation": {
-            "step": 7,
-            "rank": 1,
-            "parameter": "lm_head.weight",
-            "index": 12,
-            "what": "expected 0.1, got 0.2",
-            "ratio": 2.75,
-        },
+        "first_violation": violation(step=7, rank=1, ratio=2.75),
     }
     payload["probes"][0]["reported_group_sizes"] = [64, 8192]
     return make_record(updates=payload["updates"], probes=payload["probes"])
@@ -76,14 +77,7 @@ def test_markdown_of_a_diverged_run_names_the_step():
         "losses": [*candidate["losses"][:3], None],
         "grad_norms": [*candidate["grad_norms"][:3], None],
         "held_out": candidate["held_out"][:1],
-        "failure": {
-            "step": 4,
-            "rank": 0,
-            "ranks": [0, 1],
-            "kind": "non-finite",
-            "message": "NonFiniteError: step 4: non-finite gradient",
-            "parameters": ["lm_head.weight"],
-        },
+        "failure": non_finite_failure(4, 0, "NonFiniteError: step 4: non-finite gradient"),
     }
     record = make_record(trajectories=payload["trajectories"])
     markdown = report.render_markdown(record)
