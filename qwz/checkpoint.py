@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 
 from qwz.hashing import param_hash, tensors_hash
-from qwz.jsonio import JsonInputError, read_json_file
+from qwz.jsonio import JsonInputError, bounded_repr, read_json_file
 
 if TYPE_CHECKING:
     from qwz.engine import Engine
 
-FORMAT = "qwz-checkpoint/1"
+FORMAT = "qwz-checkpoint/2"
 MANIFEST = "manifest.json"
 
 
@@ -132,12 +132,12 @@ def _module_extras(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def _engine_state(engine: Engine) -> dict[str, Any]:
-    scaler = getattr(engine, "loss_scaler", None)
     return {
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
         "global_grad_norm": engine.global_grad_norm,
-        "loss_scale": None if scaler is None else scaler.state_dict(),
+        "loss_scale": engine.loss_scaler.state_dict(),
     }
 
 
@@ -292,12 +292,18 @@ def _prepare(
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"checkpoint {root}: optimizer state does not fit: {error}") from None
     _check_module_extras(root, engine, payload["module_extras"])
-    scaler = getattr(engine, "loss_scaler", None)
-    if (payload["engine"]["loss_scale"] is None) != (scaler is None):
+    saved_scaler = payload["engine"].get("loss_scale")
+    scaler = engine.loss_scaler
+    if not isinstance(saved_scaler, dict) or set(saved_scaler) != set(scaler.state_dict()):
         raise CheckpointError(
-            f"checkpoint {root}: loss-scale state is "
-            f"{'absent' if payload['engine']['loss_scale'] is None else 'present'} in the "
-            f"checkpoint but this engine {'has' if scaler is not None else 'has no'} loss scaler"
+            f"checkpoint {root}: loss-scale state {bounded_repr(saved_scaler, 120)} does not "
+            f"fit this engine's ({sorted(scaler.state_dict())})"
+        )
+    if saved_scaler["dynamic"] != scaler.dynamic:
+        raise CheckpointError(
+            f"checkpoint {root}: the checkpoint's loss scale is "
+            f"{'dynamic' if saved_scaler['dynamic'] else 'fixed'}, this engine's is "
+            f"{'dynamic' if scaler.dynamic else 'fixed'} (fp16.loss_scale differs)"
         )
     return manifest, payload
 
@@ -332,7 +338,7 @@ def load(engine: Engine, directory: str | os.PathLike[str]) -> dict[str, Any]:
     state = payload["engine"]
     engine.global_steps = state["global_steps"]
     engine.micro_steps = state["micro_steps"]
+    engine.skipped_steps = state["skipped_steps"]
     engine.global_grad_norm = state["global_grad_norm"]
-    if state["loss_scale"] is not None:
-        engine.loss_scaler.load_state_dict(state["loss_scale"])
+    engine.loss_scaler.load_state_dict(state["loss_scale"])
     return manifest

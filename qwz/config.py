@@ -468,6 +468,65 @@ class OptimizerConfig:
 
 
 # --------------------------------------------------------------------------- #
+# fp16 loss scaling
+# --------------------------------------------------------------------------- #
+
+MAX_INITIAL_SCALE_POWER = 127
+"""2**127 is the largest power of two a float32 loss scale can hold."""
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """The `fp16` section's loss-scaling keys, with DeepSpeed's defaults.
+
+    `static_scale` 0 (`loss_scale` absent or 0) means dynamic scaling from
+    ``2**initial_scale_power``; any other value is a fixed scale."""
+
+    static_scale: float = 0.0
+    """`loss_scale`: 0 for dynamic loss scaling, else this fixed scale."""
+    initial_scale_power: int = 16
+    """`initial_scale_power`: dynamic scaling starts at 2**this."""
+    window: int = 1000
+    """`loss_scale_window`: clean steps after which the dynamic scale doubles."""
+    hysteresis: int = 2
+    """`hysteresis`: overflows tolerated before the dynamic scale halves."""
+    consecutive_hysteresis: bool = False
+    """`consecutive_hysteresis`: refill the hysteresis on every clean step."""
+    min_scale: int = 1
+    """`min_loss_scale`: the dynamic scale never falls below this."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.static_scale == 0
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any]) -> LossScaleConfig:
+        """Read an `fp16` section (already checked for unknown keys)."""
+        power = _as_int(
+            "fp16.initial_scale_power",
+            section.get("initial_scale_power", 16),
+            f"must be an integer from 0 to {MAX_INITIAL_SCALE_POWER}",
+        )
+        if not 0 <= power <= MAX_INITIAL_SCALE_POWER:
+            raise _fail(
+                "fp16.initial_scale_power",
+                power,
+                f"must be an integer from 0 to {MAX_INITIAL_SCALE_POWER} "
+                "(the scale 2**power must be a finite float32)",
+            )
+        return cls(
+            static_scale=_float("fp16.loss_scale", section.get("loss_scale", 0), minimum=0.0),
+            initial_scale_power=power,
+            window=_positive_int("fp16.loss_scale_window", section.get("loss_scale_window", 1000)),
+            hysteresis=_positive_int("fp16.hysteresis", section.get("hysteresis", 2)),
+            consecutive_hysteresis=_bool(
+                "fp16.consecutive_hysteresis", section.get("consecutive_hysteresis", False)
+            ),
+            min_scale=_positive_int("fp16.min_loss_scale", section.get("min_loss_scale", 1)),
+        )
+
+
+# --------------------------------------------------------------------------- #
 # The whole config
 # --------------------------------------------------------------------------- #
 
@@ -501,6 +560,10 @@ class QwzConfig:
     """`data_types.grad_accum_dtype` (`fp16`, `bf16`, `fp32`): the dtype of the gradient
     accumulators between micro-batches. None: fp32 (DeepSpeed would use the working dtype;
     qwz keeps the more accurate default, which moves no extra bytes on the wire)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """The `fp16` section's loss scaling (used only when `dtype` is fp16)."""
+    auto_cast: bool = False
+    """`fp16.auto_cast`: the engine casts floating-point inputs to fp16 before forward."""
 
     @property
     def stage(self) -> int:
@@ -544,6 +607,7 @@ class QwzConfig:
                 "bf16.enabled and fp16.enabled: True and True is invalid: "
                 "at most one may be enabled"
             )
+        fp16_section = config.get("fp16") or {}
         micro = config.get("train_micro_batch_size_per_gpu")
         train = config.get("train_batch_size")
         seed = config.get("seed")
@@ -568,6 +632,8 @@ class QwzConfig:
                 "communication_data_type", config.get("communication_data_type")
             ),
             grad_accum_dtype=_grad_accum_dtype(config.get("data_types")),
+            loss_scale=LossScaleConfig.from_section(fp16_section),
+            auto_cast=_bool("fp16.auto_cast", fp16_section.get("auto_cast", False)),
         )
 
 

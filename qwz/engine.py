@@ -15,6 +15,8 @@ The engine reads the config; the optimizer below it receives plain arguments.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import pathlib
 from collections.abc import Mapping
@@ -25,7 +27,10 @@ import torch.distributed as dist
 
 from qwz import checkpoint
 from qwz.config import ConfigError, QwzConfig
-from qwz.optimizer import WORKING_DTYPES, ZeroOptimizer
+from qwz.loss_scale import LossScaler
+from qwz.optimizer import WORKING_DTYPES, NonFiniteError, ZeroOptimizer
+
+_log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -79,10 +84,26 @@ class Engine:
         self.global_steps = 0
         """Optimizer steps taken so far."""
         self.global_grad_norm: float | None = None
-        """L2 norm of the rank-averaged gradient at the last optimizer step, before clipping."""
+        """L2 norm of the rank-averaged gradient at the last optimizer step, before clipping
+        (inf or nan when an fp16 overflow skipped it)."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped because the fp16 gradients overflowed (as DeepSpeed counts)."""
+        self.loss_scaler = (
+            LossScaler.from_config(config.loss_scale)
+            if config.dtype == "fp16"
+            else LossScaler.unscaled()
+        )
+        """fp16 loss scaling ([Note: dynamic loss scale]); a fixed scale of 1 otherwise."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.auto_cast and self.config.dtype == "fp16":
+            args, kwargs = _to_half(args), _to_half(kwargs)
         return self.module(*args, **kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor backward() multiplies the loss by (1 unless fp16)."""
+        return self.loss_scaler.scale
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -100,9 +121,13 @@ class Engine:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` scaled by 1 / gradient_accumulation_steps, then hand the
-        gradients to the optimizer (stage 2 reduce-scatters them right away)."""
-        (loss / self.config.gradient_accumulation_steps).backward()
+        """Backward of `loss` scaled by 1 / gradient_accumulation_steps (and, in fp16, by
+        the loss scale, in fp32), then hand the gradients to the optimizer (stage 2
+        reduce-scatters them right away)."""
+        loss = loss / self.config.gradient_accumulation_steps
+        if self.config.dtype == "fp16":
+            loss = loss.float() * self.loss_scaler.scale
+        loss.backward()
         self.optimizer.accumulate_gradients()
 
     def step(self) -> bool:
@@ -110,12 +135,45 @@ class Engine:
         Returns whether the weights were updated. Call it once per micro-batch, after
         backward, as with DeepSpeed."""
         boundary = self.is_gradient_accumulation_boundary()
+        stepped = False
         if boundary:
-            grad_norm = self.optimizer.step(self.global_steps + 1)
-            self.global_grad_norm = float(grad_norm)
+            stepped = self._optimizer_step()
             self.global_steps += 1
         self.micro_steps += 1
-        return boundary
+        return stepped
+
+    def _optimizer_step(self) -> bool:
+        """One optimizer step with fp16 overflow handling; True when the weights changed."""
+        step_index = self.global_steps + 1
+        fp16 = self.config.dtype == "fp16"
+        scaler = self.loss_scaler
+        try:
+            grad_norm = self.optimizer.step(
+                step_index,
+                loss_scale=scaler.scale,
+                skip_overflow=fp16 and not scaler.at_floor,
+            )
+        except NonFiniteError as error:
+            if not fp16:
+                raise
+            error.args = (
+                f"{error} (fp16: the loss scale {scaler.scale:g} is already at "
+                f"fp16.min_loss_scale, so the overflow cannot be skipped)",
+            )
+            raise
+        self.global_grad_norm = float(grad_norm)
+        overflow = not math.isfinite(self.global_grad_norm)
+        scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            if self.optimizer.rank == 0:
+                _log.warning(
+                    "step %d: fp16 gradients overflowed; skipped the step on every rank "
+                    "(loss scale now %g)",
+                    step_index,
+                    scaler.scale,
+                )
+        return not overflow
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> pathlib.Path:
         """Write this rank's fp32 master shards, optimizer state, step counters and module
@@ -154,17 +212,24 @@ def broadcast_module_state(
             tensor.copy_(staged)
 
 
+def _to_half(value: Any) -> Any:
+    """`value` with every floating-point tensor in it (through lists, tuples and dicts) cast
+    to fp16, as DeepSpeed's `fp16.auto_cast` does."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_half(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_half(item) for key, item in value.items()}
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.half()
+    return value
+
+
 def _check_supported(config: QwzConfig) -> None:
     if config.stage not in (1, 2):
         what = "stage 3 engine" if config.stage == 3 else "stage 0 (plain data parallelism)"
         raise ConfigError(
             f"zero_optimization.stage: {config.stage} is not supported by qwz ({what}); "
             "qwz's engine implements ZeRO stages 1 and 2"
-        )
-    if config.dtype == "fp16":
-        raise ConfigError(
-            "fp16.enabled: True is not supported by qwz yet (it needs dynamic loss scaling); "
-            "use bf16 or fp32"
         )
     if config.optimizer is None:
         raise ConfigError(

@@ -363,18 +363,26 @@ class ZeroOptimizer:
                 param.grad = None
         self._has_gradients = True
 
-    def step(self, step_index: int) -> torch.Tensor:
-        """Reduce, clip, update the master shards and gather the new weights.
+    def step(
+        self, step_index: int, *, loss_scale: float = 1.0, skip_overflow: bool = False
+    ) -> torch.Tensor:
+        """Reduce, unscale, clip, update the master shards and gather the new weights.
 
-        `step_index` (1-based) only names the step in errors. Returns the global gradient
-        norm (before clipping) as a 0-dim fp32 tensor."""
+        `step_index` (1-based) only names the step in errors. `loss_scale` is the factor the
+        loss was multiplied by before backward (fp16); the gradients are divided by it.
+        Returns the global gradient norm (unscaled, before clipping) as a 0-dim fp32 tensor.
+
+        A non-finite gradient raises NonFiniteError, unless `skip_overflow` (fp16 loss
+        scaling): then every rank skips the update and the gather together, drops the
+        gradients and returns the non-finite norm ([Note: dynamic loss scale])."""
         if not self._has_gradients:
             raise RuntimeError(
                 f"step {step_index}: no gradients were accumulated since the last step"
             )
         try:
-            grad_norm = self._update(step_index)
-            self.gather_weights()
+            grad_norm, stepped = self._update(step_index, loss_scale, skip_overflow)
+            if stepped:
+                self.gather_weights()
         finally:
             # Whatever happened, this step's gradients are consumed: a NonFiniteError drops
             # them, so the next backward starts from clean accumulators.
@@ -384,15 +392,21 @@ class ZeroOptimizer:
             self._has_gradients = False
         return grad_norm
 
-    def _update(self, step_index: int) -> torch.Tensor:
-        """Phases 1-3: reduce, check and clip the gradients, step the master shards."""
-        shard_grads = [self._reduced_shard_grad(region) for region in self.regions]
+    def _update(
+        self, step_index: int, loss_scale: float, skip_overflow: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """Phases 1-3: reduce, check and clip the gradients, step the master shards.
+        Returns the gradient norm and whether the masters stepped (False: overflow skip)."""
+        shard_grads = [self._reduced_shard_grad(region, loss_scale) for region in self.regions]
         fused = self.kernels.name == "compiled"
         squares = torch.stack([_sum_of_squares(grad, fused) for grad in shard_grads]).sum()
         # Reduced and rooted in float64, then rounded once to float32: see _sum_of_squares.
         total = collectives.all_reduce_sum(squares, self.world_size, self.process_group)
         grad_norm = total.sqrt().to(torch.float32)
+        # Every rank takes this branch together: they all hold the same reduced norm.
         if not torch.isfinite(grad_norm):
+            if skip_overflow:
+                return grad_norm, False
             self._raise_non_finite(
                 step_index,
                 "gradient",
@@ -429,7 +443,7 @@ class ZeroOptimizer:
                 "no working copy was changed, but the fp32 master shards and the optimizer "
                 "state took this update and cannot be trusted: restore them from a checkpoint",
             )
-        return grad_norm
+        return grad_norm, True
 
     def gather_weights(self) -> dict[str, GatherStats]:
         """Phase 4: write every rank's master shard into every working copy (one gather
@@ -590,8 +604,11 @@ class ZeroOptimizer:
                 flat[slot.offset : slot.end].copy_(param.grad.reshape(-1))
         return flat
 
-    def _reduced_shard_grad(self, region: Region) -> torch.Tensor:
-        """This rank's shard of the rank-averaged gradient (fp32, shard_numel)."""
+    def _reduced_shard_grad(self, region: Region, loss_scale: float) -> torch.Tensor:
+        """This rank's shard of the rank-averaged, unscaled gradient (fp32, shard_numel).
+
+        One division by ``world_size * loss_scale``: the loss scale is a power of two (or
+        1), so this rounds exactly as dividing by each in turn would."""
         if self.stage == 1:
             collectives.all_reduce_in_buckets(
                 region.grad_accumulator,
@@ -608,7 +625,7 @@ class ZeroOptimizer:
         if shard is None:
             shard = torch.empty(source.numel(), dtype=torch.float32, device=self.device)
             self._shard_grads[region.name] = shard
-        return torch.div(source, self.world_size, out=shard)
+        return torch.div(source, self.world_size * loss_scale, out=shard)
 
     def _raise_non_finite(
         self,

@@ -1,0 +1,117 @@
+"""Rank-side functions for fp16 training in qwz's engine (run on every rank by LocalWorld).
+
+Each rank trains qwz's engine and, beside it, a plain torch reference: an fp16 model, fp32
+master copies stepped by torch.optim.AdamW, gradients summed by ``dist.all_reduce`` in
+fp16, and DeepSpeed's own loss scaler deciding the scale and which steps to skip. One rank
+alone gets an overflowing batch at `spike_step`, so a skip that only that rank saw would
+show up as replicas that disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import qwz
+from qwz.config import QwzConfig
+from qwz.hashing import tensors_hash
+from qwz.probe import WireProbe
+from tests.loss_scale_reference import deepspeed_scaler
+from tests.multigpu import ranks
+
+FP16_SECTION = {"initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 2}
+"""The scale grows from 2**12 until the gradients overflow, then halves and grows again."""
+SPIKE_RANK = 1
+
+
+def fp16_config(stage: int, quantized: bool) -> dict[str, Any]:
+    config = ranks.ds_config(stage=stage, quantized=quantized, dtype="fp32", lr=1e-2)
+    config["fp16"] = {"enabled": True, **FP16_SECTION}
+    return config
+
+
+def _batch(seed: int, step: int, spike_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = ranks.batch(seed, step, dist.get_rank(), torch.float32)
+    if step == spike_step and dist.get_rank() == SPIKE_RANK:
+        inputs = inputs * 1e6  # beyond fp16's range: this rank's gradients are not finite
+    return inputs.half(), targets
+
+
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(inputs).float(), targets)
+
+
+class _Reference:
+    """Plain torch data parallelism in fp16 with DeepSpeed's loss scaler."""
+
+    def __init__(self, config: dict[str, Any], seed: int):
+        self.model = ranks.build_model(seed).half()
+        self.masters = [p.detach().float().clone() for p in self.model.parameters()]
+        params = config["optimizer"]["params"]
+        self.adam = torch.optim.AdamW(
+            self.masters, lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"],
+            weight_decay=0.0,
+        )  # fmt: skip
+        self.scaler = deepspeed_scaler(QwzConfig.from_deepspeed(config).loss_scale)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, bool]:
+        self.model.zero_grad()
+        scale = self.scaler.cur_scale
+        (_loss(self.model, batch).float() * scale).backward()
+        grads = []
+        for param in self.model.parameters():
+            dist.all_reduce(param.grad)
+            grads.append(param.grad.float() / (dist.get_world_size() * scale))
+        overflow = not all(bool(torch.isfinite(grad).all()) for grad in grads)
+        self.scaler.update_scale(overflow)
+        if not overflow:
+            for master, grad in zip(self.masters, grads, strict=True):
+                master.grad = grad
+            self.adam.step()
+            with torch.no_grad():
+                for param, master in zip(self.model.parameters(), self.masters, strict=True):
+                    param.copy_(master)
+        return scale, overflow
+
+
+def fp16_with_overflows(stage: int, quantized: bool, steps: int, spike_step: int) -> dict[str, Any]:
+    """Train qwz's engine and the reference side by side; per step record what each did."""
+    seed = 0
+    config = fp16_config(stage, quantized)
+    engine = qwz.initialize(ranks.build_model(seed), config=config)
+    reference = _Reference(config, seed)
+    result: dict[str, Any] = {
+        "dtype": str(next(engine.module.parameters()).dtype),
+        "group_size": engine.optimizer.quantization_group_size,
+        "steps": [],
+    }
+    for step in range(1, steps + 1):
+        batch = _batch(seed, step, spike_step)
+        scale = engine.loss_scale
+        before = qwz.param_hash(engine.module)
+        masters = tensors_hash(engine.optimizer.master_shards().items())
+        engine.backward(_loss(engine.module, batch))
+        with WireProbe() as probe:
+            stepped = engine.step()
+        reference_scale, reference_overflow = reference.step(batch)
+        result["steps"].append(
+            {
+                "scale": scale,
+                "stepped": stepped,
+                "finite_norm": math.isfinite(engine.global_grad_norm),
+                "skipped_steps": engine.skipped_steps,
+                "gather_bytes": probe.bytes["gather"],
+                "hash_unchanged": qwz.param_hash(engine.module) == before,
+                "masters_unchanged": tensors_hash(engine.optimizer.master_shards().items())
+                == masters,
+                "hash": qwz.param_hash(engine.module),
+                "reference_scale": reference_scale,
+                "reference_overflow": reference_overflow,
+                "reference_hash": qwz.param_hash(reference.model),
+            }
+        )
+    return result

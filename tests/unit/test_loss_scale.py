@@ -1,0 +1,261 @@
+"""fp16 loss scaling: the `fp16` config keys, the scaler against DeepSpeed's own, and the
+engine's fp16 training at world size 1 against a plain torch reference.
+
+See [Note: dynamic loss scale] (qwz/loss_scale.py). DeepSpeed refuses fp16 on CPUs without
+AVX512-FP16, so these tests (and tests/multigpu/test_fp16.py) are where fp16 training is
+covered on every machine."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import qwz
+from qwz.config import ConfigError, LossScaleConfig, QwzConfig
+from qwz.loss_scale import LossScaler
+from tests.loss_scale_reference import deepspeed_scaler
+
+from .test_engine_single_rank import build_model, ds_config, loss_of, make_batches
+
+# --------------------------------------------------------------------------- #
+# Config
+# --------------------------------------------------------------------------- #
+
+
+def fp16_config(**section) -> QwzConfig:
+    return QwzConfig.from_deepspeed({"fp16": {"enabled": True, **section}})
+
+
+def test_fp16_section_defaults_are_deepspeeds():
+    precision = pytest.importorskip(
+        "deepspeed.runtime.precision_config", reason="the deepspeed extra is not installed"
+    )
+    ours = fp16_config().loss_scale
+    theirs = precision.DeepSpeedFP16Config(enabled=True)
+    assert ours.dynamic and theirs.loss_scale == 0
+    assert ours.initial_scale_power == theirs.initial_scale_power == 16
+    assert ours.window == theirs.loss_scale_window
+    assert ours.hysteresis == theirs.hysteresis
+    assert ours.consecutive_hysteresis == theirs.consecutive_hysteresis
+    assert ours.min_scale == theirs.min_loss_scale
+
+
+def test_fp16_section_is_read():
+    config = fp16_config(
+        loss_scale=128,
+        initial_scale_power=8,
+        loss_scale_window=50,
+        hysteresis=3,
+        consecutive_hysteresis=True,
+        min_loss_scale=4,
+        auto_cast=True,
+    )
+    assert config.dtype == "fp16" and config.auto_cast
+    assert config.loss_scale == LossScaleConfig(
+        static_scale=128.0,
+        initial_scale_power=8,
+        window=50,
+        hysteresis=3,
+        consecutive_hysteresis=True,
+        min_scale=4,
+    )
+    assert not config.loss_scale.dynamic
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("loss_scale", -1, "must be a finite number >= 0"),
+        ("loss_scale", "dynamic", "must be a number"),
+        ("initial_scale_power", 128, "from 0 to 127"),
+        ("initial_scale_power", -1, "from 0 to 127"),
+        ("initial_scale_power", 2.5, "must be an integer"),
+        ("loss_scale_window", 0, "must be a positive integer"),
+        ("hysteresis", 0, "must be a positive integer"),
+        ("min_loss_scale", 0, "must be a positive integer"),
+        ("min_loss_scale", 0.5, "must be an integer"),
+        ("consecutive_hysteresis", 1, "must be true or false"),
+        ("auto_cast", "yes", "must be true or false"),
+    ],
+)
+def test_bad_fp16_value_is_refused_naming_the_key(key, value, rule):
+    with pytest.raises(ConfigError) as refused:
+        fp16_config(**{key: value})
+    assert f"fp16.{key}: " in str(refused.value) and rule in str(refused.value)
+
+
+def test_fp16_typo_is_refused_with_a_suggestion():
+    with pytest.raises(ConfigError) as refused:
+        fp16_config(loss_scale_windw=10)
+    assert "loss_scale_window" in str(refused.value)
+
+
+# --------------------------------------------------------------------------- #
+# The scaler against DeepSpeed's
+# --------------------------------------------------------------------------- #
+
+
+@st.composite
+def scale_configs(draw) -> LossScaleConfig:
+    return LossScaleConfig(
+        static_scale=draw(st.sampled_from([0.0, 0.0, 0.0, 1.0, 1024.0])),
+        initial_scale_power=draw(st.integers(0, 12)),
+        window=draw(st.integers(1, 5)),
+        hysteresis=draw(st.integers(1, 4)),
+        consecutive_hysteresis=draw(st.booleans()),
+        min_scale=draw(st.sampled_from([1, 2, 4, 16])),
+    )
+
+
+@given(config=scale_configs(), overflows=st.lists(st.booleans(), max_size=60))
+def test_scale_follows_deepspeeds_scaler_for_any_overflow_sequence(config, overflows):
+    """Step by step the same scale as DeepSpeed's own scaler, and the same refusal when an
+    overflow arrives at the minimum scale."""
+    ours, theirs = LossScaler.from_config(config), deepspeed_scaler(config)
+    for index, overflow in enumerate(overflows):
+        assert ours.scale == theirs.cur_scale, index
+        if overflow and ours.at_floor:
+            with pytest.raises(Exception, match="minimum"):
+                theirs.update_scale(overflow)
+            with pytest.raises(FloatingPointError, match="min_loss_scale"):
+                ours.update(overflow)
+            return
+        theirs.update_scale(overflow)
+        ours.update(overflow)
+    assert ours.scale == theirs.cur_scale
+
+
+def test_state_dict_round_trips_and_refuses_other_keys():
+    scaler = LossScaler.from_config(LossScaleConfig(window=2, hysteresis=1))
+    for overflow in (True, False, False, False):
+        scaler.update(overflow)
+    restored = LossScaler.unscaled()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored == scaler
+    with pytest.raises(ValueError, match="keys"):
+        restored.load_state_dict({"scale": 2.0})
+
+
+# --------------------------------------------------------------------------- #
+# fp16 training at world size 1 against plain torch
+# --------------------------------------------------------------------------- #
+
+FP16_SECTION = {"initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 2}
+"""From 2**12 the scale doubles every two clean steps until the gradients overflow (at
+2**15 on this model), spends its hysteresis, halves, and grows again."""
+SPIKE_STEP = 11
+"""A batch scaled by 1e6 overflows the fp16 forward on a step that would be clean."""
+
+
+def fp16_batches(seed: int, steps: int):
+    batches = make_batches(seed, steps)
+    inputs, targets = batches[SPIKE_STEP - 1]
+    batches[SPIKE_STEP - 1] = (inputs * 1e6, targets)
+    return batches
+
+
+def reference_run(seed: int, stage_config: dict, steps: int):
+    """Plain torch: an fp16 model, fp32 master copies stepped by torch.optim.AdamW, and
+    DeepSpeed's loss scaler deciding the scale and which steps to skip."""
+    model = build_model(seed).half()
+    masters = [param.detach().float().clone().requires_grad_(True) for param in model.parameters()]
+    adam = torch.optim.AdamW(masters, **stage_config["optimizer"]["params"])
+    scaler = deepspeed_scaler(QwzConfig.from_deepspeed(stage_config).loss_scale)
+    trace = []
+    for batch in fp16_batches(seed, steps):
+        model.zero_grad()
+        scale = scaler.cur_scale
+        (loss_of(model, batch).float() * scale).backward()
+        grads = [param.grad.float() / scale for param in model.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).item()
+        overflow = not math.isfinite(norm)
+        scaler.update_scale(overflow)
+        if not overflow:
+            for master, grad in zip(masters, grads, strict=True):
+                master.grad = grad
+            adam.step()
+            with torch.no_grad():
+                for param, master in zip(model.parameters(), masters, strict=True):
+                    param.copy_(master)
+        trace.append((scale, overflow, norm, [p.detach().clone() for p in model.parameters()]))
+    return trace
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_training_matches_plain_torch_with_deepspeeds_loss_scaler(stage):
+    seed, steps = 3, 16
+    config = ds_config(
+        stage=stage,
+        optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        bucket=24,
+    )
+    config["fp16"] = {"enabled": True, **FP16_SECTION}
+    engine = qwz.initialize(build_model(seed), config=config)
+    assert next(engine.module.parameters()).dtype == torch.float16
+    skipped = 0
+    for step, (batch, (scale, overflow, norm, params)) in enumerate(
+        zip(fp16_batches(seed, steps), reference_run(seed, config, steps), strict=True), start=1
+    ):
+        assert engine.loss_scale == scale, step
+        engine.backward(loss_of(engine, batch))
+        assert engine.step() == (not overflow), step
+        skipped += overflow
+        assert engine.skipped_steps == skipped and engine.global_steps == step
+        if overflow:
+            assert not math.isfinite(engine.global_grad_norm), step
+        else:
+            assert abs(engine.global_grad_norm - norm) <= 1e-6 * norm, step
+        for (name, actual), expected in zip(engine.module.named_parameters(), params, strict=True):
+            assert torch.equal(actual.detach(), expected), f"step {step}: {name}"
+    # The run exercised what it claims: overflows from the scale and from the spike, and
+    # the scale both growing and shrinking.
+    trace = reference_run(seed, config, steps)
+    overflows = [overflow for _, overflow, _, _ in trace]
+    assert any(overflows[: SPIKE_STEP - 1]) and overflows[SPIKE_STEP - 1] and not all(overflows)
+    scales = [scale for scale, _, _, _ in trace]
+    pairs = list(itertools.pairwise(scales))
+    assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)
+
+
+def test_overflow_at_the_minimum_scale_raises_naming_the_parameters():
+    config = ds_config(stage=2, optimizer={"type": "AdamW", "params": {"lr": 1e-2}}, bucket=24)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 0, "hysteresis": 1}
+    engine = qwz.initialize(build_model(0), config=config)
+    inputs, targets = make_batches(0, 1)[0]
+    engine.backward(loss_of(engine, (inputs * 1e6, targets)))
+    with pytest.raises(qwz.NonFiniteError) as raised:
+        engine.step()
+    message = str(raised.value)
+    assert "fp16.min_loss_scale" in message and "up.weight" in message
+    assert "up.weight" in raised.value.parameters
+
+
+def test_static_loss_scale_skips_overflows_and_never_moves():
+    config = ds_config(stage=1, optimizer={"type": "AdamW", "params": {"lr": 1e-2}}, bucket=24)
+    config["fp16"] = {"enabled": True, "loss_scale": 8.0}
+    engine = qwz.initialize(build_model(0), config=config)
+    before = qwz.param_hash(engine.module)
+    inputs, targets = make_batches(0, 1)[0]
+    engine.backward(loss_of(engine, (inputs * 1e6, targets)))
+    assert not engine.step()
+    assert qwz.param_hash(engine.module) == before and engine.loss_scale == 8.0
+    engine.backward(loss_of(engine, (inputs, targets)))
+    assert engine.step()
+    assert qwz.param_hash(engine.module) != before and engine.loss_scale == 8.0
+
+
+def test_auto_cast_casts_floating_inputs_to_fp16():
+    config = ds_config(stage=2, optimizer={"type": "AdamW", "params": {"lr": 1e-2}}, bucket=24)
+    config["fp16"] = {"enabled": True, "auto_cast": True}
+    engine = qwz.initialize(build_model(0), config=config)
+    inputs = make_batches(0, 1)[0][0]
+    assert engine(inputs).dtype == torch.float16  # fp32 inputs, cast by the engine
+    config["fp16"]["auto_cast"] = False
+    plain = qwz.initialize(build_model(0), config=config)
+    with pytest.raises(RuntimeError):
+        plain(inputs)  # without auto_cast, fp32 inputs meet fp16 weights
