@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import qwz
@@ -112,7 +112,19 @@ def scale_configs(draw) -> LossScaleConfig:
     )
 
 
-@given(config=scale_configs(), overflows=st.lists(st.booleans(), max_size=60))
+@st.composite
+def overflow_sequences(draw) -> list[bool]:
+    """Runs of clean steps and of overflows: long clean runs are what make the scale grow
+    and refill the hysteresis, and independent coin flips rarely produce them."""
+    runs = draw(st.lists(st.tuples(st.booleans(), st.integers(1, 8)), max_size=12))
+    return [overflow for overflow, length in runs for _ in range(length)]
+
+
+@given(config=scale_configs(), overflows=overflow_sequences())
+@example(  # growth refills the hysteresis: the next overflow spends it, the one after halves
+    config=LossScaleConfig(initial_scale_power=8, window=1, hysteresis=2),
+    overflows=[True, False, False, True, True],
+)
 def test_scale_follows_deepspeeds_scaler_for_any_overflow_sequence(config, overflows):
     """Step by step the same scale as DeepSpeed's own scaler, and the same refusal when an
     overflow arrives at the minimum scale."""
