@@ -288,19 +288,39 @@ class _FusedKernel:
         self.eager = eager
         self.fused = torch.compile(eager, dynamic=False)
         self.fallback: str | None = None
+        self._compiled: set[tuple] = set()
 
     def __call__(self, *args: torch.Tensor) -> None:
         if self.fallback is not None:
             return self.eager(*args)
+        key = tuple(_signature(arg) for arg in args)
+        if key in self._compiled:  # compiled for exactly these inputs: no recompile to watch
+            return self.fused(*args)
         import torch._dynamo
 
+        # Only inputs not seen before can make dynamo compile again: they alone pay for the
+        # config patch (about 20 us, as much as the call itself on small chunks).
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                return self.fused(*args)
+                result = self.fused(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit as error:
             self.fallback = f"{self.eager.__name__}: recompile limit hit ({error}); eager now"
             logger.warning("qwz: fused kernel %s", self.fallback)
             return self.eager(*args)
+        self._compiled.add(key)
+        return result
+
+
+def _signature(tensor: torch.Tensor) -> tuple:
+    """What a compiled kernel is specialised on: shape, strides, dtype, device, and the
+    alignment of the data (inductor picks aligned or unaligned vector loads by it)."""
+    return (
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor.data_ptr() % 64,
+    )
 
 
 class _FusedDecode:

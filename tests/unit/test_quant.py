@@ -479,3 +479,34 @@ def test_subnormal_scales_keep_the_bound(value):
 def test_largest_finite_float_decodes_finite():
     x = torch.full((64,), torch.finfo(torch.float32).max)
     assert torch.isfinite(qwz.dequantize(qwz.quantize(x))).all()
+
+
+def test_recompile_limit_falls_back_to_eager_logged_and_recorded(caplog):
+    """Past dynamo's recompile limit a fused kernel runs the eager one (the same bytes), says
+    so in the log and keeps the reason in `fallback`; inputs it has compiled for before stay
+    fused without recompiling."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    kernel = quant._FusedKernel(quant.encode_into)
+    rows = {}
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level("WARNING", logger="qwz"):
+        for num_groups in (1, 2, 1, 3):
+            values = torch.linspace(-1.0, 1.0, 8 * num_groups)
+            row = torch.zeros(num_groups * (8 + quant.SCALE_BYTES), dtype=torch.uint8)
+            layout = WireRow(num_groups, 8, 0, 4)
+            kernel(values, row_scales(row[None], layout)[0], row_codes(row[None], layout)[0])
+            rows[num_groups] = row
+            assert (kernel.fallback is None) == (num_groups != 3), num_groups
+    torch._dynamo.reset()
+    assert "recompile limit hit" in kernel.fallback
+    assert any("recompile limit hit" in record.getMessage() for record in caplog.records)
+    for num_groups, row in rows.items():
+        expected = torch.zeros_like(row)
+        layout = WireRow(num_groups, 8, 0, 4)
+        quant.encode_into(
+            torch.linspace(-1.0, 1.0, 8 * num_groups),
+            row_scales(expected[None], layout)[0],
+            row_codes(expected[None], layout)[0],
+        )
+        assert torch.equal(row, expected), num_groups
