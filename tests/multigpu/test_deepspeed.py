@@ -2,7 +2,7 @@
 
 Real DeepSpeed engines on real process groups (gloo on CPU, 2 and 4 ranks), a
 tiny MLP whose two large Linears are quantized and whose biases, LayerNorm and
-head travel exactly (see ``deepspeed_ranks.TinyMLP``). Runs are cached per
+head travel exactly (see ``models.DeepSpeedLayoutMLP``). Runs are cached per
 configuration, so several properties are asserted on one trajectory.
 
 Tolerance against stock DeepSpeed (``test_matches_stock_deepspeed_within_bound``):
@@ -21,7 +21,7 @@ is ``qwz.tolerance.element_bound`` ([Note: parameter-sample tolerance]), checked
 on every element of every partition after every step: zero violations allowed.
 
 Parity with qwz's own engine (``test_parity_*``): ``qwz.initialize`` and
-DeepSpeed run side by side on the same TinyMLP, seed, batches and AdamW
+DeepSpeed run side by side on the same DeepSpeedLayoutMLP, seed, batches and AdamW
 (``torch_adam``, so both step ``torch.optim.AdamW``), and every element of every
 parameter is compared after every step. The two are different implementations
 of the same algorithm: they agree on the first forward bit for bit (asserted),
@@ -93,7 +93,7 @@ TRAINING = [
     (4, 1, "fp32"),
 ]
 MEASURED_RATIOS = {(2, 64): 0.552, (2, 8192): 0.546, (4, 64): 0.562, (4, 8192): 0.597}
-"""Rank 0's gathered / stock bf16 bytes per step on TinyMLP (see the module docstring)."""
+"""Rank 0's gathered / stock bf16 bytes per step on DeepSpeedLayoutMLP (module docstring)."""
 
 TRAINING_IDS = [f"w{w}-stage{s}-{d}" for w, s, d in TRAINING]
 

@@ -15,7 +15,7 @@ import torch
 import qwz
 from qwz.launch import LocalWorld, RankFailure
 from qwz.layout import quantized_unit_bytes
-from tests.multigpu import ranks
+from tests.multigpu import models, ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -62,7 +62,7 @@ def _single_process_adamw(
     """Plain torch.optim.AdamW on one process, each step on the concatenation of every
     rank's micro-batch (the mean over it equals the average of the per-rank means).
     Returns the final parameters and the gradient norm before clipping at each step."""
-    model = ranks.build_model(0)
+    model = models.build_odd_width_mlp(0)
     # The config sets no weight_decay: DeepSpeed's default, 0 ([Note: DeepSpeed's optimizer
     # defaults], qwz/optimizer.py), not torch's 0.01.
     optimizer = torch.optim.AdamW(
@@ -70,7 +70,7 @@ def _single_process_adamw(
     )
     norms = []
     for step in range(steps):
-        parts = [ranks.batch(0, step * 100, rank, torch.float32) for rank in range(world_size)]
+        parts = [models.batch(0, step * 100, rank, torch.float32) for rank in range(world_size)]
         inputs = torch.cat([inputs for inputs, _ in parts])
         targets = torch.cat([targets for _, targets in parts])
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -284,7 +284,7 @@ def test_dead_rank_fails_fast_instead_of_hanging():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_initialize_makes_every_replica_rank0s_exactly(worlds, stage):
     hashes = worlds.get(4).run(ranks.initial_replicas, stage)
-    assert hashes == [qwz.param_hash(ranks.build_model(seed=0))] * 4
+    assert hashes == [qwz.param_hash(models.build_odd_width_mlp(seed=0))] * 4
 
 
 @pytest.mark.parametrize("stage", [1, 2])
