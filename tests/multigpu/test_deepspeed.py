@@ -3,7 +3,8 @@
 Real DeepSpeed engines on real process groups (gloo on CPU, 2 and 4 ranks), a
 tiny MLP whose two large Linears are quantized and whose biases, LayerNorm and
 head travel exactly (see ``models.DeepSpeedLayoutMLP``). Runs are cached per
-configuration, so several properties are asserted on one trajectory.
+configuration (``worlds.run_once``), so several properties are asserted on one
+trajectory.
 
 Tolerance against stock DeepSpeed (``test_matches_stock_deepspeed_within_bound``):
 both engines start from bit-identical weights and see identical batches, so the
@@ -104,18 +105,13 @@ def ds_worlds(worlds):
     return worlds
 
 
-_CACHE: dict[tuple, list[dict]] = {}
-
-
 def _train(ds_worlds, world_size: int, steps: int = STEPS, run: int = 0, **options) -> list[dict]:
     """Per-rank results of ``deepspeed_ranks.train``; `run` distinguishes deliberate reruns."""
     qwz_gather = options.pop("qwz_gather", None)
-    key = (world_size, steps, run, qwz_gather, tuple(sorted(options.items())))
-    if key not in _CACHE:
-        _CACHE[key] = ds_worlds.get(world_size).run(
-            ranks.train, ranks.ds_config(**options), steps, qwz_gather=qwz_gather
-        )
-    return _CACHE[key]
+    config = ranks.ds_config(**options)
+    return ds_worlds.run_once(
+        world_size, ranks.train, config, steps, qwz_gather=qwz_gather, rerun=run
+    )
 
 
 def _expected_qwz_bytes(result: dict, world_size: int, group_size: int, element_size: int) -> int:

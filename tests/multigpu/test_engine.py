@@ -1,8 +1,9 @@
 """qwz's ZeRO-1/2 engine on real process groups (gloo on CPU, NCCL with enough GPUs).
 
 Each test names the property it asserts. Training runs are cached per
-configuration within the module, so the 2- and 4-rank matrices are trained once
-and several properties are asserted on the same trajectories.
+configuration (``worlds.run_once``, tests/multigpu/conftest.py), so the 2- and
+4-rank matrices are trained once and several properties are asserted on the
+same trajectories.
 """
 
 from __future__ import annotations
@@ -24,16 +25,9 @@ WORLD_SIZES = (2, 4)
 MATRIX = list(itertools.product(WORLD_SIZES, (1, 2), (False, True), ("bf16", "fp32")))
 MATRIX_IDS = [f"w{w}-stage{s}-{'q' if q else 'ref'}-{d}" for w, s, q, d in MATRIX]
 
-_CACHE: dict[tuple, list[dict]] = {}
-
 
 def _train(worlds, world_size: int, steps: int = STEPS, seed: int = 0, **config) -> list[dict]:
-    key = (world_size, steps, seed, tuple(sorted(config.items())))
-    if key not in _CACHE:
-        _CACHE[key] = worlds.get(world_size).run(
-            ranks.train, ranks.ds_config(**config), steps, seed
-        )
-    return _CACHE[key]
+    return worlds.run_once(world_size, ranks.train, ranks.ds_config(**config), steps, seed)
 
 
 @pytest.mark.parametrize(("world_size", "stage", "quantized", "dtype"), MATRIX, ids=MATRIX_IDS)
