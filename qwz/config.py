@@ -425,7 +425,9 @@ class OptimizerConfig:
     """Lower-cased type: `adamw`, `adam` (decoupled weight decay unless `adam_w_mode` is false,
     as in DeepSpeed) or `sgd`."""
     params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """Validated keyword arguments; `lr` is required."""
+    """Validated keyword arguments, only those given: a missing one (`lr` included) takes the
+    default of the optimizer DeepSpeed would build ([Note: DeepSpeed's optimizer defaults],
+    qwz/optimizer.py)."""
 
     @classmethod
     def from_section(cls, section: Any) -> OptimizerConfig:
@@ -440,9 +442,9 @@ class OptimizerConfig:
         if not isinstance(raw, Mapping):
             raise _fail("optimizer.params", raw, "must be a JSON object")
         _check_keys(raw, "optimizer.params.", _OPTIMIZER_PARAMS[kind])
-        if "lr" not in raw:
-            raise _fail("optimizer.params.lr", None, "is required")
-        params: dict[str, Any] = {"lr": _float("optimizer.params.lr", raw["lr"], minimum=0.0)}
+        params: dict[str, Any] = {}
+        if "lr" in raw:
+            params["lr"] = _float("optimizer.params.lr", raw["lr"], minimum=0.0)
         if "weight_decay" in raw:
             params["weight_decay"] = _float(
                 "optimizer.params.weight_decay", raw["weight_decay"], minimum=0.0

@@ -107,6 +107,10 @@ class Region:
         return self.layout.shard_range(rank)
 
 
+_FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+"""The argument defaults of DeepSpeed's FusedAdam and DeepSpeedCPUAdam (deepspeed/ops/adam)."""
+
+
 def _build_torch_optimizer(
     kind: str, params: dict[str, Any], masters: list[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
@@ -114,12 +118,16 @@ def _build_torch_optimizer(
     config section, with the same hyperparameters.
 
     [Note: DeepSpeed's optimizer defaults]
-    For Adam and AdamW DeepSpeed builds its own FusedAdam (or DeepSpeedCPUAdam) unless
-    ``torch_adam`` is true; both default ``weight_decay`` to 0, where ``torch.optim.AdamW``
-    defaults it to 0.01, so an absent ``weight_decay`` is 0 here unless ``torch_adam``.
-    ``"AdamW"`` is always decoupled; ``"Adam"`` is decoupled (AdamW) unless ``adam_w_mode`` is
-    false, then L2 (torch.optim.Adam, which FusedAdam's mode 0 matches). SGD is
-    ``torch.optim.SGD`` with the given arguments in both.
+    DeepSpeed passes the config's ``params`` to the optimizer it builds and nothing else, so a
+    missing hyperparameter (``lr`` included: DeepSpeed does not require one) is that
+    optimizer's default. For Adam and AdamW it builds its own FusedAdam (or
+    DeepSpeedCPUAdam) unless ``torch_adam`` is true: their defaults are
+    ``_FUSED_ADAM_DEFAULTS`` (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0), where
+    ``torch.optim.AdamW`` defaults ``weight_decay`` to 0.01; with ``torch_adam`` it builds
+    torch's class, so torch's defaults apply. ``"AdamW"`` is always decoupled; ``"Adam"`` is
+    decoupled (AdamW) unless ``adam_w_mode`` is false, then L2 (torch.optim.Adam, which
+    FusedAdam's mode 0 matches). SGD is ``torch.optim.SGD`` with the given arguments in both
+    (a missing ``lr`` is torch's default, 1e-3 since torch 2.2).
 
     Adam and AdamW run torch's ``foreach`` implementation: bit for bit the default
     single-tensor loop's update (same operations, same order, whatever the shard layout),
@@ -133,7 +141,7 @@ def _build_torch_optimizer(
     if kind == "sgd":
         return torch.optim.SGD(masters, **params)
     if not torch_adam:
-        params.setdefault("weight_decay", 0.0)
+        params = {**_FUSED_ADAM_DEFAULTS, **params}
     if kind == "adamw" or (kind == "adam" and adam_w_mode):
         return torch.optim.AdamW(masters, **params, foreach=True)
     return torch.optim.Adam(masters, **params, foreach=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -53,22 +54,40 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
+def _global_ranks(group: Any) -> tuple[int, ...] | None:
+    """The global ranks of `group` (None: the default group); None without a process group."""
+    if not dist.is_initialized():
+        return None
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 class WireProbe:
     """``with WireProbe() as probe: ...`` then ``probe.bytes["gather"]``, ``probe.calls``.
 
     Nested probes are not supported; the wrapped functions are restored on exit.
     ``largest_gather_output_bytes`` is the largest output buffer of one gather call.
+    ``gather_bytes_by_group`` and ``gather_calls_by_group`` split the gathers by the process
+    group they ran on, keyed by its global ranks (``None`` without a process group), so a
+    test can see that each of DeepSpeed's param groups (dense, and per expert-data-parallel
+    group with MoE) gathered over its own group.
     """
 
     def __init__(self) -> None:
         self.bytes: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.largest_gather_output_bytes = 0
+        self.gather_bytes_by_group: collections.Counter[tuple[int, ...] | None] = (
+            collections.Counter()
+        )
+        self.gather_calls_by_group: collections.Counter[tuple[int, ...] | None] = (
+            collections.Counter()
+        )
         self._saved: dict[str, Callable[..., Any]] = {}
         self._repointed: list[tuple[Any, str, Callable[..., Any]]] = []
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         kind, index = _KINDS[name], _ARG_INDEX[name]
+        group_index = list(inspect.signature(original).parameters).index("group")
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -83,6 +102,10 @@ class WireProbe:
                 self.largest_gather_output_bytes = max(
                     self.largest_gather_output_bytes, _tensor_bytes(output)
                 )
+                group = args[group_index] if len(args) > group_index else kwargs.get("group")
+                ranks = _global_ranks(group)
+                self.gather_bytes_by_group[ranks] += _tensor_bytes(contributed)
+                self.gather_calls_by_group[ranks] += 1
             return original(*args, **kwargs)
 
         return counted

@@ -1,6 +1,7 @@
 """Rank-side functions for the DeepSpeed integration tests (run on every rank by LocalWorld).
 
-Each function builds a tiny model from a seed, trains it with DeepSpeed (through
+Each function builds the tiny ``DeepSpeedLayoutMLP`` (tests/multigpu/models.py)
+from a seed, trains it with DeepSpeed (through
 ``qwz.integrations.deepspeed.initialize`` or plain ``deepspeed.initialize``) and
 returns plain data -- losses, hashes, byte counts, bound violations -- for the
 test process to assert on.
@@ -17,38 +18,11 @@ import torch.distributed as dist
 import qwz
 from qwz.integrations import deepspeed as qwz_deepspeed
 from qwz.tolerance import element_bound, half_ulp
-from tests.multigpu.ranks import BETAS, IN_FEATURES, LR, MICRO_BATCH, OUT_FEATURES, batch
+from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp
+from tests.multigpu.ranks import BETAS, LR
 
-HIDDEN = 509  # up.weight: 263 * 509 = 133,867 elements > 65,536: quantized
-NARROW = 131  # down.weight: 509 * 131 = 66,679 > 65,536: quantized
 WEIGHT_DECAY = 0.01
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class TinyMLP(torch.nn.Module):
-    """Two quantized Linears around a LayerNorm, then a small exact head.
-
-    202,600 parameters, 2,054 of them in parameters of at most 65,536 elements (the
-    biases, the norm and the head), so both the quantized and the exact stream move.
-    DeepSpeed's partitions are 101,300 (2 ranks) and 50,650 (4 ranks) elements: not
-    multiples of 64 or 8192, and ``up.weight`` spans several partitions.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(IN_FEATURES, HIDDEN)
-        self.norm = torch.nn.LayerNorm(HIDDEN)
-        self.down = torch.nn.Linear(HIDDEN, NARROW)
-        self.head = torch.nn.Linear(NARROW, OUT_FEATURES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(torch.nn.functional.gelu(self.up(x)))
-        return self.head(torch.tanh(self.down(hidden)))
-
-
-def build_model(seed: int) -> TinyMLP:
-    torch.manual_seed(seed)
-    return TinyMLP()
 
 
 def ds_config(
@@ -101,7 +75,7 @@ def _quiet() -> None:
 
 def _build(config: dict[str, Any], seed: int, *, plain: bool = False, **kwargs: Any) -> Any:
     _quiet()
-    model = build_model(seed)
+    model = build_deepspeed_layout_mlp(seed)
     if plain:
         import deepspeed
 
@@ -358,7 +332,7 @@ def parity_with_qwz_engine(
     config = ds_config(
         stage=stage, dtype=dtype, quantized=quantized, group_size=group_size if quantized else None
     )
-    own_engine = qwz.initialize(build_model(seed), config=config)
+    own_engine = qwz.initialize(build_deepspeed_layout_mlp(seed), config=config)
     # Without quantization the reference is stock DeepSpeed, not qwz's passthrough.
     deepspeed_engine = _build(config, seed, plain=not quantized)
     working_dtype = DTYPES[dtype]

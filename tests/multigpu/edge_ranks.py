@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import qwz
 from qwz.hashing import tensors_hash
-from tests.multigpu import ranks
+from tests.multigpu import models, ranks
 
 
 class FrozenBaseNet(torch.nn.Module):
@@ -83,14 +83,14 @@ def resume_matches_uninterrupted(
     """Run A trains `total` steps; run B trains `save_at` steps, saves, and a fresh engine
     built from another seed loads the checkpoint and trains the remaining steps."""
     config = ranks.ds_config(stage=stage, quantized=True, dtype=dtype)
-    uninterrupted = qwz.initialize(ranks.build_model(0), config=config)
+    uninterrupted = qwz.initialize(models.build_odd_width_mlp(0), config=config)
     expected = _train_steps(uninterrupted, 1, total, seed=0)
 
-    first = qwz.initialize(ranks.build_model(0), config=config)
+    first = qwz.initialize(models.build_odd_width_mlp(0), config=config)
     before_save = _train_steps(first, 1, save_at, seed=0)
     first.save_checkpoint(directory)
     del first
-    resumed = qwz.initialize(ranks.build_model(12345), config=config)
+    resumed = qwz.initialize(models.build_odd_width_mlp(12345), config=config)
     resumed.load_checkpoint(directory)
     at_load = qwz.param_hash(resumed.module)
     counters = (resumed.global_steps, resumed.micro_steps)
@@ -106,7 +106,8 @@ def resume_matches_uninterrupted(
 
 def save_small_checkpoint(directory: str, stage: int, steps: int = 2) -> str:
     engine = qwz.initialize(
-        ranks.build_model(0), config=ranks.ds_config(stage=stage, quantized=True, dtype="fp32")
+        models.build_odd_width_mlp(0),
+        config=ranks.ds_config(stage=stage, quantized=True, dtype="fp32"),
     )
     _train_steps(engine, 1, steps, seed=0)
     engine.save_checkpoint(directory)
@@ -118,7 +119,8 @@ def load_is_all_or_nothing(directory: str, stage: int) -> dict[str, Any]:
     refuse with the same error, and no rank (not even one whose own file is intact) may
     have changed its weights, masters or step counters."""
     engine = qwz.initialize(
-        ranks.build_model(7), config=ranks.ds_config(stage=stage, quantized=True, dtype="fp32")
+        models.build_odd_width_mlp(7),
+        config=ranks.ds_config(stage=stage, quantized=True, dtype="fp32"),
     )
     before = qwz.param_hash(engine.module)
     masters = {name: m.clone() for name, m in engine.optimizer.master_shards().items()}

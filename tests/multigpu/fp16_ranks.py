@@ -20,7 +20,7 @@ from qwz.config import QwzConfig
 from qwz.hashing import tensors_hash
 from qwz.probe import WireProbe
 from tests.loss_scale_reference import deepspeed_scaler
-from tests.multigpu import ranks
+from tests.multigpu import models, ranks
 
 FP16_SECTION = {"initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 2}
 """The scale grows from 2**12 until the gradients overflow, then halves and grows again."""
@@ -34,7 +34,7 @@ def fp16_config(stage: int, quantized: bool) -> dict[str, Any]:
 
 
 def _batch(seed: int, step: int, spike_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs, targets = ranks.batch(seed, step, dist.get_rank(), torch.float32)
+    inputs, targets = models.batch(seed, step, dist.get_rank(), torch.float32)
     if step == spike_step and dist.get_rank() == SPIKE_RANK:
         inputs = inputs * 1e6  # beyond fp16's range: this rank's gradients are not finite
     return inputs.half(), targets
@@ -49,7 +49,7 @@ class _Reference:
     """Plain torch data parallelism in fp16 with DeepSpeed's loss scaler."""
 
     def __init__(self, config: dict[str, Any], seed: int):
-        self.model = ranks.build_model(seed).half()
+        self.model = models.build_odd_width_mlp(seed).half()
         self.masters = [p.detach().float().clone() for p in self.model.parameters()]
         params = config["optimizer"]["params"]
         self.adam = torch.optim.AdamW(
@@ -82,7 +82,7 @@ def fp16_with_overflows(stage: int, quantized: bool, steps: int, spike_step: int
     """Train qwz's engine and the reference side by side; per step record what each did."""
     seed = 0
     config = fp16_config(stage, quantized)
-    engine = qwz.initialize(ranks.build_model(seed), config=config)
+    engine = qwz.initialize(models.build_odd_width_mlp(seed), config=config)
     reference = _Reference(config, seed)
     result: dict[str, Any] = {
         "dtype": str(next(engine.module.parameters()).dtype),

@@ -1,8 +1,9 @@
 """Rank-side functions for the multigpu engine tests (run on every rank by LocalWorld).
 
-Each function builds a tiny model from a seed, trains it with qwz's engine and
-returns plain data (losses, hashes, samples, byte counts) for the test process
-to assert on. Models are tiny on purpose: the whole CPU suite stays in minutes.
+Each function builds the tiny ``OddWidthMLP`` (tests/multigpu/models.py) from a
+seed, trains it with qwz's engine and returns plain data (losses, hashes,
+samples, byte counts) for the test process to assert on. Models are tiny on
+purpose: the whole CPU suite stays in minutes.
 """
 
 from __future__ import annotations
@@ -16,42 +17,10 @@ import torch.distributed as dist
 import qwz
 from qwz.probe import WireProbe
 from qwz.tolerance import element_bound
+from tests.multigpu.models import MICRO_BATCH, batch, build_odd_width_mlp
 
-IN_FEATURES = 263
-HIDDEN = 257  # 263 * 257 = 67,591 > 65,536: quantized; not a multiple of 8, 64 or 4
-WIDE = 96
-OUT_FEATURES = 3  # a 3-element bias: smaller than one group and than world size 4
-MICRO_BATCH = 4
 LR = 1e-3
 BETAS = (0.9, 0.999)
-
-
-class TinyMLP(torch.nn.Module):
-    """Linear 263->257 (quantized), Linear 257->96, LayerNorm, Linear 96->3 (exact)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(IN_FEATURES, HIDDEN)
-        self.mid = torch.nn.Linear(HIDDEN, WIDE)
-        self.norm = torch.nn.LayerNorm(WIDE)
-        self.head = torch.nn.Linear(WIDE, OUT_FEATURES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = torch.nn.functional.gelu(self.up(x))
-        return self.head(self.norm(torch.tanh(self.mid(hidden))))
-
-
-def build_model(seed: int) -> TinyMLP:
-    torch.manual_seed(seed)
-    return TinyMLP()
-
-
-def batch(seed: int, step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic synthetic (inputs, targets) for one (seed, step, rank)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    inputs = torch.randn(MICRO_BATCH, IN_FEATURES, generator=generator)
-    targets = torch.randn(MICRO_BATCH, OUT_FEATURES, generator=generator)
-    return inputs.to(dtype), targets
 
 
 def ds_config(
@@ -95,7 +64,7 @@ def _loss(engine: qwz.Engine, seed: int, step: int, micro: int) -> torch.Tensor:
 
 def train(config: dict[str, Any], steps: int, seed: int = 0) -> dict[str, Any]:
     """Train for `steps` optimizer steps; record losses, norms, per-step hashes, wire bytes."""
-    engine = qwz.initialize(build_model(seed), config=config)
+    engine = qwz.initialize(build_odd_width_mlp(seed), config=config)
     accumulation = config.get("gradient_accumulation_steps", 1)
     result: dict[str, Any] = {
         "losses": [],
@@ -147,10 +116,10 @@ def compare_arms(
     """Run the reference (unquantized) and candidate (quantized) arms side by side and check a
     fixed sample of parameter elements against the [Note: parameter-sample tolerance] bound."""
     reference = qwz.initialize(
-        build_model(seed), config=ds_config(stage=stage, quantized=False, dtype=dtype)
+        build_odd_width_mlp(seed), config=ds_config(stage=stage, quantized=False, dtype=dtype)
     )
     candidate = qwz.initialize(
-        build_model(seed),
+        build_odd_width_mlp(seed),
         config=ds_config(stage=stage, quantized=True, dtype=dtype, group_size=group_size),
     )
     working_dtype = next(candidate.module.parameters()).dtype
@@ -202,7 +171,9 @@ def compare_arms(
 
 def non_finite(kind: str, bad_rank: int, bad_step: int, steps: int = 5) -> dict[str, Any]:
     """Inject a non-finite gradient / weight / update on one rank and report what was raised."""
-    engine = qwz.initialize(build_model(0), config=ds_config(stage=2, quantized=True, dtype="fp32"))
+    engine = qwz.initialize(
+        build_odd_width_mlp(0), config=ds_config(stage=2, quantized=True, dtype="fp32")
+    )
     rank = dist.get_rank()
     hash_before = None
     for step in range(1, steps + 1):
@@ -233,7 +204,9 @@ def non_finite(kind: str, bad_rank: int, bad_step: int, steps: int = 5) -> dict[
 
 def die_at_step(dying_rank: int, step_to_die: int) -> str:
     """Train; `dying_rank` exits abruptly at `step_to_die`, the others must not hang."""
-    engine = qwz.initialize(build_model(0), config=ds_config(stage=2, quantized=True, dtype="fp32"))
+    engine = qwz.initialize(
+        build_odd_width_mlp(0), config=ds_config(stage=2, quantized=True, dtype="fp32")
+    )
     for step in range(1, 10):
         if step == step_to_die and dist.get_rank() == dying_rank:
             os._exit(17)
@@ -245,7 +218,7 @@ def die_at_step(dying_rank: int, step_to_die: int) -> str:
 def initial_replicas(stage: int) -> str:
     """Every rank builds a *different* model (seeded by its rank); initialize must make all
     replicas rank 0's, exactly, before any step."""
-    model = build_model(seed=dist.get_rank())
+    model = build_odd_width_mlp(seed=dist.get_rank())
     engine = qwz.initialize(model, config=ds_config(stage=stage, quantized=True, dtype="fp32"))
     return qwz.param_hash(engine.module)
 
@@ -256,7 +229,7 @@ def own_shard_decode_error(stage: int, steps: int = 3, group_size: int = 64) -> 
     with scale = group absmax / 127, computed here from the master itself (fp32 working copy,
     so no cast error). Returns the worst ratio error / (scale / 2) over all steps."""
     engine = qwz.initialize(
-        build_model(0),
+        build_odd_width_mlp(0),
         config=ds_config(stage=stage, quantized=True, dtype="fp32", group_size=group_size),
     )
     rank = dist.get_rank()
@@ -282,7 +255,7 @@ def own_shard_decode_error(stage: int, steps: int = 3, group_size: int = 64) -> 
 def reduction_bytes(config: dict[str, Any]) -> dict[str, Any]:
     """Bytes one rank puts into gradient reductions over one micro-batch and step, and the
     padded element count of the reduced buffers (both regions)."""
-    engine = qwz.initialize(build_model(0), config=config)
+    engine = qwz.initialize(build_odd_width_mlp(0), config=config)
     with WireProbe() as probe:
         engine.backward(_loss(engine, 0, 0, 0))
         engine.step()

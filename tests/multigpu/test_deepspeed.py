@@ -2,8 +2,9 @@
 
 Real DeepSpeed engines on real process groups (gloo on CPU, 2 and 4 ranks), a
 tiny MLP whose two large Linears are quantized and whose biases, LayerNorm and
-head travel exactly (see ``deepspeed_ranks.TinyMLP``). Runs are cached per
-configuration, so several properties are asserted on one trajectory.
+head travel exactly (see ``models.DeepSpeedLayoutMLP``). Runs are cached per
+configuration (``worlds.run_once``), so several properties are asserted on one
+trajectory.
 
 Tolerance against stock DeepSpeed (``test_matches_stock_deepspeed_within_bound``):
 both engines start from bit-identical weights and see identical batches, so the
@@ -21,7 +22,7 @@ is ``qwz.tolerance.element_bound`` ([Note: parameter-sample tolerance]), checked
 on every element of every partition after every step: zero violations allowed.
 
 Parity with qwz's own engine (``test_parity_*``): ``qwz.initialize`` and
-DeepSpeed run side by side on the same TinyMLP, seed, batches and AdamW
+DeepSpeed run side by side on the same DeepSpeedLayoutMLP, seed, batches and AdamW
 (``torch_adam``, so both step ``torch.optim.AdamW``), and every element of every
 parameter is compared after every step. The two are different implementations
 of the same algorithm: they agree on the first forward bit for bit (asserted),
@@ -93,7 +94,7 @@ TRAINING = [
     (4, 1, "fp32"),
 ]
 MEASURED_RATIOS = {(2, 64): 0.552, (2, 8192): 0.546, (4, 64): 0.562, (4, 8192): 0.597}
-"""Rank 0's gathered / stock bf16 bytes per step on TinyMLP (see the module docstring)."""
+"""Rank 0's gathered / stock bf16 bytes per step on DeepSpeedLayoutMLP (module docstring)."""
 
 TRAINING_IDS = [f"w{w}-stage{s}-{d}" for w, s, d in TRAINING]
 
@@ -104,18 +105,13 @@ def ds_worlds(worlds):
     return worlds
 
 
-_CACHE: dict[tuple, list[dict]] = {}
-
-
 def _train(ds_worlds, world_size: int, steps: int = STEPS, run: int = 0, **options) -> list[dict]:
     """Per-rank results of ``deepspeed_ranks.train``; `run` distinguishes deliberate reruns."""
     qwz_gather = options.pop("qwz_gather", None)
-    key = (world_size, steps, run, qwz_gather, tuple(sorted(options.items())))
-    if key not in _CACHE:
-        _CACHE[key] = ds_worlds.get(world_size).run(
-            ranks.train, ranks.ds_config(**options), steps, qwz_gather=qwz_gather
-        )
-    return _CACHE[key]
+    config = ranks.ds_config(**options)
+    return ds_worlds.run_once(
+        world_size, ranks.train, config, steps, qwz_gather=qwz_gather, rerun=run
+    )
 
 
 def _expected_qwz_bytes(result: dict, world_size: int, group_size: int, element_size: int) -> int:

@@ -1,8 +1,9 @@
 """qwz's ZeRO-1/2 engine on real process groups (gloo on CPU, NCCL with enough GPUs).
 
 Each test names the property it asserts. Training runs are cached per
-configuration within the module, so the 2- and 4-rank matrices are trained once
-and several properties are asserted on the same trajectories.
+configuration (``worlds.run_once``, tests/multigpu/conftest.py), so the 2- and
+4-rank matrices are trained once and several properties are asserted on the
+same trajectories.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import qwz
 from qwz.launch import LocalWorld, RankFailure
 from qwz.layout import quantized_unit_bytes
-from tests.multigpu import ranks
+from tests.multigpu import models, ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -24,16 +25,9 @@ WORLD_SIZES = (2, 4)
 MATRIX = list(itertools.product(WORLD_SIZES, (1, 2), (False, True), ("bf16", "fp32")))
 MATRIX_IDS = [f"w{w}-stage{s}-{'q' if q else 'ref'}-{d}" for w, s, q, d in MATRIX]
 
-_CACHE: dict[tuple, list[dict]] = {}
-
 
 def _train(worlds, world_size: int, steps: int = STEPS, seed: int = 0, **config) -> list[dict]:
-    key = (world_size, steps, seed, tuple(sorted(config.items())))
-    if key not in _CACHE:
-        _CACHE[key] = worlds.get(world_size).run(
-            ranks.train, ranks.ds_config(**config), steps, seed
-        )
-    return _CACHE[key]
+    return worlds.run_once(world_size, ranks.train, ranks.ds_config(**config), steps, seed)
 
 
 @pytest.mark.parametrize(("world_size", "stage", "quantized", "dtype"), MATRIX, ids=MATRIX_IDS)
@@ -62,7 +56,7 @@ def _single_process_adamw(
     """Plain torch.optim.AdamW on one process, each step on the concatenation of every
     rank's micro-batch (the mean over it equals the average of the per-rank means).
     Returns the final parameters and the gradient norm before clipping at each step."""
-    model = ranks.build_model(0)
+    model = models.build_odd_width_mlp(0)
     # The config sets no weight_decay: DeepSpeed's default, 0 ([Note: DeepSpeed's optimizer
     # defaults], qwz/optimizer.py), not torch's 0.01.
     optimizer = torch.optim.AdamW(
@@ -70,7 +64,7 @@ def _single_process_adamw(
     )
     norms = []
     for step in range(steps):
-        parts = [ranks.batch(0, step * 100, rank, torch.float32) for rank in range(world_size)]
+        parts = [models.batch(0, step * 100, rank, torch.float32) for rank in range(world_size)]
         inputs = torch.cat([inputs for inputs, _ in parts])
         targets = torch.cat([targets for _, targets in parts])
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -284,7 +278,7 @@ def test_dead_rank_fails_fast_instead_of_hanging():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_initialize_makes_every_replica_rank0s_exactly(worlds, stage):
     hashes = worlds.get(4).run(ranks.initial_replicas, stage)
-    assert hashes == [qwz.param_hash(ranks.build_model(seed=0))] * 4
+    assert hashes == [qwz.param_hash(models.build_odd_width_mlp(seed=0))] * 4
 
 
 @pytest.mark.parametrize("stage", [1, 2])

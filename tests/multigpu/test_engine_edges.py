@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import qwz
-from tests.multigpu import edge_ranks, ranks
+from tests.multigpu import edge_ranks, models, ranks
 
 pytestmark = pytest.mark.multigpu
 
@@ -56,7 +56,7 @@ def test_two_rank_checkpoint_refused_at_one_rank_and_damage_refused_on_every_ran
     assert saved_hashes[0] == saved_hashes[1]
     # This test process has no process group: an engine of world size 1.
     single = qwz.initialize(
-        ranks.build_model(0), config=ranks.ds_config(stage=2, quantized=True, dtype="fp32")
+        models.build_odd_width_mlp(0), config=ranks.ds_config(stage=2, quantized=True, dtype="fp32")
     )
     with pytest.raises(qwz.CheckpointError) as refused:
         single.load_checkpoint(tmp_path)

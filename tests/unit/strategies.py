@@ -200,7 +200,9 @@ def valid_optimizers(draw) -> tuple[dict[str, Any], str, dict[str, Any]]:
     spelled = draw(st.sampled_from(["AdamW", "Adam", "SGD"]))
     kind = spelled.lower()
     unit = st.floats(0.0, 0.999, allow_subnormal=False)
-    params: dict[str, Any] = {"lr": draw(st.floats(0.0, 10.0, allow_subnormal=False))}
+    params: dict[str, Any] = {}
+    if draw(st.booleans()):  # DeepSpeed does not require lr: absent, it is the optimizer's default
+        params["lr"] = draw(st.floats(0.0, 10.0, allow_subnormal=False))
     if draw(st.booleans()):
         params["weight_decay"] = draw(st.floats(0.0, 1.0, allow_subnormal=False))
     if kind in ("adamw", "adam"):

@@ -324,7 +324,7 @@ def test_optimizer_type_and_params_are_read(triple):
         ("seed", 1.5),
         ("seed", "42"),
         ("optimizer", {"type": "Lamb", "params": {"lr": 1e-3}}),
-        ("optimizer", {"type": "AdamW", "params": {}}),
+        ("optimizer", {"type": "AdamW", "params": {"lr": -1e-3}}),
         ("optimizer", {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 1.0]}}),
         ("bf16", {"enabled": "yes"}),
         ("bf16", True),

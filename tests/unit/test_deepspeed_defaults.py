@@ -6,7 +6,9 @@ optimizer defaults] (qwz/optimizer.py)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 from typing import Any
 
 import pytest
@@ -77,6 +79,91 @@ def test_sgd_is_torchs_with_the_given_arguments():
     assert cls is torch.optim.SGD
     assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.1, 0.9, 0.0)
     assert (group["dampening"], group["nesterov"]) == (0.0, False)
+
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov")
+
+
+def deepspeed_builds(section: dict[str, Any], monkeypatch) -> tuple[str, dict[str, Any]]:
+    """What DeepSpeed's own ``_configure_basic_optimizer`` builds for `section` on one GPU-less
+    engine without offload: the class name and its hyperparameters, defaults applied. Where
+    DeepSpeed constructs FusedAdam (whose kernels it would JIT-build), FusedAdam's signature
+    is bound to the arguments DeepSpeed passes instead."""
+    engine = pytest.importorskip("deepspeed.runtime.engine", reason="no deepspeed extra")
+    from deepspeed.ops import adam
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, get_optimizer_params
+
+    fused_adam_signature = inspect.signature(adam.FusedAdam)
+    fused_adam_arguments: dict[str, Any] = {}
+
+    def fused_adam(params: Any, **kwargs: Any) -> str:
+        bound = fused_adam_signature.bind(params, **kwargs)
+        bound.apply_defaults()
+        fused_adam_arguments.update(bound.arguments)
+        return "FusedAdam"
+
+    monkeypatch.setattr(adam, "FusedAdam", fused_adam)
+    name = section["type"]  # lower-cased as DeepSpeedConfig does
+    name = name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
+    fake = types.SimpleNamespace(
+        optimizer_name=lambda: name,
+        optimizer_params=lambda: get_optimizer_params({"optimizer": section}),
+        zero_use_cpu_optimizer=lambda: False,
+    )
+    fake.get_optimizer_configuration = functools.partial(
+        engine.DeepSpeedEngine.get_optimizer_configuration, fake
+    )
+    optimizer = engine.DeepSpeedEngine._configure_basic_optimizer(
+        fake, [torch.nn.Parameter(torch.zeros(2))]
+    )
+    if optimizer == "FusedAdam":
+        return "FusedAdam", fused_adam_arguments
+    return type(optimizer).__name__, optimizer.param_groups[0]
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: group[key] for key in HYPERPARAMETERS if key in group}
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"type": "AdamW", "params": {}},
+        {"type": "Adam", "params": {}},
+        {"type": "AdamW"},
+    ],
+    ids=["AdamW", "Adam", "AdamW-no-params"],
+)
+def test_adam_without_lr_takes_fused_adams_defaults_as_deepspeed(section, monkeypatch):
+    """DeepSpeed builds FusedAdam with nothing but adam_w_mode: lr, betas, eps and
+    weight_decay are FusedAdam's defaults (1e-3, (0.9, 0.999), 1e-8, 0)."""
+    cls, group = built(section)
+    name, expected = deepspeed_builds(section, monkeypatch)
+    assert (cls, name, expected["adam_w_mode"]) == (torch.optim.AdamW, "FusedAdam", True)
+    assert hyperparameters(group) == hyperparameters(expected)
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "Adam"])
+def test_torch_adam_without_lr_takes_torchs_defaults_as_deepspeed(kind, monkeypatch):
+    """With torch_adam DeepSpeed builds torch.optim.AdamW with no arguments: torch's lr and
+    weight_decay defaults (1e-3 and 0.01)."""
+    section = {"type": kind, "params": {"torch_adam": True}}
+    cls, group = built(section)
+    name, expected = deepspeed_builds(section, monkeypatch)
+    assert (cls.__name__, name) == ("AdamW", "AdamW")
+    assert hyperparameters(group) == hyperparameters(expected)
+
+
+def test_sgd_without_lr_takes_torchs_default_as_deepspeed(monkeypatch):
+    """DeepSpeed builds torch.optim.SGD(params) with no arguments, so torch's default lr
+    (1e-3 since torch 2.2) applies, not an error."""
+    section = {"type": "SGD", "params": {}}
+    cls, group = built(section)
+    name, expected = deepspeed_builds(section, monkeypatch)
+    assert (cls, name) == (torch.optim.SGD, "SGD")
+    assert hyperparameters(group) == hyperparameters(expected)
+    assert group["lr"] == inspect.signature(torch.optim.SGD).parameters["lr"].default
 
 
 def test_accumulation_boundary_is_the_last_micro_batch_before_and_after_backward():

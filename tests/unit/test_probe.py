@@ -75,3 +75,28 @@ def test_wire_probe_restores_distributed_functions_after_an_exception(fake_deeps
         dist.all_reduce(tensor)
     assert probe.calls["reduce"] == 1 and probe.bytes["reduce"] == 5 * 4
     assert_restored(originals, fake_deepspeed_backend)
+
+
+def test_wire_probe_splits_gathers_by_process_group(monkeypatch):
+    """Each gather is counted under the global ranks of the group it ran on, whether the
+    group is passed by position or by keyword; the default group counts as the world."""
+    expert_group = object()
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        return None
+
+    def get_process_group_ranks(group):
+        return [0, 2] if group is expert_group else [0, 1, 2, 3]
+
+    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_process_group_ranks", get_process_group_ranks)
+    with WireProbe() as probe:
+        dist.all_gather_into_tensor(torch.empty(8), torch.empty(2), expert_group)
+        dist.all_gather_into_tensor(
+            torch.empty(8), input_tensor=torch.empty(3, dtype=torch.bfloat16), group=expert_group
+        )
+        dist.all_gather_into_tensor(torch.empty(16), torch.empty(4))
+    assert probe.gather_bytes_by_group == {(0, 2): 2 * 4 + 3 * 2, (0, 1, 2, 3): 4 * 4}
+    assert probe.gather_calls_by_group == {(0, 2): 2, (0, 1, 2, 3): 1}
+    assert probe.bytes["gather"] == 30 and probe.calls["gather"] == 3

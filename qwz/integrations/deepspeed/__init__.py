@@ -12,7 +12,9 @@ does nothing with it, and its config schema rejects
 Supported: DeepSpeed >= 0.19, < 0.20 (:data:`SUPPORTED_DEEPSPEED`), stages 1
 and 2, bf16, fp16 (with DeepSpeed's loss scaling: an overflow step skips the
 gather as stock does) and fp32 weights, on the dp process group DeepSpeed
-picks for each param group (tested where that group is the whole world).
+picks for each param group: the whole world for dense parameters, the
+expert-data-parallel group for the experts of DeepSpeed's MoE layers (tested in
+tests/multigpu/test_deepspeed_moe.py; a group of one rank is copied exactly).
 
 The package is split by job: :mod:`.config` (where the config comes from, version and
 feature refusals), :mod:`.takeover` (:func:`initialize` and the replaced methods),
