@@ -115,3 +115,35 @@ def fp16_with_overflows(stage: int, quantized: bool, steps: int, spike_step: int
             }
         )
     return result
+
+
+def _train_fp16(engine: qwz.Engine, first: int, last: int, spike_step: int) -> list[tuple]:
+    """Steps first..last; after each, the parameter hash, the loss scale and whether it
+    stepped."""
+    trace = []
+    for step in range(first, last + 1):
+        engine.backward(_loss(engine.module, _batch(0, step, spike_step)))
+        stepped = engine.step()
+        trace.append((qwz.param_hash(engine.module), engine.loss_scale, stepped))
+    return trace
+
+
+def resume_fp16(directory: str, stage: int, save_at: int, total: int, spike_step: int) -> dict:
+    """The uninterrupted run against one saved after `save_at` steps and resumed in a fresh
+    engine (another seed): the loss scaler's state (scale, hysteresis left, last overflow)
+    must come back with the weights, or the resumed run skips other steps."""
+    config = fp16_config(stage, quantized=True)
+    expected = _train_fp16(
+        qwz.initialize(models.build_odd_width_mlp(0), config=config), 1, total, spike_step
+    )
+    first = qwz.initialize(models.build_odd_width_mlp(0), config=config)
+    before = _train_fp16(first, 1, save_at, spike_step)
+    first.save_checkpoint(directory)
+    del first
+    resumed = qwz.initialize(models.build_odd_width_mlp(99), config=config)
+    resumed.load_checkpoint(directory)
+    return {
+        "expected": expected,
+        "resumed": before + _train_fp16(resumed, save_at + 1, total, spike_step),
+        "skipped_steps": resumed.skipped_steps,
+    }

@@ -68,3 +68,20 @@ def test_fp16_quantized_skips_overflows_on_every_rank_together(worlds, stage):
     results = worlds.get(2).run(fp16_ranks.fp16_with_overflows, stage, True, STEPS, SPIKE_STEP)
     check_skips(results)
     assert all(result["group_size"] == 64 for result in results)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_resume_restores_the_loss_scale_bit_for_bit(worlds, tmp_path, stage):
+    """Saved after step 8 (the first overflow spent a unit of hysteresis; the next one
+    halves the scale), resumed in a fresh engine: every later step's hash, scale and skip
+    equal the uninterrupted run's."""
+    save_at = 8
+    results = worlds.get(2).run(
+        fp16_ranks.resume_fp16, str(tmp_path), stage, save_at, STEPS, SPIKE_STEP
+    )
+    for rank, result in enumerate(results):
+        assert result["resumed"] == result["expected"], rank
+        skips = [not stepped for _, _, stepped in result["expected"]]
+        assert result["skipped_steps"] == sum(skips)
+        assert any(skips[:save_at]) and any(skips[save_at:]), skips  # the state mattered
+    assert results[0]["expected"] == results[1]["expected"]
