@@ -49,7 +49,10 @@ def _config(quantized: bool, group_size: int = 64) -> dict[str, Any]:
         "steps_per_print": 1_000_000,
         "bf16": {"enabled": True},
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        # DeepSpeed's own default for AdamW (FusedAdam; its CPU build here), not torch_adam:
+        # torch's AdamW on CPU defaults to its slow single-tensor loop, which would hide
+        # the gather in DeepSpeed's step and flatter qwz's engine (foreach) in (d).
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
     }
 
 
