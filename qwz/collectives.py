@@ -239,9 +239,12 @@ def all_reduce_in_buckets(
     world_size: int,
     group: dist.ProcessGroup | None = None,
     reduce_dtype: torch.dtype | None = None,
+    divide_first: bool = False,
 ) -> ReduceStats:
     """Sum `flat` across ranks in place, `bucket_numel` elements per collective, each
-    collective in `reduce_dtype` (default: `flat`'s dtype)."""
+    collective in `reduce_dtype` (default: `flat`'s dtype); `divide_first`: average
+    instead, dividing each rank's values by the world size in `reduce_dtype` before the
+    sum (fp16, where the sum itself could overflow)."""
     if world_size == 1:
         return ReduceStats(0, 0)
     reduce_dtype = flat.dtype if reduce_dtype is None else reduce_dtype
@@ -249,6 +252,8 @@ def all_reduce_in_buckets(
     for start in range(0, flat.numel(), bucket_numel):
         bucket = flat[start : start + bucket_numel]
         wire = bucket if reduce_dtype == flat.dtype else bucket.to(reduce_dtype)
+        if divide_first:
+            wire.div_(world_size)
         dist.all_reduce(wire, group=group)
         if wire is not bucket:
             bucket.copy_(wire)

@@ -186,6 +186,7 @@ _FP16_KNOWN = (
     "consecutive_hysteresis",
     "min_loss_scale",
     "auto_cast",
+    "fp16_master_weights_and_grads",
 )
 
 OPTIMIZER_TYPES = ("adamw", "adam", "sgd")
@@ -517,7 +518,7 @@ class LossScaleConfig:
                 "(the scale 2**power must be a finite float32)",
             )
         return cls(
-            static_scale=_float("fp16.loss_scale", section.get("loss_scale", 0), minimum=0.0),
+            static_scale=_static_scale(section.get("loss_scale", 0)),
             initial_scale_power=power,
             window=_positive_int("fp16.loss_scale_window", section.get("loss_scale_window", 1000)),
             hysteresis=_positive_int("fp16.hysteresis", section.get("hysteresis", 2)),
@@ -526,6 +527,17 @@ class LossScaleConfig:
             ),
             min_scale=_positive_int("fp16.min_loss_scale", section.get("min_loss_scale", 1)),
         )
+
+
+def _static_scale(value: Any) -> float:
+    scale = _float("fp16.loss_scale", value, minimum=0.0)
+    if scale > 2.0**MAX_INITIAL_SCALE_POWER:
+        raise _fail(
+            "fp16.loss_scale",
+            value,
+            f"must be at most 2**{MAX_INITIAL_SCALE_POWER} (0 for dynamic loss scaling)",
+        )
+    return scale
 
 
 # --------------------------------------------------------------------------- #
@@ -609,7 +621,14 @@ class QwzConfig:
                 "bf16.enabled and fp16.enabled: True and True is invalid: "
                 "at most one may be enabled"
             )
-        fp16_section = config.get("fp16") or {}
+        # As in DeepSpeed, the loss-scaling values are read only when fp16 is enabled.
+        fp16_section = config.get("fp16") if fp16 else {}
+        if fp16 and fp16_section.get("fp16_master_weights_and_grads", False) is not False:
+            raise _not_supported(
+                "fp16.fp16_master_weights_and_grads",
+                fp16_section["fp16_master_weights_and_grads"],
+                "qwz keeps fp32 master weights and gradients",
+            )
         micro = config.get("train_micro_batch_size_per_gpu")
         train = config.get("train_batch_size")
         seed = config.get("seed")

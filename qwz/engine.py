@@ -82,10 +82,11 @@ class Engine:
         self.micro_steps = 0
         """step() calls so far (micro-batches), as DeepSpeed counts them."""
         self.global_steps = 0
-        """Optimizer steps taken so far."""
+        """Accumulation boundaries passed so far: optimizer steps, fp16 overflow skips
+        included (as DeepSpeed counts them)."""
         self.global_grad_norm: float | None = None
         """L2 norm of the rank-averaged gradient at the last optimizer step, before clipping
-        (inf or nan when an fp16 overflow skipped it)."""
+        (inf or nan when an fp16 overflow skipped it; DeepSpeed reports inf for both)."""
         self.skipped_steps = 0
         """Optimizer steps skipped because the fp16 gradients overflowed (as DeepSpeed counts)."""
         self.loss_scaler = (
@@ -147,14 +148,13 @@ class Engine:
         step_index = self.global_steps + 1
         fp16 = self.config.dtype == "fp16"
         scaler = self.loss_scaler
+        at_floor = fp16 and scaler.at_floor
         try:
             grad_norm = self.optimizer.step(
-                step_index,
-                loss_scale=scaler.scale,
-                skip_overflow=fp16 and not scaler.at_floor,
+                step_index, loss_scale=scaler.scale, skip_overflow=fp16 and not at_floor
             )
         except NonFiniteError as error:
-            if not fp16:
+            if not (at_floor and error.what == "gradient"):
                 raise
             error.args = (
                 f"{error} (fp16: the loss scale {scaler.scale:g} is already at "
@@ -214,7 +214,8 @@ def broadcast_module_state(
 
 def _to_half(value: Any) -> Any:
     """`value` with every floating-point tensor in it (through lists, tuples and dicts) cast
-    to fp16, as DeepSpeed's `fp16.auto_cast` does."""
+    to fp16, as DeepSpeed's `fp16.auto_cast` does for the positional inputs; qwz casts
+    keyword inputs too (``engine(input_ids=..., pixel_values=...)``)."""
     if isinstance(value, (list, tuple)):
         return type(value)(_to_half(item) for item in value)
     if isinstance(value, dict):

@@ -3,7 +3,7 @@
 Design
 ======
 
-Every rank holds a full *working copy* of the model (bf16 or fp32) for forward
+Every rank holds a full *working copy* of the model (bf16, fp16 or fp32) for forward
 and backward, but only 1/W of the *optimizer*: an fp32 master copy of its own
 shard of the parameters and the optimizer state (Adam moments) for that shard.
 
@@ -39,16 +39,22 @@ One optimizer step, in communication phases
    ``communication_data_type``, else the working dtype), and the accumulators
    are ``accumulate_dtype`` (fp32 unless ``data_types.grad_accum_dtype`` says
    otherwise); the reduction is the same in the reference and the quantized
-   arm, so it does not bias a comparison.
+   arm, so it does not bias a comparison. In fp16 each rank divides its gradient by W
+   before the collective, as DeepSpeed does, so the sum of W loss-scaled fp16 gradients
+   cannot overflow where each was finite; in bf16 and fp32 the sum is divided after the
+   collective, in fp32 (the same values for a power-of-two W).
 2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
-   gives the global gradient norm (reported per step). A non-finite norm
+   gives the global gradient norm (reported per step). In fp16 with loss scaling a
+   non-finite norm is an overflow: every rank skips the update and the gather together
+   ([Note: dynamic loss scale], loss_scale.py). Otherwise a non-finite norm
    raises :class:`NonFiniteError` on every rank, naming the step and the
    affected parameters (all ranks take the branch together, since they see the
    same reduced value, so nobody hangs). Then gradients are clipped to
    ``gradient_clipping`` if set. A non-finite gradient skips the step: nothing
    changes but the dropped gradients.
 3. *Shard update.* The torch optimizer (AdamW, Adam or SGD) steps the fp32
-   master shard only. Non-finite updated weights raise on every rank before
+   master shard only. Updated weights that are not finite, or beyond the working
+   dtype's range (65504 in fp16: the cast would make them inf), raise on every rank before
    any working copy is touched (the master and optimizer state have taken the
    update by then, and the error says so).
 4. *Weight gather.* ``collectives.gather`` moves every master shard into
@@ -82,10 +88,13 @@ WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 class NonFiniteError(FloatingPointError):
-    """A gradient or an updated weight is NaN/Inf; raised on every rank with the same text.
-    ``parameters`` names the affected parameters (every rank's, sorted)."""
+    """A gradient or an updated weight is NaN/Inf (or, for an updated weight, beyond the
+    working dtype's range); raised on every rank with the same text. ``parameters`` names
+    the affected parameters (every rank's, sorted); ``what`` is ``"gradient"`` or
+    ``"updated weight"``."""
 
     parameters: tuple[str, ...] = ()
+    what: str = ""
 
 
 @dataclass
@@ -222,6 +231,8 @@ class ZeroOptimizer:
         """Dtype of the gradient collectives (default: the working dtype)."""
         self.accumulate_dtype = accumulate_dtype
         """Dtype of the gradient accumulators between micro-batches."""
+        self._divide_before_reduce = self.reduce_dtype == torch.float16 and self.world_size > 1
+        """fp16 collectives average before they sum (phase 1 of the module docstring)."""
         for name, param in named_params:
             if param.dtype != self.dtype:
                 raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
@@ -365,6 +376,8 @@ class ZeroOptimizer:
                 region.grad_accumulator.add_(flat_grad)
             else:
                 flat_grad = self._flatten_grads(region, self.reduce_dtype)
+                if self._divide_before_reduce:
+                    flat_grad.div_(self.world_size)
                 collectives.reduce_scatter_in_buckets(
                     flat_grad,
                     region.grad_accumulator,
@@ -438,25 +451,21 @@ class ZeroOptimizer:
             region.master.grad = grad
         self.optimizer.step()
         masters = [region.master.detach() for region in self.regions]
-        # A sum is finite unless an element is NaN/Inf (or the sum overflows, which the
-        # exact count below then clears): one pass and no allocation in the common case.
-        # Every rank takes the branch together: they all see the same reduced sum.
-        sums = torch.stack([master.sum(dtype=torch.float32) for master in masters]).sum()
-        if not torch.isfinite(
-            collectives.all_reduce_sum(sums, self.world_size, self.process_group)
-        ):
-            bad = torch.stack([(~torch.isfinite(m)).sum() for m in masters]).sum().float()
-            collectives.all_reduce_sum(bad, self.world_size, self.process_group)
-        else:
-            bad = torch.zeros(())
-        if bad > 0:
+        # The extremes are NaN if any element is, and beyond `limit` if an element would not
+        # survive the cast to the working dtype (inf, or above 65504 in fp16): one pass, no
+        # temporary. Every rank takes the branch together: the flag is reduced.
+        limit = torch.finfo(self.dtype).max
+        extremes = torch.stack([torch.stack(master.aminmax()) for master in masters]).abs()
+        out_of_range = (~(extremes <= limit)).any().float()
+        if collectives.all_reduce_sum(out_of_range, self.world_size, self.process_group) > 0:
             self._raise_non_finite(
                 step_index,
                 "updated weight",
                 masters,
-                "after the update",
+                f"after the update, or beyond the {self.dtype} range of +-{limit:g}",
                 "no working copy was changed, but the fp32 master shards and the optimizer "
                 "state took this update and cannot be trusted: restore them from a checkpoint",
+                limit=limit,
             )
         return grad_norm, True
 
@@ -622,8 +631,9 @@ class ZeroOptimizer:
     def _reduced_shard_grad(self, region: Region, loss_scale: float) -> torch.Tensor:
         """This rank's shard of the rank-averaged, unscaled gradient (fp32, shard_numel).
 
-        One division by ``world_size * loss_scale``: the loss scale is a power of two (or
-        1), so this rounds exactly as dividing by each in turn would."""
+        One division, in fp32, by ``world_size * loss_scale`` (by the loss scale alone when
+        the collective averaged already): for a power-of-two scale this rounds exactly as
+        dividing by each in turn would."""
         if self.stage == 1:
             collectives.all_reduce_in_buckets(
                 region.grad_accumulator,
@@ -631,6 +641,7 @@ class ZeroOptimizer:
                 world_size=self.world_size,
                 group=self.process_group,
                 reduce_dtype=self.reduce_dtype,
+                divide_first=self._divide_before_reduce,
             )
             start, end = region.shard_range(self.rank)
             source = region.grad_accumulator[start:end]
@@ -640,7 +651,10 @@ class ZeroOptimizer:
         if shard is None:
             shard = torch.empty(source.numel(), dtype=torch.float32, device=self.device)
             self._shard_grads[region.name] = shard
-        return torch.div(source, self.world_size * loss_scale, out=shard)
+        divisor = (1 if self._divide_before_reduce else self.world_size) * loss_scale
+        if source.dtype != torch.float32:  # fp16 accumulators: unscale in fp32, not in fp16
+            return shard.copy_(source).div_(divisor)
+        return torch.div(source, divisor, out=shard)
 
     def _raise_non_finite(
         self,
@@ -649,12 +663,17 @@ class ZeroOptimizer:
         shards: list[torch.Tensor],
         detail: str,
         consequence: str,
+        limit: float | None = None,
     ) -> None:
-        """Gather the names of the affected parameters from every rank and raise on all."""
+        """Gather the names of the affected parameters from every rank and raise on all: those
+        with a non-finite element in `shards`, or one beyond `limit` in magnitude."""
         local: list[str] = []
         for region, shard in zip(self.regions, shards, strict=True):
             start, _ = region.shard_range(self.rank)
-            bad = (~torch.isfinite(shard)).nonzero().flatten().cpu() + start
+            mask = ~torch.isfinite(shard)
+            if limit is not None:
+                mask |= shard.abs() > limit
+            bad = mask.nonzero().flatten().cpu() + start
             slots = region.layout.slots
             ends = torch.tensor([slot.end for slot in slots])
             owners = torch.searchsorted(ends, bad, right=True).unique()
@@ -680,4 +699,5 @@ class ZeroOptimizer:
             f"{consequence}"
         )
         error.parameters = tuple(affected)
+        error.what = what
         raise error

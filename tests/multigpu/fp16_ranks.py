@@ -1,8 +1,8 @@
 """Rank-side functions for fp16 training in qwz's engine (run on every rank by LocalWorld).
 
 Each rank trains qwz's engine and, beside it, a plain torch reference: an fp16 model, fp32
-master copies stepped by torch.optim.AdamW, gradients summed by ``dist.all_reduce`` in
-fp16, and DeepSpeed's own loss scaler deciding the scale and which steps to skip. One rank
+master copies stepped by torch.optim.AdamW, gradients divided by the world size and then
+summed by ``dist.all_reduce`` in fp16 (as DeepSpeed averages them), and DeepSpeed's own loss scaler deciding the scale and which steps to skip. One rank
 alone gets an overflowing batch at `spike_step`, so a skip that only that rank saw would
 show up as replicas that disagree.
 """
@@ -33,16 +33,25 @@ def fp16_config(stage: int, quantized: bool) -> dict[str, Any]:
     return config
 
 
-def _batch(seed: int, step: int, spike_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+Batch = tuple[torch.Tensor, torch.Tensor, bool]
+
+
+def _batch(seed: int, step: int, spike_step: int) -> Batch:
+    """(inputs, targets, spike): `spike` on SPIKE_RANK at `spike_step` only."""
     inputs, targets = models.batch(seed, step, dist.get_rank(), torch.float32)
-    if step == spike_step and dist.get_rank() == SPIKE_RANK:
-        inputs = inputs * 1e6  # beyond fp16's range: this rank's gradients are not finite
-    return inputs.half(), targets
+    spike = step == spike_step and dist.get_rank() == SPIKE_RANK
+    return inputs.half(), targets, spike
 
 
-def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    return torch.nn.functional.mse_loss(model(inputs).float(), targets)
+def _loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """MSE in fp32; a spike adds ``1e30 * head.bias.sum()``: only head.bias's (3-element)
+    fp16 gradient overflows, on one rank, so at stage 2 only the rank that owns it would see
+    the overflow in its own shard."""
+    inputs, targets, spike = batch
+    loss = torch.nn.functional.mse_loss(model(inputs).float(), targets)
+    if spike:
+        loss = loss + 1e30 * model.head.bias.float().sum()
+    return loss
 
 
 class _Reference:
@@ -64,8 +73,8 @@ class _Reference:
         (_loss(self.model, batch).float() * scale).backward()
         grads = []
         for param in self.model.parameters():
-            dist.all_reduce(param.grad)
-            grads.append(param.grad.float() / (dist.get_world_size() * scale))
+            dist.all_reduce(param.grad.div_(dist.get_world_size()))  # averaged before the sum
+            grads.append(param.grad.float() / scale)
         overflow = not all(bool(torch.isfinite(grad).all()) for grad in grads)
         self.scaler.update_scale(overflow)
         if not overflow:

@@ -271,3 +271,56 @@ def test_auto_cast_casts_floating_inputs_to_fp16():
     plain = qwz.initialize(build_model(0), config=config)
     with pytest.raises(RuntimeError):
         plain(inputs)  # without auto_cast, fp32 inputs meet fp16 weights
+
+
+def test_updated_weight_beyond_fp16_range_raises_naming_it_not_the_scale():
+    """A master that the fp16 working copy cannot hold (|w| > 65504) is an error before
+    the gather, named as such; the overflow-at-minimum note is not added to it."""
+    config = ds_config(stage=2, optimizer={"type": "SGD", "params": {"lr": 1e9}}, bucket=24)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    engine = qwz.initialize(build_model(0), config=config)
+    before = qwz.param_hash(engine.module)
+    engine.backward(loss_of(engine, make_batches(0, 1)[0]))
+    with pytest.raises(qwz.NonFiniteError) as raised:
+        engine.step()
+    message = str(raised.value)
+    assert "updated weight" in message and "65504" in message and "up.weight" in message
+    assert "min_loss_scale" not in message
+    assert raised.value.what == "updated weight"
+    assert qwz.param_hash(engine.module) == before  # no working copy was changed
+
+
+def test_fp16_accumulators_unscale_in_fp32():
+    """With data_types.grad_accum_dtype fp16 the scaled gradients wait in fp16, but the
+    division by the loss scale happens in fp32: tiny unscaled gradients do not flush to
+    zero, and the norm equals the fp32-accumulator engine's."""
+    norms = {}
+    for accumulate in ("fp16", "fp32"):
+        config = ds_config(stage=1, optimizer={"type": "AdamW", "params": {"lr": 1e-3}}, bucket=24)
+        config["fp16"] = {"enabled": True, "initial_scale_power": 16}
+        config["data_types"] = {"grad_accum_dtype": accumulate}
+        engine = qwz.initialize(build_model(0), config=config)
+        inputs, targets = make_batches(0, 1)[0]
+        engine.backward(loss_of(engine, (inputs, targets)) * 1e-6)  # gradients ~1e-7
+        assert engine.step()
+        norms[accumulate] = engine.global_grad_norm
+    assert norms["fp16"] == norms["fp32"] > 0
+
+
+def test_fp16_values_are_read_only_when_fp16_is_enabled():
+    """As in DeepSpeed: a disabled fp16 section's loss-scaling values are not validated."""
+    config = QwzConfig.from_deepspeed({"fp16": {"enabled": False, "loss_scale_window": 0}})
+    assert config.dtype == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"fp16_master_weights_and_grads": True}, "is not supported by qwz"),
+        ({"loss_scale": 2.0**128}, "must be at most 2**127"),
+    ],
+)
+def test_fp16_settings_qwz_cannot_honour_are_refused(section, expected):
+    with pytest.raises(ConfigError, match=expected.replace("*", r"\*")):
+        fp16_config(**section)
+    fp16_config(fp16_master_weights_and_grads=False)  # DeepSpeed's default is accepted
