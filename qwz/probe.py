@@ -87,7 +87,8 @@ class WireProbe:
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         kind, index = _KINDS[name], _ARG_INDEX[name]
-        group_index = list(inspect.signature(original).parameters).index("group")
+        parameters = list(inspect.signature(original).parameters)
+        group_index = parameters.index("group") if "group" in parameters else len(parameters)
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -111,12 +112,17 @@ class WireProbe:
         return counted
 
     def __enter__(self) -> WireProbe:
-        for name in _ARG_INDEX:
-            original = getattr(dist, name, None)
-            if original is not None:
-                self._saved[name] = original
-                setattr(dist, name, self._wrap(name, original))
-        self._repoint_deepspeed()
+        try:
+            for name in _ARG_INDEX:
+                original = getattr(dist, name, None)
+                if original is not None:
+                    wrapped = self._wrap(name, original)
+                    self._saved[name] = original
+                    setattr(dist, name, wrapped)
+            self._repoint_deepspeed()
+        except BaseException:
+            self.__exit__()  # never leave torch.distributed half wrapped
+            raise
         return self
 
     def _repoint_deepspeed(self) -> None:

@@ -2,9 +2,10 @@
 
 Each rank trains qwz's engine and, beside it, a plain torch reference: an fp16 model, fp32
 master copies stepped by torch.optim.AdamW, gradients divided by the world size and then
-summed by ``dist.all_reduce`` in fp16 (as DeepSpeed averages them), and DeepSpeed's own loss scaler deciding the scale and which steps to skip. One rank
-alone gets an overflowing batch at `spike_step`, so a skip that only that rank saw would
-show up as replicas that disagree.
+summed by ``dist.all_reduce`` in fp16 (as DeepSpeed averages them), and DeepSpeed's own
+loss scaler deciding the scale and which steps to skip. One rank alone overflows at
+`spike_step` (only one small parameter's gradient), so a skip that only that rank saw
+would show up as ranks that disagree.
 """
 
 from __future__ import annotations

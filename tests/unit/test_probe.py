@@ -100,3 +100,17 @@ def test_wire_probe_splits_gathers_by_process_group(monkeypatch):
     assert probe.gather_bytes_by_group == {(0, 2): 2 * 4 + 3 * 2, (0, 1, 2, 3): 4 * 4}
     assert probe.gather_calls_by_group == {(0, 2): 2, (0, 1, 2, 3): 1}
     assert probe.bytes["gather"] == 30 and probe.calls["gather"] == 3
+
+
+def test_probe_entry_that_fails_leaves_torch_distributed_unwrapped(monkeypatch):
+    """A probe whose set-up fails half-way restores every function it had wrapped."""
+    original = dist.all_gather_into_tensor
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: None)
+
+    def fail(self):
+        raise RuntimeError("set-up failed")
+
+    monkeypatch.setattr(WireProbe, "_repoint_deepspeed", fail)
+    with pytest.raises(RuntimeError, match="set-up failed"), WireProbe():
+        pass
+    assert dist.all_gather_into_tensor is original
