@@ -164,73 +164,102 @@ SPIKE_STEP = 11
 """A batch scaled by 1e6 overflows the fp16 forward on a step that would be clean."""
 
 
-def fp16_batches(seed: int, steps: int):
-    batches = make_batches(seed, steps)
-    inputs, targets = batches[SPIKE_STEP - 1]
-    batches[SPIKE_STEP - 1] = (inputs * 1e6, targets)
-    return batches
+def fp16_batches(seed: int, steps: int, accumulation: int = 1):
+    """`accumulation` micro-batches per step; the first of SPIKE_STEP's overflows."""
+    batches = make_batches(seed, steps * accumulation)
+    spike = (SPIKE_STEP - 1) * accumulation
+    inputs, targets = batches[spike]
+    batches[spike] = (inputs * 1e6, targets)
+    return [batches[i : i + accumulation] for i in range(0, len(batches), accumulation)]
 
 
-def reference_run(seed: int, stage_config: dict, steps: int):
-    """Plain torch: an fp16 model, fp32 master copies stepped by torch.optim.AdamW, and
-    DeepSpeed's loss scaler deciding the scale and which steps to skip."""
-    model = build_model(seed).half()
-    masters = [param.detach().float().clone().requires_grad_(True) for param in model.parameters()]
-    adam = torch.optim.AdamW(masters, **stage_config["optimizer"]["params"])
-    scaler = deepspeed_scaler(QwzConfig.from_deepspeed(stage_config).loss_scale)
-    trace = []
-    for batch in fp16_batches(seed, steps):
-        model.zero_grad()
-        scale = scaler.cur_scale
-        (loss_of(model, batch).float() * scale).backward()
-        grads = [param.grad.float() / scale for param in model.parameters()]
+class Fp16Reference:
+    """Plain torch: an fp16 model, fp32 master copies stepped by torch.optim.AdamW, fp32
+    gradient accumulators, and DeepSpeed's loss scaler deciding the scale and which steps
+    to skip. Clipping uses the engine's reported norm (see [Clipping reference] in
+    test_engine_single_rank.py: the norm is a reduction in another order)."""
+
+    def __init__(self, seed: int, config: dict):
+        self.model = build_model(seed).half()
+        self.masters = [
+            p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()
+        ]
+        self.adam = torch.optim.AdamW(self.masters, **config["optimizer"]["params"])
+        self.scaler = deepspeed_scaler(QwzConfig.from_deepspeed(config).loss_scale)
+        self.clipping = config["gradient_clipping"]
+
+    def step(self, micro_batches, engine_norm: float) -> tuple[float, bool, float]:
+        scale = self.scaler.cur_scale
+        accumulated = [torch.zeros_like(master) for master in self.masters]
+        for batch in micro_batches:
+            self.model.zero_grad()
+            ((loss_of(self.model, batch) / len(micro_batches)).float() * scale).backward()
+            for total, param in zip(accumulated, self.model.parameters(), strict=True):
+                total.add_(param.grad)
+        grads = [total / scale for total in accumulated]
         norm = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])).item()
         overflow = not math.isfinite(norm)
-        scaler.update_scale(overflow)
+        self.scaler.update_scale(overflow)
         if not overflow:
-            for master, grad in zip(masters, grads, strict=True):
+            if self.clipping:
+                reported = torch.tensor(engine_norm, dtype=torch.float32)
+                coefficient = torch.clamp(self.clipping / (reported + 1e-6), max=1.0)
+                grads = [grad * coefficient for grad in grads]
+            for master, grad in zip(self.masters, grads, strict=True):
                 master.grad = grad
-            adam.step()
+            self.adam.step()
             with torch.no_grad():
-                for param, master in zip(model.parameters(), masters, strict=True):
+                for param, master in zip(self.model.parameters(), self.masters, strict=True):
                     param.copy_(master)
-        trace.append((scale, overflow, norm, [p.detach().clone() for p in model.parameters()]))
-    return trace
+        return scale, overflow, norm
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_fp16_training_matches_plain_torch_with_deepspeeds_loss_scaler(stage):
+@pytest.mark.parametrize(
+    ("stage", "accumulation", "clipping"), [(1, 1, 0.0), (2, 1, 0.0), (1, 2, 0.5), (2, 2, 0.5)]
+)
+def test_fp16_training_matches_plain_torch_with_deepspeeds_loss_scaler(
+    stage, accumulation, clipping
+):
     seed, steps = 3, 16
     config = ds_config(
         stage=stage,
         optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         bucket=24,
+        clipping=clipping,
+        accumulation=accumulation,
     )
     config["fp16"] = {"enabled": True, **FP16_SECTION}
     engine = qwz.initialize(build_model(seed), config=config)
+    reference = Fp16Reference(seed, config)
     assert next(engine.module.parameters()).dtype == torch.float16
-    skipped = 0
-    for step, (batch, (scale, overflow, norm, params)) in enumerate(
-        zip(fp16_batches(seed, steps), reference_run(seed, config, steps), strict=True), start=1
-    ):
-        assert engine.loss_scale == scale, step
-        engine.backward(loss_of(engine, batch))
-        assert engine.step() == (not overflow), step
+    skipped, trace = 0, []
+    for step, micro_batches in enumerate(fp16_batches(seed, steps, accumulation), start=1):
+        scale_before = engine.loss_scale
+        for micro, batch in enumerate(micro_batches, start=1):
+            engine.backward(loss_of(engine, batch))
+            stepped = engine.step()
+            assert micro == accumulation or not stepped
+        scale, overflow, norm = reference.step(micro_batches, engine.global_grad_norm)
+        trace.append((scale, overflow, norm))
+        assert scale_before == scale, step
+        assert stepped == (not overflow), step
         skipped += overflow
         assert engine.skipped_steps == skipped and engine.global_steps == step
         if overflow:
             assert not math.isfinite(engine.global_grad_norm), step
         else:
             assert abs(engine.global_grad_norm - norm) <= 1e-6 * norm, step
-        for (name, actual), expected in zip(engine.module.named_parameters(), params, strict=True):
-            assert torch.equal(actual.detach(), expected), f"step {step}: {name}"
+            if clipping and step == 1:
+                assert norm > clipping, "clipping must be active to be tested"
+        for (name, actual), expected in zip(
+            engine.module.named_parameters(), reference.model.parameters(), strict=True
+        ):
+            assert torch.equal(actual.detach(), expected.detach()), f"step {step}: {name}"
     # The run exercised what it claims: overflows from the scale and from the spike, and
     # the scale both growing and shrinking.
-    trace = reference_run(seed, config, steps)
-    overflows = [overflow for _, overflow, _, _ in trace]
+    overflows = [overflow for _, overflow, _ in trace]
     assert any(overflows[: SPIKE_STEP - 1]) and overflows[SPIKE_STEP - 1] and not all(overflows)
-    scales = [scale for scale, _, _, _ in trace]
-    pairs = list(itertools.pairwise(scales))
+    pairs = list(itertools.pairwise(scale for scale, _, _ in trace))
     assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)
 
 
