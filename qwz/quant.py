@@ -312,9 +312,11 @@ class _FusedKernel:
 
 
 def _signature(tensor: torch.Tensor) -> tuple:
-    """What a compiled kernel is specialised on: shape, strides, dtype, device, and the
-    alignment of the data (inductor picks aligned or unaligned vector loads by it)."""
+    """What a compiled kernel is specialised on: shape, strides, dtype, device, grad mode,
+    and the alignment of the data (inductor picks aligned or unaligned vector loads by it)."""
     return (
+        torch.is_grad_enabled(),
+        tensor.requires_grad,
         tuple(tensor.shape),
         tensor.stride(),
         tensor.dtype,
