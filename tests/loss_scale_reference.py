@@ -12,6 +12,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from qwz.config import LossScaleConfig
@@ -34,3 +35,19 @@ def deepspeed_scaler(config: LossScaleConfig):
         delayed_shift=config.hysteresis,
         consecutive_hysteresis=config.consecutive_hysteresis,
     )
+
+
+def step_masters(
+    optimizer: torch.optim.Optimizer,
+    masters: list[torch.Tensor],
+    model: torch.nn.Module,
+    grads: list[torch.Tensor],
+) -> None:
+    """The reference's optimizer step: the fp32 masters take `grads`, and the fp16 model's
+    parameters become the masters cast to fp16."""
+    for master, grad in zip(masters, grads, strict=True):
+        master.grad = grad
+    optimizer.step()
+    with torch.no_grad():
+        for param, master in zip(model.parameters(), masters, strict=True):
+            param.copy_(master)

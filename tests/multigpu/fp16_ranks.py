@@ -20,7 +20,7 @@ import qwz
 from qwz.config import QwzConfig
 from qwz.hashing import tensors_hash
 from qwz.probe import WireProbe
-from tests.loss_scale_reference import deepspeed_scaler
+from tests.loss_scale_reference import deepspeed_scaler, step_masters
 from tests.multigpu import models, ranks
 
 FP16_SECTION = {"initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 2}
@@ -79,12 +79,7 @@ class _Reference:
         overflow = not all(bool(torch.isfinite(grad).all()) for grad in grads)
         self.scaler.update_scale(overflow)
         if not overflow:
-            for master, grad in zip(self.masters, grads, strict=True):
-                master.grad = grad
-            self.adam.step()
-            with torch.no_grad():
-                for param, master in zip(self.model.parameters(), self.masters, strict=True):
-                    param.copy_(master)
+            step_masters(self.adam, self.masters, self.model, grads)
         return scale, overflow
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import qwz
 from qwz.config import ConfigError, LossScaleConfig, QwzConfig
 from qwz.loss_scale import LossScaler
-from tests.loss_scale_reference import deepspeed_scaler
+from tests.loss_scale_reference import deepspeed_scaler, step_masters
 
 from .test_engine_single_rank import build_model, ds_config, loss_of, make_batches
 
@@ -205,12 +205,7 @@ class Fp16Reference:
                 reported = torch.tensor(engine_norm, dtype=torch.float32)
                 coefficient = torch.clamp(self.clipping / (reported + 1e-6), max=1.0)
                 grads = [grad * coefficient for grad in grads]
-            for master, grad in zip(self.masters, grads, strict=True):
-                master.grad = grad
-            self.adam.step()
-            with torch.no_grad():
-                for param, master in zip(self.model.parameters(), self.masters, strict=True):
-                    param.copy_(master)
+            step_masters(self.adam, self.masters, self.model, grads)
         return scale, overflow, norm
 
 
