@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from qwz.hashing import param_hash, tensors_hash
-from qwz.jsonio import JsonInputError, bounded_repr, read_json_file
+from qwz.jsonio import JsonInputError, read_json_file
 
 if TYPE_CHECKING:
     from qwz.engine import Engine
@@ -292,19 +292,10 @@ def _prepare(
     except (ValueError, KeyError) as error:
         raise CheckpointError(f"checkpoint {root}: optimizer state does not fit: {error}") from None
     _check_module_extras(root, engine, payload["module_extras"])
-    saved_scaler = payload["engine"].get("loss_scale")
-    scaler = engine.loss_scaler
-    if not isinstance(saved_scaler, dict) or set(saved_scaler) != set(scaler.state_dict()):
-        raise CheckpointError(
-            f"checkpoint {root}: loss-scale state {bounded_repr(saved_scaler, 120)} does not "
-            f"fit this engine's ({sorted(scaler.state_dict())})"
-        )
-    if saved_scaler["dynamic"] != scaler.dynamic:
-        raise CheckpointError(
-            f"checkpoint {root}: the checkpoint's loss scale is "
-            f"{'dynamic' if saved_scaler['dynamic'] else 'fixed'}, this engine's is "
-            f"{'dynamic' if scaler.dynamic else 'fixed'} (fp16.loss_scale differs)"
-        )
+    try:
+        engine.loss_scaler.check_state_dict(payload["engine"].get("loss_scale"))
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint {root}: {error}") from None
     return manifest, payload
 
 

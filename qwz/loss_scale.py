@@ -102,11 +102,24 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = set(asdict(self))
-        if set(state) != expected:
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError unless a checkpoint's `state` fits this scaler: the same keys,
+        and the same mode (a fixed scale does not resume as a dynamic one, or back)."""
+        self._check_keys(state)
+        if state["dynamic"] != self.dynamic:
+            mode = {True: "dynamic", False: "fixed"}
             raise ValueError(
-                f"loss scaler state: keys {sorted(state)} differ from {sorted(expected)}"
+                f"the saved loss scale is {mode[state['dynamic']]}, this engine's is "
+                f"{mode[self.dynamic]} (fp16.loss_scale differs)"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_keys(state)
         for key, value in state.items():
             setattr(self, key, value)
+
+    def _check_keys(self, state: Any) -> None:
+        expected = set(asdict(self))
+        if not isinstance(state, dict) or set(state) != expected:
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"loss scaler state: keys {keys} differ from {sorted(expected)}")

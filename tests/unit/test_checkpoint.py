@@ -198,3 +198,22 @@ def test_save_after_a_backward_without_its_step_is_refused(tmp_path):
     with pytest.raises(qwz.CheckpointError, match="gradients of an unfinished accumulation"):
         engine.save_checkpoint(tmp_path)
     assert not (tmp_path / MANIFEST).exists()
+
+
+def test_fixed_loss_scale_checkpoint_is_refused_by_a_dynamic_fp16_engine(tmp_path):
+    """The loss scaler's mode must match: nothing is loaded, and the error says why."""
+
+    def fp16_engine(fp16: dict[str, Any]) -> qwz.Engine:
+        torch.manual_seed(0)
+        return qwz.initialize(NetWithState(), config={**config(), "fp16": fp16})
+
+    saved = fp16_engine({"enabled": True, "loss_scale": 8.0})
+    train(saved, 1, 2)
+    saved.save_checkpoint(tmp_path)
+    dynamic = fp16_engine({"enabled": True})
+    before = snapshot(dynamic)
+    with pytest.raises(
+        qwz.CheckpointError, match="saved loss scale is fixed, this engine's is dynamic"
+    ):
+        dynamic.load_checkpoint(tmp_path)
+    assert snapshot(dynamic) == before
