@@ -31,6 +31,8 @@ import os
 import pathlib
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 from qwz.config import validate_group_size
 from qwz.qualify.files import atomic_write_text, move_into
@@ -44,24 +46,23 @@ EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 MAX_SEED = 2**63 - 1
 
 
-def _integer_text(text: str) -> int:
+def _parsed(text: str, convert: Callable[[str], Any], longest: int, what: str) -> Any:
+    """`convert(text)`, or an argparse error naming the text when it is longer than
+    `longest` characters or `convert` refuses it."""
     try:
-        if len(text) > 30:
+        if len(text) > longest:
             raise ValueError
-        return int(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{_shown(text)} is not an integer (digits, at most 30)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not {what}") from None
+
+
+def _integer_text(text: str) -> int:
+    return _parsed(text, int, 30, "an integer (digits, at most 30)")
 
 
 def _float_text(text: str) -> float:
-    try:
-        if len(text) > 60:
-            raise ValueError
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number") from None
+    return _parsed(text, float, 60, "a number")
 
 
 def _shown(text: str) -> str:
