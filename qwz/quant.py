@@ -3,9 +3,10 @@
 Nothing here knows about processes or configs. This module owns the numbers every other
 module relies on: :data:`DEFAULT_GROUP_SIZE`, the scale formula (:func:`scale_from_absmax`,
 :func:`group_scales`), the decode error bound (:data:`DECODE_ERROR_SLACK`) and the byte
-layout of one rank's wire row (:class:`WireRow`). The kernels (:func:`encode_into`,
+layout of one rank's wire row (:class:`WireRow`). The eager kernels (:func:`encode_into`,
 :func:`decode_into`) are straight-line tensor code (no data-dependent Python branch, no
-``.item()``), so ``torch.compile`` fuses each into one pass over memory.
+``.item()``), so ``torch.compile`` can fuse them; on CPU the fused kernels are qwz's native
+one-pass C kernels (native.py), which compute the same bytes.
 
 [Note: quantization math]
 For each group of ``G`` consecutive elements, in fp32 whatever the input dtype
@@ -67,6 +68,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from qwz import native
+from qwz.native import NativeKernels
 
 DEFAULT_GROUP_SIZE = 64
 """Elements per quantization group (one fp32 scale each)."""
@@ -326,19 +330,23 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 class _FusedDecode:
-    """:func:`decode_into` fused on whole groups; the partial last group of a row (a source
-    that is not a whole number of groups) is decoded eagerly -- the same bytes -- which also
-    keeps the fused kernel clear of an inductor CPU bug seen in torch 2.13 (a fused copy
-    into a partial last group left it unwritten)."""
+    """:func:`decode_into`, fused: the native one-pass kernel where it serves the tensors
+    (CPU, bf16/fp32 destination), else ``torch.compile`` on whole groups, the partial last
+    group of a row (a source that is not a whole number of groups) decoded eagerly -- the
+    same bytes -- which also keeps the compiled kernel clear of an inductor CPU bug seen in
+    torch 2.13 (a fused copy into a partial last group left it unwritten)."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: NativeKernels | None = None) -> None:
         self.kernel = _FusedKernel(decode_into)
+        self.native = native
 
     @property
     def fallback(self) -> str | None:
         return self.kernel.fallback
 
     def __call__(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+        if self.native is not None and self.native.can_decode(scales, codes, out):
+            return self.native.decode(scales, codes, out)
         group_size = codes.shape[1] // scales.shape[1]
         numel = out.shape[1]
         whole = numel // group_size
@@ -355,29 +363,51 @@ class _FusedDecode:
 
 
 class _FusedEncode:
-    """:func:`encode_into` as two fused kernels, one per pass (scales, then codes).
+    """:func:`encode_into`, fused: the native one-pass kernel where it serves the tensors
+    (CPU, contiguous fp32 source), else two ``torch.compile`` kernels, one per pass
+    (scales, then codes).
 
     Fused into one kernel, inductor's CPU code for the group reduction and the broadcast
     multiply that follows it runs about 3x slower than the two kernels apart (measured,
     torch 2.13, 16M elements, one thread: 29 ms against 9 ms; a bf16 copy of the same
-    buffer takes 2.6 ms). Reading the fp32 source twice costs less than that."""
+    buffer takes 2.6 ms). The native kernel reads each group once (8M elements, one
+    thread: 2.7 ms against 4.7 ms for the two compiled passes and 2.3 ms for a bf16 copy)."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: NativeKernels | None = None) -> None:
         self.scales = _FusedKernel(encode_scales_into)
         self.codes = _FusedKernel(encode_codes_into)
+        self.native = native
 
     @property
     def fallback(self) -> str | None:
         return self.scales.fallback or self.codes.fallback
 
     def __call__(self, values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor):
+        if self.native is not None and self.native.can_encode(values, scales_out, codes_out):
+            return self.native.encode(values, scales_out, codes_out)
         self.codes(values, self.scales(values, scales_out, codes_out), codes_out)
 
 
 @functools.cache
+def native_kernels() -> tuple[NativeKernels | None, str | None]:
+    """The native CPU kernels and None, or None and why they cannot be built here (logged;
+    the fused kernels then use ``torch.compile`` on CPU too). See [Note: native build]."""
+    try:
+        kernels = native.load()
+        _probe_kernels(QuantKernels("native", kernels.encode, kernels.decode))
+        return kernels, None
+    except (native.NativeBuildError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error) else type(error).__name__
+        logger.warning("qwz: native wire kernels unavailable (%s); torch.compile instead", reason)
+        return None, reason
+
+
+@functools.cache
 def compiled_kernels() -> QuantKernels:
-    """The same kernels fused by ``torch.compile`` (compiled on first use, per shape)."""
-    return QuantKernels("compiled", _FusedEncode(), _FusedDecode())
+    """The same kernels fused: native one-pass kernels on CPU where they build, else
+    ``torch.compile`` (compiled on first use, per shape)."""
+    kernels, _ = native_kernels()
+    return QuantKernels("compiled", _FusedEncode(kernels), _FusedDecode(kernels))
 
 
 def kernel_fallbacks() -> list[str]:
@@ -391,11 +421,13 @@ def kernel_fallbacks() -> list[str]:
 def _probe_kernels(kernels: QuantKernels) -> None:
     """Run `kernels` once on a small row and require the eager kernels' bytes."""
     group_size = 8
-    values = torch.linspace(-3.0, 5.0, 3 * group_size - 5)
+    # A zero group, a group with a tie (2.5 codes), and a partial last group.
+    values = torch.cat([torch.zeros(group_size), torch.linspace(-3.0, 5.0, 3 * group_size - 5)])
+    values[group_size + 1] = 5.0 * 2.5 / 127
     rows = {}
     for candidate in (EAGER_KERNELS, kernels):
-        row = torch.zeros(1, 3 * (group_size + SCALE_BYTES), dtype=torch.uint8)
-        layout = WireRow(num_groups=3, group_size=group_size, exact_numel=0, element_size=4)
+        row = torch.zeros(1, 4 * (group_size + SCALE_BYTES), dtype=torch.uint8)
+        layout = WireRow(num_groups=4, group_size=group_size, exact_numel=0, element_size=4)
         candidate.encode(values, row_scales(row, layout)[0], row_codes(row, layout)[0])
         decoded = torch.empty(1, values.numel(), dtype=torch.bfloat16)
         candidate.decode(row_scales(row, layout), row_codes(row, layout), decoded)
@@ -407,9 +439,9 @@ def _probe_kernels(kernels: QuantKernels) -> None:
 
 @functools.cache
 def compile_probe() -> str | None:
-    """Why ``torch.compile`` cannot serve the kernels here (None when it can): compiles and
-    runs both kernels once on a small row (on CPU this needs a C++ compiler) and checks
-    they produce the eager kernels' bytes."""
+    """Why the fused kernels cannot serve here (None when they can): builds and runs both
+    once on a small CPU row (the native kernels, or ``torch.compile``'s where those do not
+    build; either needs a C compiler) and checks they produce the eager kernels' bytes."""
     try:
         _probe_kernels(compiled_kernels())
     except Exception as error:  # any failure means: use eager, and say why
@@ -440,7 +472,7 @@ def choose_kernels(compile_kernels: bool | None) -> KernelChoice:
     if reason is None:
         return KernelChoice(compiled_kernels(), None)
     if compile_kernels:
-        raise RuntimeError(f"compile_kernels=True but torch.compile cannot fuse them: {reason}")
+        raise RuntimeError(f"compile_kernels=True but the fused kernels fail here: {reason}")
     logger.warning("qwz: fused kernels unavailable (%s); using eager kernels", reason)
     return KernelChoice(EAGER_KERNELS, reason)
 

@@ -1,0 +1,210 @@
+"""The one-pass CPU wire kernels (``csrc/wire_kernels.c``): built with the C compiler on
+first use, cached on disk, called through ctypes.
+
+This module owns building and calling them; the numbers they compute are
+[Note: quantization math] (quant.py), and quant.py decides when they are used (its probe
+checks they write the eager kernels' bytes before any gather runs them).
+
+[Note: native build]
+The source is compiled with ``$CC`` (default ``cc``, then ``gcc``) and
+``-O3 -march=native`` into ``$QWZ_CACHE_DIR`` (default ``~/.cache/qwz``), under a name
+that hashes the source, the flags, the compiler's version and this CPU's feature flags: a
+cache shared by machines with other CPUs never hands one of them code for the wrong
+instructions. Ranks that build at once each write their own temporary file and rename it
+into place, so a reader never sees half a library. ``-ffp-contract=off`` keeps every
+product rounded as torch rounds it; no ``-ffast-math`` (NaN and Inf must behave as IEEE
+says).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "wire_kernels.c"
+FLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+)
+ARCH_FLAGS = ("-march=native",)
+BUILD_TIMEOUT_S = 120
+
+logger = logging.getLogger("qwz")
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernels could not be built or loaded here (the message says why)."""
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise NativeBuildError("no C compiler: set $CC or install cc/gcc")
+
+
+def _cpu_flags() -> str:
+    """This CPU's model and feature flags (what -march=native depends on)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keys = ("flags", "Features", "model name")
+    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in keys]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("QWZ_CACHE_DIR"):
+        return Path(os.environ["QWZ_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "qwz"
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+
+
+def build() -> Path:
+    """Path of the built library (compiling it unless the cache holds it); raises
+    NativeBuildError naming what failed. See [Note: native build]."""
+    compiler = _compiler()
+    version = _run([compiler, "--version"]).stdout
+    flags = FLAGS + ARCH_FLAGS
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(flags), compiler, version, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"qwz-wire-kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
+    os.close(handle)
+    try:
+        result = _run([compiler, *flags, str(SOURCE), "-o", temporary, "-lm"])
+        if result.returncode != 0:
+            raise NativeBuildError(
+                f"{Path(compiler).name} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}"
+            )
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target
+
+
+class NativeKernels:
+    """The loaded library's two entry points, with argument checks done in Python."""
+
+    def __init__(self, path: Path):
+        library = ctypes.CDLL(str(path))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._encode = library.qwz_encode_f32
+        self._encode.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int]
+        self._encode.restype = c_int
+        self._decode = library.qwz_decode
+        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64, c_int]
+        self._decode.restype = c_int
+        self.path = path
+
+    @staticmethod
+    def can_encode(values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor) -> bool:
+        """Whether :meth:`encode` serves these tensors (CPU, fp32 source, contiguous)."""
+        return (
+            values.device.type == "cpu"
+            and values.dtype == torch.float32
+            and values.is_contiguous()
+            and scales_out.is_contiguous()
+            and codes_out.is_contiguous()
+        )
+
+    @staticmethod
+    def can_decode(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether :meth:`decode` serves these tensors (CPU, bf16 or fp32 destination rows
+        with unit element stride; the rows themselves may be strided)."""
+        return (
+            out.device.type == "cpu"
+            and out.dtype in (torch.bfloat16, torch.float32)
+            and out.stride(1) == 1
+            and scales.stride(1) == 1
+            and codes.stride(1) == 1
+        )
+
+    def encode(
+        self,
+        values: torch.Tensor,
+        scales_out: torch.Tensor,
+        codes_out: torch.Tensor,
+        threads: int | None = None,
+    ) -> None:
+        """:func:`qwz.quant.encode_into` for tensors :meth:`can_encode` accepts, on
+        `threads` threads (default: torch's intra-op thread count)."""
+        num_groups = scales_out.shape[0]
+        self._encode(
+            values.data_ptr(),
+            values.numel(),
+            num_groups,
+            codes_out.shape[0] // num_groups,
+            scales_out.data_ptr(),
+            codes_out.data_ptr(),
+            torch.get_num_threads() if threads is None else threads,
+        )
+
+    def decode(
+        self,
+        scales: torch.Tensor,
+        codes: torch.Tensor,
+        out: torch.Tensor,
+        threads: int | None = None,
+    ) -> None:
+        """:func:`qwz.quant.decode_into` for tensors :meth:`can_decode` accepts, on
+        `threads` threads (default: torch's intra-op thread count)."""
+        rows, num_groups = scales.shape
+        self._decode(
+            scales.data_ptr(),
+            scales.stride(0),
+            codes.data_ptr(),
+            codes.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            int(out.dtype == torch.bfloat16),
+            rows,
+            num_groups,
+            codes.shape[1] // num_groups,
+            out.shape[1],
+            torch.get_num_threads() if threads is None else threads,
+        )
+
+
+@functools.cache
+def load() -> NativeKernels:
+    """The native kernels, built on first call (raises NativeBuildError). A cached library
+    that does not load (truncated, damaged) is removed and built again, once."""
+    try:
+        path = build()
+        try:
+            return NativeKernels(path)
+        except OSError as error:
+            logger.warning(
+                "qwz: cached native kernels %s fail to load (%s); rebuilding", path, error
+            )
+            path.unlink(missing_ok=True)
+            return NativeKernels(build())
+    except (OSError, subprocess.SubprocessError) as error:
+        raise NativeBuildError(f"{type(error).__name__}: {error}") from error

@@ -1,0 +1,225 @@
+"""The native one-pass CPU wire kernels (``qwz/csrc/wire_kernels.c``, ``qwz/native.py``):
+they write the eager kernels' bytes for every input, whatever the thread count, and their
+build cache never hands out a library that does not load or was built for another CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from qwz import native, quant
+from qwz.quant import EAGER_KERNELS, WireRow, row_codes, row_scales
+
+from .strategies import tensors
+
+FLT_MAX = torch.finfo(torch.float32).max
+POISON_BITS = (0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFC0FFEE)
+"""+-Inf, and NaNs of either sign, quiet and signalling, with other payloads (the scale
+of a poisoned group is one NaN whatever NaN it holds)."""
+POISONS = torch.tensor(POISON_BITS, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _has_compiler() -> bool:
+    return any(c and shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc"))
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    """The process's native kernels. Skipped only where no C compiler exists; with one, a
+    build or probe failure fails the test."""
+    if not _has_compiler():
+        pytest.skip("no C compiler ($CC, cc or gcc): the native kernels cannot be built here")
+    loaded, reason = quant.native_kernels()
+    assert loaded is not None, reason
+    return loaded
+
+
+def _rows(kernel_set, values, group_size, num_groups, world_size, rank, dtype, threads=None):
+    """Encode `values` into row `rank` of `world_size` wire rows (the others hold a fixed
+    pattern), then decode all rows into a strided (world_size, numel) view of `dtype`."""
+    row = WireRow(num_groups, group_size, 0, 2)
+    rows = torch.arange(world_size * row.row_bytes, dtype=torch.int64).remainder(251)
+    rows = rows.to(torch.uint8).view(world_size, -1)
+    encode_args = (values, row_scales(rows, row)[rank], row_codes(rows, row)[rank])
+    if threads is None:
+        kernel_set.encode(*encode_args)
+    else:
+        kernel_set.encode(*encode_args, threads=threads)
+    # Row-strided destination, as DeepSpeed's partitions and qwz's working buffer give it.
+    wide = torch.full((world_size, values.numel() + 3), -1.0, dtype=dtype)
+    out = wide[:, : values.numel()]
+    decode_args = (row_scales(rows, row), row_codes(rows, row), out)
+    if threads is None:
+        kernel_set.decode(*decode_args)
+    else:
+        kernel_set.decode(*decode_args, threads=threads)
+    return rows, wide
+
+
+def _assert_same_decode(decoded: torch.Tensor, expected: torch.Tensor) -> None:
+    """The same bytes wherever the value is a number; NaN at the same places (the cast of a
+    NaN to bf16 may pick another payload; the wire bytes are compared exactly)."""
+    nan = torch.isnan(decoded)
+    assert torch.equal(nan, torch.isnan(expected))
+    assert torch.equal(decoded[~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
+
+
+@st.composite
+def rows_to_encode(draw):
+    """fp32 values for one wire row: group sizes with and without the G=64 fast path,
+    group counts around the kernel's blocks of 16 groups, partial last groups, any
+    magnitudes (the extremes of fp32 included), and sometimes a NaN or an Inf."""
+    group_size = draw(st.sampled_from([1, 8, 64, 100]))
+    num_groups = draw(st.sampled_from([1, 15, 16, 17, 40]))
+    cut = draw(st.sampled_from([0, 1, 5])) if group_size > 5 else 0
+    numel = num_groups * group_size - cut
+    x = draw(tensors(max(numel, 1), torch.float32)).reshape(-1)[:numel].contiguous()
+    if numel and draw(st.booleans()):
+        x[draw(st.integers(0, numel - 1))] = POISONS[draw(st.integers(0, len(POISONS) - 1))]
+    world_size = draw(st.sampled_from([1, 3]))
+    rank = draw(st.integers(0, world_size - 1))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float32]))
+    return x, group_size, num_groups, world_size, rank, dtype
+
+
+# Ties to even (scale 1: codes 2.5 -> 2, 3.5 -> 4), the top of fp32 (127 * scale would
+# overflow: the scale is one ulp smaller), and scales below the smallest normal.
+@example(
+    case=(torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, -0.0, 1.5]), 8, 1, 1, 0, torch.float32)
+)
+@example(case=(torch.tensor([FLT_MAX, -FLT_MAX / 3, 1.0, 0.0]), 4, 1, 3, 2, torch.bfloat16))
+@example(case=(torch.tensor([2.0**-149, 0.0, 2.0**-130, -(2.0**-126)]), 2, 2, 1, 0, torch.float32))
+@given(case=rows_to_encode())
+def test_native_and_eager_kernels_write_the_same_bytes(case, kernels):
+    values, group_size, num_groups, world_size, rank, dtype = case
+    rows, decoded = _rows(kernels, values, group_size, num_groups, world_size, rank, dtype)
+    eager_rows, eager = _rows(
+        EAGER_KERNELS, values, group_size, num_groups, world_size, rank, dtype
+    )
+    assert torch.equal(rows, eager_rows)
+    _assert_same_decode(decoded, eager)
+    # The columns past the destination view are never written.
+    assert (decoded[:, values.numel() :] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_threads_split_the_groups_without_changing_a_byte(kernels, dtype):
+    """Above 2048 groups per thread the kernels split the work; every group is computed
+    the same way whichever thread runs it."""
+    group_size, num_groups = 64, 3 * 2048 + 21
+    generator = torch.Generator().manual_seed(7)
+    values = torch.randn(num_groups * group_size - 9, generator=generator)
+    values *= torch.rand(num_groups, generator=generator).repeat_interleave(group_size)[:-9]
+    values[1000] = math.nan
+    one = _rows(kernels, values, group_size, num_groups, 2, 1, dtype, threads=1)
+    for threads in (2, 3, 200):
+        many = _rows(kernels, values, group_size, num_groups, 2, 1, dtype, threads=threads)
+        assert torch.equal(many[0], one[0]), threads
+        _assert_same_decode(many[1], one[1])
+    eager = _rows(EAGER_KERNELS, values, group_size, num_groups, 2, 1, dtype)
+    assert torch.equal(one[0], eager[0])
+
+
+def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels):
+    """CPU fp32 sources and bf16/fp32 destinations go native; an fp16 destination or a
+    non-contiguous source takes the torch kernels -- the same bytes either way."""
+    fused = quant.compiled_kernels()
+    assert isinstance(fused.encode.native, native.NativeKernels)
+    assert isinstance(fused.decode.native, native.NativeKernels)
+    row = WireRow(2, 64, 0, 2)
+    rows = torch.zeros(1, row.row_bytes, dtype=torch.uint8)
+    source = torch.linspace(-2.0, 3.0, 64 * 3)[::2]  # 96 elements, not contiguous
+    assert not kernels.can_encode(source, row_scales(rows, row)[0], row_codes(rows, row)[0])
+    out = torch.zeros(1, 96, dtype=torch.float16)
+    assert not kernels.can_decode(row_scales(rows, row), row_codes(rows, row), out)
+    fused_rows, fused_out = _rows(fused, source, 64, 2, 1, 0, torch.float16)
+    eager_rows, eager_out = _rows(EAGER_KERNELS, source, 64, 2, 1, 0, torch.float16)
+    assert torch.equal(fused_rows, eager_rows)
+    _assert_same_decode(fused_out, eager_out)
+
+
+# --------------------------------------------------------------------------- #
+# Build, cache and probe
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("QWZ_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_damaged_cached_library_is_rebuilt(cache_dir, caplog):
+    path = native.build()
+    path.write_bytes(b"\x7fELF truncated by a full disk")
+    native.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="qwz"):
+            loaded = native.load()
+    finally:
+        native.load.cache_clear()
+    assert loaded.path == path and path.read_bytes()[:4] == b"\x7fELF"
+    assert path.stat().st_size > 1000
+    assert any("fail to load" in record.getMessage() for record in caplog.records)
+    values = torch.linspace(-1.0, 1.0, 128)
+    assert torch.equal(
+        _rows(loaded, values, 64, 2, 1, 0, torch.float32)[0],
+        _rows(EAGER_KERNELS, values, 64, 2, 1, 0, torch.float32)[0],
+    )
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_cache_key_covers_the_cpu_and_the_source(cache_dir, monkeypatch):
+    """-march=native code built on one CPU is never loaded on another: the library's name
+    hashes the CPU's flags (and the source, the flags and the compiler)."""
+    first = native.build()
+    assert native.build() == first  # cached: not rebuilt
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags: avx2 (another machine)")
+    assert native.build() != first
+    assert len(list(cache_dir.glob("qwz-wire-kernels-*.so"))) == 2
+    assert not list(cache_dir.glob("*.tmp"))
+
+
+def test_a_missing_compiler_is_named(cache_dir, monkeypatch):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.NativeBuildError, match=r"no C compiler: set \$CC"):
+        native.build()
+
+
+def test_a_failing_compiler_is_named_and_leaves_no_library(cache_dir, monkeypatch):
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    with pytest.raises(native.NativeBuildError, match=r"false failed on wire_kernels.c"):
+        native.build()
+    assert not list(cache_dir.iterdir())
+
+
+def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
+    """The probe compares them with the eager kernels before any gather runs them; a
+    mismatch (a miscompiled library) leaves the fused kernels on torch.compile, logged."""
+
+    class Miscompiled:
+        def encode(self, values, scales_out, codes_out, threads=None):
+            quant.encode_into(values, scales_out, codes_out)
+            codes_out[-1] = codes_out[-1] ^ 1
+
+        def decode(self, scales, codes, out, threads=None):
+            quant.decode_into(scales, codes, out)
+
+    monkeypatch.setattr(native, "load", Miscompiled)
+    quant.native_kernels.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="qwz"):
+            loaded, reason = quant.native_kernels()
+    finally:
+        quant.native_kernels.cache_clear()
+    assert loaded is None
+    assert "do not reproduce the eager kernels' bytes" in reason
+    assert any("native wire kernels unavailable" in r.getMessage() for r in caplog.records)
