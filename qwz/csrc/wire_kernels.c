@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define INT8_MAX_CODE 127.0f
+#define INT8_MAX_CODE 127
 #define MIN_GROUPS_PER_THREAD 2048
 #define BLOCK 16 /* groups whose scales are computed together, in one vector */
 
@@ -46,11 +46,11 @@ static inline float absmax_of(const float *restrict x, int64_t n) {
 static inline void scales_of_block(const float *restrict absmax, float *restrict scales,
                                    float *restrict inverse) {
     for (int i = 0; i < BLOCK; i++) {
-        float scale = absmax[i] / INT8_MAX_CODE;
+        float scale = absmax[i] / (float)INT8_MAX_CODE;
         scale = scale < FLT_MIN ? FLT_MIN : scale;
         uint32_t bits;
         memcpy(&bits, &scale, sizeof bits);
-        bits -= (uint32_t)((scale * INT8_MAX_CODE > FLT_MAX) & (absmax[i] <= FLT_MAX));
+        bits -= (uint32_t)((scale * (float)INT8_MAX_CODE > FLT_MAX) & (absmax[i] <= FLT_MAX));
         bits = scale != scale ? 0x7fc00000u : bits;
         bits = absmax[i] == 0.0f ? 0u : bits;
         memcpy(&scale, &bits, sizeof scale);
@@ -69,10 +69,12 @@ static inline void codes_of(const float *restrict x, int64_t n, float scale, flo
         return;
     }
     for (int64_t i = 0; i < n; i++) {
-        float code = __builtin_rintf(x[i] * inverse); /* half to even, as torch.round */
+        /* Half to even, as torch.round; |x * inverse| < 2**31, so the int conversion is
+         * exact, and clamping the int is clamping the float. */
+        int32_t code = (int32_t)__builtin_rintf(x[i] * inverse);
         code = code < INT8_MAX_CODE ? code : INT8_MAX_CODE;
         code = code > -INT8_MAX_CODE ? code : -INT8_MAX_CODE;
-        codes[i] = (int8_t)(int32_t)code;
+        codes[i] = (int8_t)code;
     }
 }
 
