@@ -107,14 +107,38 @@ def own_shard_decode_check(
 
     Unlike the drift bound, this needs no reference run and does not loosen with steps: a
     wrong scale, group, chunk or owner shows up at any step."""
-    from qwz.quant import DECODE_ERROR_SLACK
-    from qwz.shards import shard_scales
-
     master = master.detach().float().reshape(-1)
     working = working.detach().reshape(-1)
     if master.numel() == 0:
         return 0.0, 0
     exact = torch.zeros_like(master, dtype=torch.bool) if exact is None else exact.reshape(-1)
+    # Whole groups at a time, about CHECK_CHUNK_NUMEL elements: the temporaries stay in
+    # cache (the check runs on every rank after every step of every arm).
+    step = max(1, CHECK_CHUNK_NUMEL // group_size) * group_size
+    worst, worst_position = 0.0, 0
+    for start in range(0, master.numel(), step):
+        end = min(start + step, master.numel())
+        ratio, position = _own_chunk_check(
+            master[start:end], working[start:end], group_size, exact[start:end]
+        )
+        if ratio == math.inf:
+            return ratio, start + position
+        if ratio > worst or (math.isnan(ratio) and not math.isnan(worst)):
+            worst, worst_position = ratio, start + position
+    return worst, worst_position
+
+
+CHECK_CHUNK_NUMEL = 1 << 16
+"""Elements per piece of :func:`own_shard_decode_check` (rounded to whole groups)."""
+
+
+def _own_chunk_check(
+    master: torch.Tensor, working: torch.Tensor, group_size: int, exact: torch.Tensor
+) -> tuple[float, int]:
+    """:func:`own_shard_decode_check` of whole groups (the last may be partial)."""
+    from qwz.quant import DECODE_ERROR_SLACK
+    from qwz.shards import shard_scales
+
     mismatch = exact & (working != master.to(working.dtype))
     if bool(mismatch.any()):
         return math.inf, int(mismatch.nonzero()[0])

@@ -84,10 +84,40 @@ def _all_reduce(tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
     return tensor
 
 
-def _element_terms(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    bits = values.detach().float().contiguous().view(torch.int32).to(torch.int64) & MASK32
-    mixed = (bits ^ ((indices * K1) & MASK32)) * K2
-    return mixed & MASK32
+DIGEST_CHUNK_NUMEL = 1 << 16
+"""Elements per piece of :func:`_digest_sum` (its temporaries stay in cache)."""
+
+
+def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
+    """int64 sum of the terms of [Note: layout-independent digests] of flat `values`, whose
+    first element is element `first_index` of its parameter.
+
+    The term is computed modulo 2**32 in int32, whose products wrap modulo 2**32 as the
+    definition's do; a term read as int32 is its unsigned value minus 2**32 when negative,
+    so the unsigned sum is the int32 sum plus 2**32 per negative term."""
+    bits = values.detach().float().contiguous().view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=values.device)
+    offsets = _index_terms(min(bits.numel(), DIGEST_CHUNK_NUMEL), values.device)
+    for start in range(0, bits.numel(), DIGEST_CHUNK_NUMEL):
+        chunk = bits[start : start + DIGEST_CHUNK_NUMEL]
+        # ((first + start + j) * K1) mod 2**32 = (first + start) * K1 + j * K1, mod 2**32.
+        base = _as_int32(((first_index + start) * K1) & MASK32)
+        terms = (offsets[: chunk.numel()] + base) ^ chunk
+        terms *= _as_int32(K2)
+        total += terms.sum(dtype=torch.int64) + (terms < 0).sum() * (MASK32 + 1)
+    return total
+
+
+def _as_int32(value: int) -> int:
+    """`value` in [0, 2**32) as the int32 with the same bits."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _index_terms(numel: int, device: torch.device) -> torch.Tensor:
+    """int32 (numel,): ``(j * K1) mod 2**32`` as int32 bits, j = 0..numel-1."""
+    indices = torch.arange(numel, dtype=torch.int64, device=device)
+    terms = (indices * K1) & MASK32
+    return torch.where(terms >= 1 << 31, terms - (1 << 32), terms).to(torch.int32)
 
 
 @torch.no_grad()
@@ -100,15 +130,9 @@ def master_digests(shards: Sequence[seam.OwnShard], names: Sequence[str]) -> dic
     for shard in shards:
         master = shard.master.detach().reshape(-1)
         for slot in shard.slots:
-            indices = torch.arange(
-                slot.param_offset,
-                slot.param_offset + slot.end - slot.start,
-                dtype=torch.int64,
-                device=master.device,
+            sums[position[slot.name]] += _digest_sum(
+                master[slot.start : slot.end], slot.param_offset
             )
-            sums[position[slot.name]] += _element_terms(
-                master[slot.start : slot.end], indices
-            ).sum()
     _all_reduce(sums)
     return {name: f"{int(value):016x}" for name, value in zip(names, sums.tolist(), strict=True)}
 
@@ -118,10 +142,8 @@ def replica_digests(module: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     """(names, int64 digest per parameter) of this rank's working copy (not collective)."""
     names, digests = [], []
     for name, param in module.named_parameters():
-        flat = param.detach().reshape(-1)
-        indices = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
         names.append(name)
-        digests.append(_element_terms(flat, indices).sum())
+        digests.append(_digest_sum(param.detach().reshape(-1), 0))
     return names, torch.stack(digests)
 
 
