@@ -9,7 +9,8 @@
     does), per world size, group size and buffer size (elements of the whole buffer), plus
     the raw collective of the int8 rows alone (what the wire allows).
 (b) Quantize + dequantize element rate (one rank, fused kernels) against a bf16 copy of
-    the same buffer.
+    the same buffer, on one thread (as each rank of the gather runs: ``qwz.launch`` and
+    torchrun give every rank one thread) and on torch's default thread count.
 
 Each variant is timed interleaved with its baseline (AB, AB, ...), median of `repeats`,
 so drift hits both alike. On a GPU machine the same script runs with NCCL and CUDA tensors.
@@ -124,23 +125,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-gather", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    default_threads = torch.get_num_threads()
     print(f"kernels: {choose_kernels(None).kernels.name}")
     print("(b) quantize + dequantize vs a bf16 copy, one rank")
-    print("| elements | G | bf16 copy ms | quant+dequant ms | rate vs copy |")
-    print("|---|---|---|---|---|")
-    for numel in args.numels:
-        for group_size in args.group_sizes:
-            times = _kernel_rate(numel, group_size, args.repeats)
-            copy, both = times["bf16 copy"], times["quant+dequant"]
-            cells = [
-                numel,
-                group_size,
-                f"{copy * 1e3:.1f}",
-                f"{both * 1e3:.1f}",
-                f"{copy / both:.2f}",
-            ]
-            print("| " + " | ".join(str(cell) for cell in cells) + " |")
+    print("| threads | elements | G | bf16 copy ms | quant+dequant ms | rate vs copy |")
+    print("|---|---|---|---|---|---|")
+    for threads in sorted({1, default_threads}):
+        torch.set_num_threads(threads)
+        for numel in args.numels:
+            for group_size in args.group_sizes:
+                times = _kernel_rate(numel, group_size, args.repeats)
+                copy, both = times["bf16 copy"], times["quant+dequant"]
+                cells = [
+                    threads,
+                    numel,
+                    group_size,
+                    f"{copy * 1e3:.2f}",
+                    f"{both * 1e3:.2f}",
+                    f"{copy / both:.2f}",
+                ]
+                print("| " + " | ".join(str(cell) for cell in cells) + " |")
+    torch.set_num_threads(default_threads)
     if args.skip_gather:
         return
     print("(a) gather phase: stock bf16 all_gather_into_tensor vs qwz, and the int8 wire alone")

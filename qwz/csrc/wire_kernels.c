@@ -10,16 +10,15 @@
  * The torch kernels take two passes over the source instead (inductor splits the reduction
  * from the pointwise loop that consumes it).
  *
- * Threads: `threads` > 1 splits the groups into that many contiguous ranges, one thread
- * each; every group is computed the same way whichever thread runs it.
+ * Single-threaded: qwz.native uses them where torch runs one intra-op thread (each rank
+ * under torchrun or qwz.launch); threads of their own would contend with torch's OpenMP
+ * workers, which spin after every parallel region.
  */
 #include <float.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #define INT8_MAX_CODE 127
-#define MIN_GROUPS_PER_THREAD 2048
 #define BLOCK 16 /* groups whose scales are computed together, in one vector */
 
 /* max |x| over n elements as fp32 bits: for non-NaN values integer order is float order,
@@ -110,71 +109,22 @@ static void encode_partial_block(const float *x, int64_t numel, int64_t first, i
     }
 }
 
-typedef struct {
-    const float *x;
-    int64_t numel, group_size, first, last;
-    float *scales;
-    int8_t *codes;
-} encode_job;
-
-static void *encode_range(void *arg) {
-    const encode_job *job = arg;
-    const int64_t group_size = job->group_size;
-    int64_t g = job->first;
-    for (; g + BLOCK <= job->last && (g + BLOCK) * group_size <= job->numel; g += BLOCK) {
-        const float *x = job->x + g * group_size;
-        if (group_size == 64) /* the default: a constant, so both loops unroll */
-            encode_block(x, 64, job->scales + g, job->codes + g * 64);
-        else
-            encode_block(x, group_size, job->scales + g, job->codes + g * group_size);
-    }
-    for (; g < job->last; g += BLOCK) {
-        int count = job->last - g < BLOCK ? (int)(job->last - g) : BLOCK;
-        encode_partial_block(job->x, job->numel, g, count, group_size, job->scales, job->codes);
-    }
-    return NULL;
-}
-
-typedef void *(*range_fn)(void *);
-
-/* Run `fn` over jobs[0..threads): jobs 1.. on new threads, job 0 here. Returns 0, or -1 if
- * a thread could not start (its range then runs here: the result is the same). */
-static int run_jobs(range_fn fn, void *jobs, size_t job_size, int threads) {
-    pthread_t ids[64];
-    int started[64] = {0};
-    int failed = 0;
-    for (int t = 1; t < threads; t++) {
-        started[t] = pthread_create(&ids[t], NULL, fn, (char *)jobs + t * job_size) == 0;
-        if (!started[t]) {
-            fn((char *)jobs + t * job_size);
-            failed = -1;
-        }
-    }
-    fn(jobs);
-    for (int t = 1; t < threads; t++)
-        if (started[t]) pthread_join(ids[t], NULL);
-    return failed;
-}
-
-static int clamp_threads(int threads, int64_t groups) {
-    int64_t most = groups / MIN_GROUPS_PER_THREAD;
-    if (threads > most) threads = (int)most;
-    if (threads > 64) threads = 64;
-    return threads < 1 ? 1 : threads;
-}
-
 /* Quantize x[0..numel) into num_groups groups of group_size: scales (num_groups,) fp32 and
  * codes (num_groups * group_size,) int8; numel <= num_groups * group_size, the rest of the
  * last groups zero. */
-int qwz_encode_f32(const float *x, int64_t numel, int64_t num_groups, int64_t group_size,
-                   float *scales, int8_t *codes, int threads) {
-    encode_job jobs[64];
-    threads = clamp_threads(threads, num_groups);
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = (encode_job){x, numel, group_size, num_groups * t / threads,
-                               num_groups * (t + 1) / threads, scales, codes};
+void qwz_encode_f32(const float *x, int64_t numel, int64_t num_groups, int64_t group_size,
+                    float *scales, int8_t *codes) {
+    int64_t g = 0;
+    for (; g + BLOCK <= num_groups && (g + BLOCK) * group_size <= numel; g += BLOCK) {
+        if (group_size == 64) /* the default: a constant, so both loops unroll */
+            encode_block(x + g * 64, 64, scales + g, codes + g * 64);
+        else
+            encode_block(x + g * group_size, group_size, scales + g, codes + g * group_size);
     }
-    return run_jobs(encode_range, jobs, sizeof jobs[0], threads);
+    for (; g < num_groups; g += BLOCK) {
+        int count = num_groups - g < BLOCK ? (int)(num_groups - g) : BLOCK;
+        encode_partial_block(x, numel, g, count, group_size, scales, codes);
+    }
 }
 
 /* fp32 to bf16 as torch rounds it: to nearest, ties to even; NaN to 0x7fc0. */
@@ -185,52 +135,26 @@ static inline uint16_t bf16_bits(float value) {
     return value != value ? (uint16_t)0x7fc0 : rounded;
 }
 
-typedef struct {
-    const float *scales;
-    int64_t scale_stride;
-    const int8_t *codes;
-    int64_t code_stride;
-    void *out;
-    int64_t out_stride, numel, group_size, first, last, num_groups;
-    int bf16;
-} decode_job;
-
-/* Groups [first, last) of the flattened (rows x num_groups) grid. */
-static void *decode_range(void *arg) {
-    const decode_job *job = arg;
-    const int64_t group_size = job->group_size;
-    for (int64_t flat = job->first; flat < job->last; flat++) {
-        int64_t row = flat / job->num_groups, g = flat % job->num_groups;
-        int64_t start = g * group_size;
-        int64_t length = job->numel - start;
-        length = length > group_size ? group_size : length;
-        if (length <= 0) continue;
-        const float scale = job->scales[row * job->scale_stride + g];
-        const int8_t *codes = job->codes + row * job->code_stride + start;
-        if (job->bf16) {
-            uint16_t *out = (uint16_t *)job->out + row * job->out_stride + start;
-            for (int64_t i = 0; i < length; i++) out[i] = bf16_bits((float)codes[i] * scale);
-        } else {
-            float *out = (float *)job->out + row * job->out_stride + start;
-            for (int64_t i = 0; i < length; i++) out[i] = (float)codes[i] * scale;
-        }
-    }
-    return NULL;
-}
-
 /* Decode `rows` wire rows into out (rows, numel) bf16 (bf16 != 0) or fp32: row r's scales
  * at scales + r * scale_stride, its codes at codes + r * code_stride, its output at
  * out + r * out_stride elements; numel <= num_groups * group_size. */
-int qwz_decode(const float *scales, int64_t scale_stride, const int8_t *codes,
-               int64_t code_stride, void *out, int64_t out_stride, int bf16, int64_t rows,
-               int64_t num_groups, int64_t group_size, int64_t numel, int threads) {
-    decode_job jobs[64];
-    int64_t total = rows * num_groups;
-    threads = clamp_threads(threads, total);
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = (decode_job){scales, scale_stride, codes, code_stride, out, out_stride, numel,
-                               group_size, total * t / threads, total * (t + 1) / threads,
-                               num_groups, bf16};
+void qwz_decode(const float *scales, int64_t scale_stride, const int8_t *codes,
+                int64_t code_stride, void *out, int64_t out_stride, int bf16, int64_t rows,
+                int64_t num_groups, int64_t group_size, int64_t numel) {
+    for (int64_t row = 0; row < rows; row++) {
+        for (int64_t g = 0; g < num_groups; g++) {
+            int64_t start = g * group_size, length = numel - start;
+            length = length > group_size ? group_size : length;
+            if (length <= 0) break;
+            const float scale = scales[row * scale_stride + g];
+            const int8_t *in = codes + row * code_stride + start;
+            if (bf16) {
+                uint16_t *to = (uint16_t *)out + row * out_stride + start;
+                for (int64_t i = 0; i < length; i++) to[i] = bf16_bits((float)in[i] * scale);
+            } else {
+                float *to = (float *)out + row * out_stride + start;
+                for (int64_t i = 0; i < length; i++) to[i] = (float)in[i] * scale;
+            }
+        }
     }
-    return run_jobs(decode_range, jobs, sizeof jobs[0], threads);
 }

@@ -1,11 +1,11 @@
 """The native one-pass CPU wire kernels (``qwz/csrc/wire_kernels.c``, ``qwz/native.py``):
-they write the eager kernels' bytes for every input, whatever the thread count, and their
-build cache never hands out a library that does not load or was built for another CPU.
+they write the eager kernels' bytes for every input, serve only where torch runs one
+thread, and their build cache never hands out a library that does not load or was built
+for another CPU.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 
@@ -41,25 +41,16 @@ def kernels() -> native.NativeKernels:
     return loaded
 
 
-def _rows(kernel_set, values, group_size, num_groups, world_size, rank, dtype, threads=None):
+def _rows(kernel_set, values, group_size, num_groups, world_size, rank, dtype):
     """Encode `values` into row `rank` of `world_size` wire rows (the others hold a fixed
     pattern), then decode all rows into a strided (world_size, numel) view of `dtype`."""
     row = WireRow(num_groups, group_size, 0, 2)
     rows = torch.arange(world_size * row.row_bytes, dtype=torch.int64).remainder(251)
     rows = rows.to(torch.uint8).view(world_size, -1)
-    encode_args = (values, row_scales(rows, row)[rank], row_codes(rows, row)[rank])
-    if threads is None:
-        kernel_set.encode(*encode_args)
-    else:
-        kernel_set.encode(*encode_args, threads=threads)
+    kernel_set.encode(values, row_scales(rows, row)[rank], row_codes(rows, row)[rank])
     # Row-strided destination, as DeepSpeed's partitions and qwz's working buffer give it.
     wide = torch.full((world_size, values.numel() + 3), -1.0, dtype=dtype)
-    out = wide[:, : values.numel()]
-    decode_args = (row_scales(rows, row), row_codes(rows, row), out)
-    if threads is None:
-        kernel_set.decode(*decode_args)
-    else:
-        kernel_set.decode(*decode_args, threads=threads)
+    kernel_set.decode(row_scales(rows, row), row_codes(rows, row), wide[:, : values.numel()])
     return rows, wide
 
 
@@ -109,40 +100,41 @@ def test_native_and_eager_kernels_write_the_same_bytes(case, kernels):
     assert (decoded[:, values.numel() :] == -1).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_threads_split_the_groups_without_changing_a_byte(kernels, dtype):
-    """Above 2048 groups per thread the kernels split the work; every group is computed
-    the same way whichever thread runs it."""
-    group_size, num_groups = 64, 3 * 2048 + 21
-    generator = torch.Generator().manual_seed(7)
-    values = torch.randn(num_groups * group_size - 9, generator=generator)
-    values *= torch.rand(num_groups, generator=generator).repeat_interleave(group_size)[:-9]
-    values[1000] = math.nan
-    one = _rows(kernels, values, group_size, num_groups, 2, 1, dtype, threads=1)
-    for threads in (2, 3, 200):
-        many = _rows(kernels, values, group_size, num_groups, 2, 1, dtype, threads=threads)
-        assert torch.equal(many[0], one[0]), threads
-        _assert_same_decode(many[1], one[1])
-    eager = _rows(EAGER_KERNELS, values, group_size, num_groups, 2, 1, dtype)
-    assert torch.equal(one[0], eager[0])
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
-def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels):
-    """CPU fp32 sources and bf16/fp32 destinations go native; an fp16 destination or a
-    non-contiguous source takes the torch kernels -- the same bytes either way."""
+def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_threads):
+    """CPU fp32 sources and bf16/fp32 destinations with one torch thread go native; an fp16
+    destination, a non-contiguous source or more threads take the torch kernels -- the same
+    bytes either way."""
+    torch_threads(1)
     fused = quant.compiled_kernels()
     assert isinstance(fused.encode.native, native.NativeKernels)
     assert isinstance(fused.decode.native, native.NativeKernels)
     row = WireRow(2, 64, 0, 2)
     rows = torch.zeros(1, row.row_bytes, dtype=torch.uint8)
+    scales, codes = row_scales(rows, row), row_codes(rows, row)
+    contiguous = torch.linspace(-2.0, 3.0, 96)
     source = torch.linspace(-2.0, 3.0, 64 * 3)[::2]  # 96 elements, not contiguous
-    assert not kernels.can_encode(source, row_scales(rows, row)[0], row_codes(rows, row)[0])
-    out = torch.zeros(1, 96, dtype=torch.float16)
-    assert not kernels.can_decode(row_scales(rows, row), row_codes(rows, row), out)
-    fused_rows, fused_out = _rows(fused, source, 64, 2, 1, 0, torch.float16)
-    eager_rows, eager_out = _rows(EAGER_KERNELS, source, 64, 2, 1, 0, torch.float16)
-    assert torch.equal(fused_rows, eager_rows)
-    _assert_same_decode(fused_out, eager_out)
+    bf16_out = torch.zeros(1, 96, dtype=torch.bfloat16)
+    assert kernels.can_encode(contiguous, scales[0], codes[0])
+    assert kernels.can_decode(scales, codes, bf16_out)
+    assert not kernels.can_encode(source, scales[0], codes[0])
+    assert not kernels.can_decode(scales, codes, torch.zeros(1, 96, dtype=torch.float16))
+    cases = [(source, torch.float16, 1), (contiguous, torch.bfloat16, 2)]
+    for values, dtype, threads in cases:
+        torch_threads(threads)
+        if threads > 1:
+            assert not kernels.can_encode(contiguous, scales[0], codes[0])
+            assert not kernels.can_decode(scales, codes, bf16_out)
+        fused_rows, fused_out = _rows(fused, values, 64, 2, 1, 0, dtype)
+        eager_rows, eager_out = _rows(EAGER_KERNELS, values, 64, 2, 1, 0, dtype)
+        assert torch.equal(fused_rows, eager_rows)
+        _assert_same_decode(fused_out, eager_out)
 
 
 # --------------------------------------------------------------------------- #
