@@ -263,9 +263,11 @@ def initialize(
 
     Uses the default process group unless `process_group` is given; without an
     initialised process group it runs on one rank with the collectives skipped.
-    `compile_kernels`: None (default) fuses the gather's kernels with ``torch.compile`` when
-    a one-time probe shows it works here, else uses the eager kernels (same bytes) and logs
-    why (``engine.optimizer.kernel_fallback``); True requires fusion; False keeps eager.
+    `compile_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
+    C kernels on CPU with one torch thread, ``torch.compile`` otherwise) when a one-time
+    probe shows they work here and write the eager kernels' bytes, else uses the eager
+    kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
+    the fused kernels; False keeps eager.
     """
     parsed = config if isinstance(config, QwzConfig) else QwzConfig.from_deepspeed(config)
     return Engine(model, parsed, process_group=process_group, compile_kernels=compile_kernels)

@@ -239,7 +239,7 @@ class ZeroOptimizer:
 
         choice = choose_kernels(compile_kernels)
         self.kernels = choice.kernels
-        """The gather's kernels: fused by default when ``torch.compile`` works here."""
+        """The gather's kernels: fused by default (quant.choose_kernels) when they work here."""
         self.kernel_fallback = choice.fallback_reason
         """Why the fused kernels are not in use although wanted (None when they are)."""
         self._check_same_kernels_on_every_rank()

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="fuse the quantize/dequantize kernels with torch.compile (qwz subject)",
+        help="fused quantize/dequantize kernels (native C on CPU, else torch.compile)",
     )
     run.add_argument(
         "--min-speedup",
@@ -401,7 +401,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.compile and not compile_available():
         print(
-            "qwz-qualify: torch.compile is not usable here (no C++ compiler?); "
+            "qwz-qualify: the fused kernels are not usable here (no C compiler?); "
             "the arms use the eager kernels, and the record says so",
             file=sys.stderr,
         )

@@ -98,7 +98,8 @@ class Arm(_Model):
     stage: int
     dtype: str
     kernels: Literal["eager", "compiled"] = Field(
-        description="Quantize/dequantize kernels: eager, or fused by torch.compile"
+        description='Quantize/dequantize kernels: eager, or fused ("compiled": qwz\'s native C '
+        "kernels on CPU with one torch thread, torch.compile otherwise)"
     )
     integration_enabled: bool = Field(
         description="deepspeed subject: whether qwz's gather was allowed to take over"
