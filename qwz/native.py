@@ -7,7 +7,8 @@ checks they write the eager kernels' bytes before any gather runs them).
 
 [Note: native build]
 The source is compiled with ``$CC`` (default ``cc``, then ``gcc``) and
-``-O3 -march=native`` into ``$QWZ_CACHE_DIR`` (default ``~/.cache/qwz``), under a name
+``-O3 -march=native`` into ``$QWZ_CACHE_DIR`` (default ``~/.cache/qwz``; a per-user
+directory under the system's temporary directory where that cannot be written), under a name
 that hashes the source, the flags, the compiler's version and this CPU's feature flags: a
 cache shared by machines with other CPUs never hands one of them code for the wrong
 instructions. Ranks that build at once each write their own temporary file and rename it
@@ -83,6 +84,20 @@ def _cache_dir() -> Path:
     return Path(base) / "qwz"
 
 
+def _writable(directory: Path) -> Path:
+    """`directory`, created if missing; where it cannot be written (a read-only home), a
+    per-user directory under the system's temporary directory instead."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"qwz-cache-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
+
+
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
 
@@ -96,10 +111,9 @@ def build() -> Path:
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), " ".join(flags), compiler, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"qwz-wire-kernels-{key}.so"
+    target = _writable(_cache_dir()) / f"qwz-wire-kernels-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
     os.close(handle)
     try:

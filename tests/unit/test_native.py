@@ -215,3 +215,16 @@ def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
     assert loaded is None
     assert "do not reproduce the eager kernels' bytes" in reason
     assert any("native wire kernels unavailable" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(tmp_path, monkeypatch):
+    """A read-only home (some CI containers) still gets the native kernels: the library is
+    built under the system's temporary directory instead."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("QWZ_CACHE_DIR", str(blocked / "qwz"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    path = native.build()
+    assert path.parent == tmp_path / "tmp" / f"qwz-cache-{os.getuid()}"
+    assert path.exists()
