@@ -12,8 +12,10 @@
     the same buffer, on one thread (as each rank of the gather runs: ``qwz.launch`` and
     torchrun give every rank one thread) and on torch's default thread count.
 
-Each variant is timed interleaved with its baseline (AB, AB, ...), median of `repeats`,
-so drift hits both alike. On a GPU machine the same script runs with NCCL and CUDA tensors.
+Each variant is timed interleaved with its baseline (AB, AB, ...), median of `repeats`
+rounds at 16M elements and more, proportionally more below (a 1M-element gather takes a
+few milliseconds, where one scheduler tick on a shared machine is a large share), so
+drift hits both alike. On a GPU machine the same script runs with NCCL and CUDA tensors.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def _timed(fn: Callable[[], object], device: torch.device, barrier: bool) -> flo
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def _rounds(repeats: int, numel: int) -> int:
+    """`repeats` rounds at 16M elements and more; as many more below as keeps the time per
+    size about the same, at most 20x."""
+    return repeats * min(20, max(1, (1 << 24) // numel))
 
 
 def _interleaved(variants: dict[str, Callable[[], object]], repeats: int, barrier: bool):
@@ -94,7 +102,8 @@ def _gather_rank(numel: int, group_size: int, repeats: int) -> dict[str, float]:
     def wire_only() -> None:
         dist.all_gather_into_tensor(raw_rows.view(-1), raw_rows[rank])
 
-    return _interleaved({"stock": stock, "qwz": qwz, "wire": wire_only}, repeats, True)
+    variants = {"stock": stock, "qwz": qwz, "wire": wire_only}
+    return _interleaved(variants, _rounds(repeats, numel), True)
 
 
 def _kernel_rate(numel: int, group_size: int, repeats: int) -> dict[str, float]:
@@ -114,7 +123,8 @@ def _kernel_rate(numel: int, group_size: int, repeats: int) -> dict[str, float]:
         kernels.encode(master, scales[0], codes[0])
         kernels.decode(scales, codes, out)
 
-    return _interleaved({"bf16 copy": copy, "quant+dequant": quantize_dequantize}, repeats, False)
+    variants = {"bf16 copy": copy, "quant+dequant": quantize_dequantize}
+    return _interleaved(variants, _rounds(repeats, numel), False)
 
 
 def main() -> None:
