@@ -86,7 +86,8 @@ def _cache_dir() -> Path:
 
 def _writable(directory: Path) -> Path:
     """`directory`, created if missing; where it cannot be written (a read-only home), a
-    per-user directory under the system's temporary directory instead."""
+    per-user directory under the system's temporary directory instead, which must be this
+    user's and writable by no one else (a library found there is loaded and run)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if os.access(directory, os.W_OK):
@@ -94,12 +95,20 @@ def _writable(directory: Path) -> Path:
     except OSError:
         pass
     fallback = Path(tempfile.gettempdir()) / f"qwz-cache-{os.getuid()}"
-    fallback.mkdir(parents=True, exist_ok=True)
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    status = fallback.stat()
+    if status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise NativeBuildError(
+            f"{fallback}: not a private directory of this user (owner uid {status.st_uid}, "
+            f"mode {status.st_mode & 0o777:o}); set $QWZ_CACHE_DIR"
+        )
     return fallback
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    return subprocess.run(
+        command, capture_output=True, text=True, errors="replace", timeout=BUILD_TIMEOUT_S
+    )
 
 
 def build() -> Path:
@@ -122,6 +131,7 @@ def build() -> Path:
             raise NativeBuildError(
                 f"{Path(compiler).name} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}"
             )
+        os.chmod(temporary, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
@@ -145,29 +155,45 @@ class NativeKernels:
 
     @staticmethod
     def can_encode(values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor) -> bool:
-        """Whether :meth:`encode` serves these tensors: CPU, contiguous fp32 source, and one
-        torch thread (see [Note: native build])."""
+        """Whether :meth:`encode` serves these tensors: CPU, one torch thread (see
+        [Note: native build]), a contiguous fp32 source of at most U * G elements, contiguous
+        fp32 scales (U,) and int8 codes (U * G,)."""
         return (
-            values.device.type == "cpu"
+            values.device.type == scales_out.device.type == codes_out.device.type == "cpu"
+            and torch.get_num_threads() == 1
             and values.dtype == torch.float32
+            and scales_out.dtype == torch.float32
+            and codes_out.dtype == torch.int8
+            and values.dim() == scales_out.dim() == codes_out.dim() == 1
             and values.is_contiguous()
             and scales_out.is_contiguous()
             and codes_out.is_contiguous()
-            and torch.get_num_threads() == 1
+            and scales_out.numel() > 0
+            and codes_out.numel() % scales_out.numel() == 0
+            and values.numel() <= codes_out.numel()
         )
 
     @staticmethod
     def can_decode(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether :meth:`decode` serves these tensors: CPU, bf16 or fp32 destination rows
-        with unit element stride (the rows themselves may be strided), and one torch
-        thread."""
+        """Whether :meth:`decode` serves these tensors: CPU, one torch thread, fp32 scales
+        (W, U) and int8 codes (W, U * G) with unit element stride, and a bf16 or fp32
+        destination (W, n <= U * G) whose rows are unit-stride and do not overlap (the rows
+        themselves may be strided)."""
         return (
-            out.device.type == "cpu"
+            scales.device.type == codes.device.type == out.device.type == "cpu"
+            and torch.get_num_threads() == 1
+            and scales.dtype == torch.float32
+            and codes.dtype == torch.int8
             and out.dtype in (torch.bfloat16, torch.float32)
-            and out.stride(1) == 1
+            and scales.dim() == codes.dim() == out.dim() == 2
+            and scales.shape[0] == codes.shape[0] == out.shape[0]
+            and scales.shape[1] > 0
+            and codes.shape[1] % scales.shape[1] == 0
+            and out.shape[1] <= codes.shape[1]
             and scales.stride(1) == 1
             and codes.stride(1) == 1
-            and torch.get_num_threads() == 1
+            and out.stride(1) == 1
+            and (out.shape[0] == 1 or out.stride(0) >= out.shape[1])
         )
 
     def encode(self, values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor):
@@ -203,15 +229,21 @@ class NativeKernels:
 @functools.cache
 def load() -> NativeKernels:
     """The native kernels, built on first call (raises NativeBuildError). A cached library
-    that does not load (truncated, damaged) is removed and built again, once."""
+    that does not load (truncated, damaged) is removed and built again, once; one that loads
+    but lacks the entry points is removed for the next process to rebuild (this process
+    cannot load another file under the same name) and NativeBuildError is raised."""
     try:
         path = build()
         try:
             return NativeKernels(path)
+        except AttributeError as error:
+            path.unlink(missing_ok=True)
+            raise NativeBuildError(
+                f"cached {path.name} lacks the kernels' entry points ({error}); removed, "
+                "the next process rebuilds it"
+            ) from error
         except OSError as error:
-            logger.warning(
-                "qwz: cached native kernels %s fail to load (%s); rebuilding", path, error
-            )
+            logger.warning("qwz: cached %s fails to load (%s); rebuilding", path, error)
             path.unlink(missing_ok=True)
             return NativeKernels(build())
     except (OSError, subprocess.SubprocessError) as error:

@@ -286,12 +286,18 @@ class _FusedKernel:
 
     Gathers call it with two shapes per plan (full chunk and tail), so the limit means many
     distinct plans in one process, not a kernel that recompiles every call.
+
+    `check` (default none): asked before the first compile, returns why ``torch.compile``
+    cannot serve here (None when it can); a reason also means eager from then on, logged
+    and recorded in `fallback`. The process's fused kernels pass :func:`inductor_probe`, so
+    the probe's compile is paid only where the native kernels do not serve.
     """
 
-    def __init__(self, eager: Callable[..., None]):
+    def __init__(self, eager: Callable[..., None], check: Callable[[], str | None] | None = None):
         self.eager = eager
         self.fused = torch.compile(eager, dynamic=False)
         self.fallback: str | None = None
+        self.check = check
         self._compiled: set[tuple] = set()
 
     def __call__(self, *args: torch.Tensor) -> None:
@@ -300,6 +306,11 @@ class _FusedKernel:
         key = tuple(_signature(arg) for arg in args)
         if key in self._compiled:  # compiled for exactly these inputs: no recompile to watch
             return self.fused(*args)
+        reason = self.check() if self.check is not None else None
+        if reason is not None:
+            self.fallback = f"{self.eager.__name__}: torch.compile unusable ({reason}); eager now"
+            logger.warning("qwz: fused kernel %s", self.fallback)
+            return self.eager(*args)
         import torch._dynamo
 
         # Only inputs not seen before can make dynamo compile again: they alone pay for the
@@ -336,8 +347,10 @@ class _FusedDecode:
     eagerly -- the same bytes -- which also keeps the compiled kernel clear of an inductor
     CPU bug seen in torch 2.13 (a fused copy into a partial last group left it unwritten)."""
 
-    def __init__(self, native: NativeKernels | None = None) -> None:
-        self.kernel = _FusedKernel(decode_into)
+    def __init__(
+        self, native: NativeKernels | None = None, check: Callable[[], str | None] | None = None
+    ) -> None:
+        self.kernel = _FusedKernel(decode_into, check)
         self.native = native
 
     @property
@@ -373,9 +386,11 @@ class _FusedEncode:
     buffer takes 2.6 ms). The native kernel reads each group once (8M elements, one
     thread: 2.7 ms against 4.7 ms for the two compiled passes and 2.3 ms for a bf16 copy)."""
 
-    def __init__(self, native: NativeKernels | None = None) -> None:
-        self.scales = _FusedKernel(encode_scales_into)
-        self.codes = _FusedKernel(encode_codes_into)
+    def __init__(
+        self, native: NativeKernels | None = None, check: Callable[[], str | None] | None = None
+    ) -> None:
+        self.scales = _FusedKernel(encode_scales_into, check)
+        self.codes = _FusedKernel(encode_codes_into, check)
         self.native = native
 
     @property
@@ -390,16 +405,36 @@ class _FusedEncode:
 
 @functools.cache
 def native_kernels() -> tuple[NativeKernels | None, str | None]:
-    """The native CPU kernels and None, or None and why they cannot be built here (logged;
-    the fused kernels then use ``torch.compile`` on CPU too). See [Note: native build]."""
+    """The native CPU kernels and None, or None and why they cannot serve here (logged; the
+    fused kernels then use ``torch.compile`` on CPU too): they must build, load, and write
+    the eager kernels' bytes on rows that take every path. See [Note: native build]."""
     try:
         kernels = native.load()
-        _probe_kernels(QuantKernels("native", kernels.encode, kernels.decode))
+        candidate = QuantKernels("native", kernels.encode, kernels.decode)
+        _probe_kernels(candidate, NATIVE_PROBE_ROWS, (torch.bfloat16, torch.float32))
         return kernels, None
-    except (native.NativeBuildError, RuntimeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error) else type(error).__name__
+    except Exception as error:  # any failure means: torch.compile instead, and say why
+        reason = _first_line(error)
         logger.warning("qwz: native wire kernels unavailable (%s); torch.compile instead", reason)
         return None, reason
+
+
+@functools.cache
+def inductor_probe() -> str | None:
+    """Why ``torch.compile`` cannot fuse the kernels here (None when it can): compiles them
+    for a small CPU row and checks they write the eager kernels' bytes (on CPU this needs a
+    C++ compiler). Run on first need, not at start-up: where the native kernels serve every
+    call, the compile is never paid."""
+    try:
+        _probe_kernels(QuantKernels("compiled", _FusedEncode(), _FusedDecode()))
+    except Exception as error:  # any failure means: eager, and say why
+        return _first_line(error)
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @functools.cache
@@ -407,7 +442,9 @@ def compiled_kernels() -> QuantKernels:
     """The same kernels fused: native one-pass kernels on CPU where they build, else
     ``torch.compile`` (compiled on first use, per shape)."""
     kernels, _ = native_kernels()
-    return QuantKernels("compiled", _FusedEncode(kernels), _FusedDecode(kernels))
+    return QuantKernels(
+        "compiled", _FusedEncode(kernels, inductor_probe), _FusedDecode(kernels, inductor_probe)
+    )
 
 
 def kernel_fallbacks() -> list[str]:
@@ -418,35 +455,63 @@ def kernel_fallbacks() -> list[str]:
     return [k.fallback for k in (kernels.encode, kernels.decode) if k.fallback is not None]
 
 
-def _probe_kernels(kernels: QuantKernels) -> None:
-    """Run `kernels` once on a small row and require the eager kernels' bytes."""
-    group_size = 8
-    # A zero group, a group with a tie (2.5 codes), and a partial last group.
-    values = torch.cat([torch.zeros(group_size), torch.linspace(-3.0, 5.0, 3 * group_size - 5)])
-    values[group_size + 1] = 5.0 * 2.5 / 127
-    rows = {}
-    for candidate in (EAGER_KERNELS, kernels):
-        row = torch.zeros(1, 4 * (group_size + SCALE_BYTES), dtype=torch.uint8)
-        layout = WireRow(num_groups=4, group_size=group_size, exact_numel=0, element_size=4)
-        candidate.encode(values, row_scales(row, layout)[0], row_codes(row, layout)[0])
-        decoded = torch.empty(1, values.numel(), dtype=torch.bfloat16)
-        candidate.decode(row_scales(row, layout), row_codes(row, layout), decoded)
-        rows[candidate.name] = (row, decoded)
-    (eager_row, eager_decoded), (row, decoded) = rows["eager"], rows[kernels.name]
-    if not (torch.equal(eager_row, row) and torch.equal(eager_decoded, decoded)):
-        raise RuntimeError("fused kernels do not reproduce the eager kernels' bytes")
+PROBE_ROWS = ((8, 4, 5),)
+"""(group size, groups, elements short of whole groups) of the rows a probe encodes."""
+NATIVE_PROBE_ROWS = ((64, 17, 5), (8, 3, 5), (100, 2, 150))
+"""Rows taking every path of the native kernels: blocks of 16 groups at the G=64 fast path,
+a partial block, any other group size, and a group wholly past the source's end."""
+
+
+def _probe_values(group_size: int, numel: int) -> torch.Tensor:
+    """A zero first group, then a ramp; with two groups or more, the second holds 127 (scale
+    1) and the ties 2.5 and -3.5 (codes 2 and -4: half to even)."""
+    values = torch.linspace(-3.0, 5.0, numel)
+    if numel >= 2 * group_size and group_size >= 3:
+        values[:group_size] = 0.0
+        values[group_size : group_size + 3] = torch.tensor([127.0, 2.5, -3.5])
+    return values
+
+
+def _probe_kernels(
+    kernels: QuantKernels,
+    rows: tuple[tuple[int, int, int], ...] = PROBE_ROWS,
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+) -> None:
+    """Run `kernels` on `rows`, decoding into each of `dtypes`, and require the eager
+    kernels' bytes."""
+    for group_size, num_groups, short in rows:
+        values = _probe_values(group_size, num_groups * group_size - short)
+        layout = WireRow(num_groups, group_size, exact_numel=0, element_size=4)
+        for dtype in dtypes:
+            written = []
+            for candidate in (EAGER_KERNELS, kernels):
+                row = torch.zeros(1, layout.row_bytes, dtype=torch.uint8)
+                candidate.encode(values, row_scales(row, layout)[0], row_codes(row, layout)[0])
+                decoded = torch.empty(1, values.numel(), dtype=dtype)
+                candidate.decode(row_scales(row, layout), row_codes(row, layout), decoded)
+                written.append((row, decoded))
+            (eager_row, eager_decoded), (row, decoded) = written
+            if not (torch.equal(eager_row, row) and torch.equal(eager_decoded, decoded)):
+                raise RuntimeError(
+                    f"{kernels.name} kernels do not reproduce the eager kernels' bytes "
+                    f"(G={group_size}, {num_groups} groups, {dtype})"
+                )
 
 
 @functools.cache
 def compile_probe() -> str | None:
-    """Why the fused kernels cannot serve here (None when they can): builds and runs both
-    once on a small CPU row (the native kernels, or ``torch.compile``'s where those do not
-    build; either needs a C compiler) and checks they produce the eager kernels' bytes."""
-    try:
-        _probe_kernels(compiled_kernels())
-    except Exception as error:  # any failure means: use eager, and say why
-        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
-    return None
+    """Why the fused kernels cannot serve here (None when they can): the native kernels
+    build and pass their probe (:func:`native_kernels`), or else ``torch.compile`` passes
+    :func:`inductor_probe`. With the native kernels, calls they do not serve (other
+    devices, dtypes, thread counts) still probe ``torch.compile`` before its first use and
+    run eager, logged and recorded, where it fails."""
+    kernels, native_reason = native_kernels()
+    if kernels is not None:
+        return None
+    inductor_reason = inductor_probe()
+    if inductor_reason is None:
+        return None
+    return f"native kernels: {native_reason}; torch.compile: {inductor_reason}"
 
 
 def compile_available() -> bool:

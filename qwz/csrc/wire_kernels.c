@@ -68,8 +68,8 @@ static inline void codes_of(const float *restrict x, int64_t n, float scale, flo
         return;
     }
     for (int64_t i = 0; i < n; i++) {
-        /* Half to even, as torch.round; |x * inverse| < 2**31, so the int conversion is
-         * exact, and clamping the int is clamping the float. */
+        /* Half to even in the default rounding mode, as torch.round; |x * inverse| < 2**31,
+         * so the int conversion is exact, and clamping the int is clamping the float. */
         int32_t code = (int32_t)__builtin_rintf(x[i] * inverse);
         code = code < INT8_MAX_CODE ? code : INT8_MAX_CODE;
         code = code > -INT8_MAX_CODE ? code : -INT8_MAX_CODE;
@@ -98,13 +98,13 @@ static void encode_partial_block(const float *x, int64_t numel, int64_t first, i
     for (int i = 0; i < count; i++) {
         int64_t start = (first + i) * group_size, left = numel - start;
         length[i] = left < 0 ? 0 : (left > group_size ? group_size : left);
-        absmax[i] = absmax_of(x + start, length[i]);
+        absmax[i] = length[i] ? absmax_of(x + start, length[i]) : 0.0f;
     }
     scales_of_block(absmax, scales, inverse);
     for (int i = 0; i < count; i++) {
         int64_t start = (first + i) * group_size;
         scales_out[first + i] = scales[i];
-        codes_of(x + start, length[i], scales[i], inverse[i], codes + start);
+        if (length[i]) codes_of(x + start, length[i], scales[i], inverse[i], codes + start);
         memset(codes + start + length[i], 0, (size_t)(group_size - length[i]));
     }
 }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,14 +67,17 @@ def _assert_same_decode(decoded: torch.Tensor, expected: torch.Tensor) -> None:
 @st.composite
 def rows_to_encode(draw):
     """fp32 values for one wire row: group sizes with and without the G=64 fast path,
-    group counts around the kernel's blocks of 16 groups, partial last groups, any
-    magnitudes (the extremes of fp32 included), and sometimes a NaN or an Inf."""
-    group_size = draw(st.sampled_from([1, 8, 64, 100]))
+    group counts around the kernel's blocks of 16 groups, partial last groups and whole
+    groups past the source's end, magnitudes from fp32's subnormals to its top, and
+    sometimes a NaN (any payload) or an Inf."""
+    group_size = draw(st.sampled_from([1, 8, 64, 100, 257, 1000]))
     num_groups = draw(st.sampled_from([1, 15, 16, 17, 40]))
-    cut = draw(st.sampled_from([0, 1, 5])) if group_size > 5 else 0
-    numel = num_groups * group_size - cut
-    x = draw(tensors(max(numel, 1), torch.float32)).reshape(-1)[:numel].contiguous()
-    if numel and draw(st.booleans()):
+    whole = num_groups * group_size
+    numel = draw(st.sampled_from([whole, whole - 1, whole - 5, whole // 3, 1]))
+    numel = max(1, min(whole, numel))
+    exponents = draw(st.sampled_from([None, (-149, 126)]))
+    x = draw(tensors(numel, torch.float32, exponents)).reshape(-1).contiguous()
+    if draw(st.booleans()):
         x[draw(st.integers(0, numel - 1))] = POISONS[draw(st.integers(0, len(POISONS) - 1))]
     world_size = draw(st.sampled_from([1, 3]))
     rank = draw(st.integers(0, world_size - 1))
@@ -137,6 +142,84 @@ def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_
         _assert_same_decode(fused_out, eager_out)
 
 
+def test_fused_kernels_call_the_native_ones_with_the_callers_tensors(kernels, torch_threads):
+    """The dispatch itself: a gather's encode and decode reach the native entry points with
+    the very tensors they were given (not the torch path)."""
+    torch_threads(1)
+    calls = []
+
+    class Spy:
+        can_encode = staticmethod(kernels.can_encode)
+        can_decode = staticmethod(kernels.can_decode)
+
+        def encode(self, *args):
+            calls.append(("encode", *args))
+            kernels.encode(*args)
+
+        def decode(self, *args):
+            calls.append(("decode", *args))
+            kernels.decode(*args)
+
+    def no_torch_compile():
+        raise AssertionError("the torch path ran")
+
+    fused = quant.QuantKernels(
+        "compiled",
+        quant._FusedEncode(Spy(), no_torch_compile),
+        quant._FusedDecode(Spy(), no_torch_compile),
+    )
+    values = torch.linspace(-2.0, 3.0, 64 * 17 - 5)
+    rows, decoded = _rows(fused, values, 64, 17, 2, 1, torch.bfloat16)
+    eager_rows, eager = _rows(EAGER_KERNELS, values, 64, 17, 2, 1, torch.bfloat16)
+    assert torch.equal(rows, eager_rows)
+    _assert_same_decode(decoded, eager)
+    assert [call[0] for call in calls] == ["encode", "decode"]
+    assert calls[0][1] is values
+
+
+def test_shapes_the_native_kernels_cannot_serve_take_the_torch_path(kernels, torch_threads):
+    """Mismatched rows, overlapping destination rows, a source longer than the row and the
+    wrong dtypes are not handed to C (which would write out of bounds); the torch kernels
+    then raise their own errors."""
+    torch_threads(1)
+    scales, codes = torch.ones(3, 1), torch.ones(3, 4, dtype=torch.int8)
+    assert kernels.can_decode(scales, codes, torch.zeros(3, 4))
+    assert not kernels.can_decode(scales, codes, torch.zeros(3, 4)[:1])
+    assert not kernels.can_decode(scales, codes, torch.zeros(4).expand(3, 4))
+    assert not kernels.can_decode(scales, codes, torch.zeros(3, 5))
+    assert not kernels.can_decode(scales.double(), codes, torch.zeros(3, 4))
+    assert not kernels.can_decode(scales, codes.to(torch.uint8), torch.zeros(3, 4))
+    scales_out, codes_out = torch.zeros(2), torch.zeros(16, dtype=torch.int8)
+    assert kernels.can_encode(torch.zeros(16), scales_out, codes_out)
+    assert not kernels.can_encode(torch.zeros(17), scales_out, codes_out)
+    assert not kernels.can_encode(torch.zeros(16), scales_out.bfloat16(), codes_out)
+    assert not kernels.can_encode(torch.zeros(16), scales_out, codes_out.to(torch.uint8))
+    assert not kernels.can_encode(torch.zeros(16), torch.zeros(3), codes_out)
+
+
+def test_fused_kernels_without_a_working_torch_compile_run_eager_logged(
+    kernels, torch_threads, caplog
+):
+    """Where the native kernels cannot serve (here: an fp16 destination) and torch.compile
+    does not work, the call runs eager (the same bytes), says so and records why."""
+    torch_threads(1)
+
+    def broken():
+        return "InductorError: no C++ compiler"
+
+    decode = quant._FusedDecode(kernels, broken)
+    fused = quant.QuantKernels("compiled", quant._FusedEncode(kernels, broken), decode)
+    values = torch.linspace(-2.0, 3.0, 64 * 3)
+    with caplog.at_level("WARNING", logger="qwz"):
+        rows, decoded = _rows(fused, values, 64, 3, 2, 0, torch.float16)
+    eager_rows, eager = _rows(EAGER_KERNELS, values, 64, 3, 2, 0, torch.float16)
+    assert torch.equal(rows, eager_rows)
+    _assert_same_decode(decoded, eager)
+    assert "torch.compile unusable (InductorError: no C++ compiler)" in decode.fallback
+    assert fused.encode.fallback is None  # the encode was served natively
+    assert any("torch.compile unusable" in record.getMessage() for record in caplog.records)
+
+
 # --------------------------------------------------------------------------- #
 # Build, cache and probe
 # --------------------------------------------------------------------------- #
@@ -160,7 +243,7 @@ def test_a_damaged_cached_library_is_rebuilt(cache_dir, caplog):
         native.load.cache_clear()
     assert loaded.path == path and path.read_bytes()[:4] == b"\x7fELF"
     assert path.stat().st_size > 1000
-    assert any("fail to load" in record.getMessage() for record in caplog.records)
+    assert any("fails to load" in record.getMessage() for record in caplog.records)
     values = torch.linspace(-1.0, 1.0, 128)
     assert torch.equal(
         _rows(loaded, values, 64, 2, 1, 0, torch.float32)[0],
@@ -175,8 +258,13 @@ def test_the_cache_key_covers_the_cpu_and_the_source(cache_dir, monkeypatch):
     first = native.build()
     assert native.build() == first  # cached: not rebuilt
     monkeypatch.setattr(native, "_cpu_flags", lambda: "flags: avx2 (another machine)")
-    assert native.build() != first
-    assert len(list(cache_dir.glob("qwz-wire-kernels-*.so"))) == 2
+    other_cpu = native.build()
+    assert other_cpu != first
+    edited = cache_dir / "wire_kernels.c"
+    edited.write_text(native.SOURCE.read_text() + "/* edited */\n")
+    monkeypatch.setattr(native, "SOURCE", edited)
+    assert native.build() not in (first, other_cpu)
+    assert len(list(cache_dir.glob("qwz-wire-kernels-*.so"))) == 3
     assert not list(cache_dir.glob("*.tmp"))
 
 
@@ -198,11 +286,14 @@ def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
     mismatch (a miscompiled library) leaves the fused kernels on torch.compile, logged."""
 
     class Miscompiled:
-        def encode(self, values, scales_out, codes_out, threads=None):
-            quant.encode_into(values, scales_out, codes_out)
-            codes_out[-1] = codes_out[-1] ^ 1
+        """Wrong only in whole blocks of 16 groups at G=64 (the main path)."""
 
-        def decode(self, scales, codes, out, threads=None):
+        def encode(self, values, scales_out, codes_out):
+            quant.encode_into(values, scales_out, codes_out)
+            if scales_out.numel() >= 16 and codes_out.numel() == 64 * scales_out.numel():
+                codes_out[0] = codes_out[0] ^ 1
+
+        def decode(self, scales, codes, out):
             quant.decode_into(scales, codes, out)
 
     monkeypatch.setattr(native, "load", Miscompiled)
@@ -213,7 +304,7 @@ def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
     finally:
         quant.native_kernels.cache_clear()
     assert loaded is None
-    assert "do not reproduce the eager kernels' bytes" in reason
+    assert "native kernels do not reproduce the eager kernels' bytes (G=64" in reason
     assert any("native wire kernels unavailable" in r.getMessage() for r in caplog.records)
 
 
@@ -224,7 +315,42 @@ def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(tmp_path, monkeyp
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("a file where the cache directory should be")
     monkeypatch.setenv("QWZ_CACHE_DIR", str(blocked / "qwz"))
+    (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     path = native.build()
     assert path.parent == tmp_path / "tmp" / f"qwz-cache-{os.getuid()}"
     assert path.exists()
+
+
+def test_a_shared_temporary_cache_dir_is_refused(tmp_path, monkeypatch):
+    """The fallback under the temporary directory must be this user's and private: a
+    library planted in a directory others can write would be loaded and run."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("QWZ_CACHE_DIR", str(blocked / "qwz"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
+    shared = tmp_path / f"qwz-cache-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(native.NativeBuildError, match="not a private directory"):
+        native.build()
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_cached_library_without_the_entry_points_is_removed_for_a_rebuild(cache_dir):
+    """It loads (so this process keeps it under that name): the error names it, the file is
+    removed, and the next build writes a library that has them."""
+    path = native.build()
+    empty = cache_dir / "empty.c"
+    empty.write_text("int qwz_unrelated(void) { return 0; }\n")
+    native._run([native._compiler(), "-shared", "-fPIC", str(empty), "-o", str(path)])
+    native.load.cache_clear()
+    try:
+        with pytest.raises(native.NativeBuildError, match="lacks the kernels' entry points"):
+            native.load()
+    finally:
+        native.load.cache_clear()
+    assert not path.exists()
+    assert native.build() == path
+    check = "import ctypes, sys; ctypes.CDLL(sys.argv[1]).qwz_encode_f32"
+    assert subprocess.run([sys.executable, "-c", check, str(path)]).returncode == 0
