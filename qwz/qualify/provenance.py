@@ -74,10 +74,38 @@ def subject(name: str) -> Subject:
     return Subject(name="deepspeed", version=deepspeed.__version__, sha=sha)
 
 
+NUMERIC_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+"""CPU features that change which kernels compute bf16/fp16 matmuls, and so their rounding."""
+
+
 def device_name() -> str:
+    """The GPU's name, or for a CPU what decides its numerics: the architecture, the vector
+    capability ATen dispatches to, the CPU features oneDNN's bf16/fp16 kernels depend on,
+    and a ``ONEDNN_MAX_CPU_ISA`` cap. CPUs that differ there round matmuls differently, so
+    the ledger (keyed by the environment) never compares their hashes: a nightly pool of
+    mixed machines would otherwise report false mismatches."""
+    import os
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.get_device_name(torch.cuda.current_device())
-    return f"cpu ({platform.machine()})"
+    parts = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    parts += [flag for flag in NUMERIC_CPU_FLAGS if flag in _cpu_flags()]
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        parts.append(f"oneDNN max {os.environ['ONEDNN_MAX_CPU_ISA']}")
+    return f"cpu ({', '.join(parts)})"
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux), or none where /proc/cpuinfo is not there."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
 
 
 def environment(device_names: list[str]) -> Environment:
