@@ -109,39 +109,53 @@ def own_shard_decode_check(
     wrong scale, group, chunk or owner shows up at any step."""
     master = master.detach().float().reshape(-1)
     working = working.detach().reshape(-1)
-    if master.numel() == 0:
+    numel = master.numel()
+    if working.numel() != numel or (exact is not None and exact.numel() != numel):
+        raise ValueError(
+            f"working ({working.numel()} elements) and exact "
+            f"({None if exact is None else exact.numel()}) must match the master ({numel})"
+        )
+    if numel == 0:
         return 0.0, 0
     exact = torch.zeros_like(master, dtype=torch.bool) if exact is None else exact.reshape(-1)
-    # Whole groups at a time, about CHECK_CHUNK_NUMEL elements: the temporaries stay in
-    # cache (the check runs on every rank after every step of every arm).
-    step = max(1, CHECK_CHUNK_NUMEL // group_size) * group_size
+    # On CPU whole groups at a time, about CHECK_CHUNK_NUMEL elements, so the temporaries
+    # stay in cache (the check runs on every rank after every step of every arm); on other
+    # devices in one piece (each piece costs host synchronisations).
+    if master.device.type == "cpu":
+        step = max(1, CHECK_CHUNK_NUMEL // group_size) * group_size
+    else:
+        step = numel
+    pieces = [(start, min(start + step, numel)) for start in range(0, numel, step)]
+    for start, end in pieces:  # an exact element that differs fails first, wherever it is
+        cast = master[start:end].to(working.dtype)
+        mismatch = exact[start:end] & (working[start:end] != cast)
+        if bool(mismatch.any()):
+            return math.inf, start + int(mismatch.nonzero()[0])
     worst, worst_position = 0.0, 0
-    for start in range(0, master.numel(), step):
-        end = min(start + step, master.numel())
-        ratio, position = _own_chunk_check(
+    for start, end in pieces:
+        ratio, position = _own_piece_ratio(
             master[start:end], working[start:end], group_size, exact[start:end]
         )
-        if ratio == math.inf:
-            return ratio, start + position
+        # The first NaN wins, as argmax over the whole shard would have it.
         if ratio > worst or (math.isnan(ratio) and not math.isnan(worst)):
             worst, worst_position = ratio, start + position
     return worst, worst_position
 
 
 CHECK_CHUNK_NUMEL = 1 << 16
-"""Elements per piece of :func:`own_shard_decode_check` (rounded to whole groups)."""
+"""Elements per piece of :func:`own_shard_decode_check` on CPU (rounded to whole groups)."""
 
 
-def _own_chunk_check(
+def _own_piece_ratio(
     master: torch.Tensor, working: torch.Tensor, group_size: int, exact: torch.Tensor
 ) -> tuple[float, int]:
-    """:func:`own_shard_decode_check` of whole groups (the last may be partial)."""
+    """The worst error / bound of whole groups (the last may be partial), and its position.
+    An element decoded without error scores 0 even where its bound is 0 (a zero group with
+    an fp32 working copy, whose half-ulp at 0 underflows): 0 / 0 must not become a NaN that
+    outranks a real violation. A NaN element (a NaN decode) scores NaN."""
     from qwz.quant import DECODE_ERROR_SLACK
     from qwz.shards import shard_scales
 
-    mismatch = exact & (working != master.to(working.dtype))
-    if bool(mismatch.any()):
-        return math.inf, int(mismatch.nonzero()[0])
     scales = shard_scales(master, group_size, exact)  # (num_groups,)
     half_scale = (scales / 2).repeat_interleave(group_size)[: master.numel()]
     slack = (DECODE_ERROR_SLACK * scales).repeat_interleave(group_size)[: master.numel()]
@@ -149,7 +163,7 @@ def _own_chunk_check(
     magnitude = torch.maximum(master.abs(), working.float().abs())
     bound = half_scale + half_ulp(magnitude, working.dtype) + slack
     error = (working.float() - master).abs()
-    ratio = torch.where(exact, torch.zeros_like(error), error / bound)
+    ratio = torch.where(exact | (error == 0), torch.zeros_like(error), error / bound)
     position = int(ratio.argmax())
     return float(ratio[position]), position
 

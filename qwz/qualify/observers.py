@@ -85,7 +85,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
 
 
 DIGEST_CHUNK_NUMEL = 1 << 16
-"""Elements per piece of :func:`_digest_sum` (its temporaries stay in cache)."""
+"""Elements per piece of :func:`_digest_sum` on CPU (its temporaries stay in cache)."""
 
 
 def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
@@ -97,9 +97,11 @@ def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
     so the unsigned sum is the int32 sum plus 2**32 per negative term."""
     bits = values.detach().float().contiguous().view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=values.device)
-    offsets = _index_terms(min(bits.numel(), DIGEST_CHUNK_NUMEL), values.device)
-    for start in range(0, bits.numel(), DIGEST_CHUNK_NUMEL):
-        chunk = bits[start : start + DIGEST_CHUNK_NUMEL]
+    # On CPU in cache-sized pieces; elsewhere in one (each piece costs kernel launches).
+    piece = DIGEST_CHUNK_NUMEL if values.device.type == "cpu" else max(1, bits.numel())
+    offsets = _index_terms(min(bits.numel(), piece), values.device)
+    for start in range(0, bits.numel(), piece):
+        chunk = bits[start : start + piece]
         # ((first + start + j) * K1) mod 2**32 = (first + start) * K1 + j * K1, mod 2**32.
         base = _as_int32(((first_index + start) * K1) & MASK32)
         terms = (offsets[: chunk.numel()] + base) ^ chunk
@@ -197,6 +199,8 @@ def check_own_shards(
     :func:`exact_masks`), never the engine's claims."""
     for shard, mask in zip(shards, exact, strict=True):
         ratio, position = own_shard_decode_check(shard.master, shard.working, group_size or 1, mask)
+        if math.isnan(ratio):  # a NaN decode is a violation, never a ratio max() ignores
+            ratio = math.inf
         result.max_ratio = max(result.max_ratio, ratio)
         if ratio > 1.0 and result.first_violation is None:
             name, index = seam.slot_of(shard, position)

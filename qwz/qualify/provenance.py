@@ -81,24 +81,32 @@ NUMERIC_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
 def device_name() -> str:
     """The GPU's name, or for a CPU what decides its numerics: the architecture, the vector
     capability ATen dispatches to, the CPU features oneDNN's bf16/fp16 kernels depend on,
-    and a ``ONEDNN_MAX_CPU_ISA`` cap. CPUs that differ there round matmuls differently, so
-    the ledger (keyed by the environment) never compares their hashes: a nightly pool of
-    mixed machines would otherwise report false mismatches."""
+    and caps such as ``ONEDNN_MAX_CPU_ISA`` (:data:`ISA_CAPS`). CPUs that differ there
+    round matmuls differently, so the ledger (keyed by the environment) never compares their
+    hashes: a nightly pool of mixed machines would otherwise report false mismatches."""
     import os
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.get_device_name(torch.cuda.current_device())
+    flags = _cpu_flags()
     parts = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
-    parts += [flag for flag in NUMERIC_CPU_FLAGS if flag in _cpu_flags()]
-    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
-        parts.append(f"oneDNN max {os.environ['ONEDNN_MAX_CPU_ISA']}")
+    parts += [flag for flag in NUMERIC_CPU_FLAGS if flag in flags]
+    for variable in ISA_CAPS:
+        if os.environ.get(variable):
+            parts.append(f"{variable}={os.environ[variable].strip().upper()}")
     return f"cpu ({', '.join(parts)})"
 
 
-def _cpu_flags() -> set[str]:
-    """This CPU's feature flags (Linux), or none where /proc/cpuinfo is not there."""
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+"""Environment variables that cap or pin the instructions oneDNN and MKL compute with
+(case-insensitive values, named upper-case)."""
+
+
+def _cpu_flags(cpuinfo: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> set[str]:
+    """This CPU's feature flags (Linux ``flags``, ARM ``Features``), or none where `cpuinfo`
+    cannot be read."""
     try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
+        text = cpuinfo.read_text()
     except OSError:
         return set()
     for line in text.splitlines():

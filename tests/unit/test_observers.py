@@ -157,3 +157,53 @@ def test_the_update_bound_scales_with_a_huge_weight_decay_product():
     _train(master, optimizer, check, generator, steps=1)
     assert check.result.violations == 0, check.result.first_violation
     assert math.isfinite(check.result.max_ratio)
+
+
+# --------------------------------------------------------------------------- #
+# The digest's arithmetic: int32 pieces equal the int64 definition
+# --------------------------------------------------------------------------- #
+
+
+def digest_by_definition(values: torch.Tensor, first_index: int) -> int:
+    """[Note: layout-independent digests] written out in int64, element by element."""
+    bits = values.float().contiguous().view(torch.int32).to(torch.int64) & observers.MASK32
+    indices = torch.arange(first_index, first_index + values.numel(), dtype=torch.int64)
+    terms = (bits ^ ((indices * observers.K1) & observers.MASK32)) * observers.K2
+    return int((terms & observers.MASK32).sum())
+
+
+def random_bits(numel: int, seed: int) -> torch.Tensor:
+    """fp32 values with random bit patterns: NaNs of any payload, infinities, subnormals."""
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(-(2**31), 2**31, (numel,), generator=generator, dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+
+
+CHUNK = observers.DIGEST_CHUNK_NUMEL
+
+
+@given(
+    numel=st.sampled_from([0, 1, 2, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]),
+    first_index=st.sampled_from([0, 1, 12_345, 2**31 - 1, 2**31 + 5, 2**40 + 7]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_digest_equals_its_int64_definition(numel, first_index, dtype, seed):
+    """Across piece boundaries, at any offset, for fp32 and bf16 values, NaN bits included
+    (the int32 sum needs its 2**32-per-negative-term correction to get there)."""
+    values = random_bits(numel, seed).to(dtype)
+    assert int(observers._digest_sum(values, first_index)) == digest_by_definition(
+        values, first_index
+    )
+
+
+def test_replica_digests_are_the_definition_per_parameter():
+    module = torch.nn.Sequential(torch.nn.Linear(300, 250), torch.nn.Linear(250, 3))
+    module.to(torch.bfloat16)
+    names, digests = observers.replica_digests(module)
+    assert names == [name for name, _ in module.named_parameters()]
+    for (_, param), digest in zip(module.named_parameters(), digests.tolist(), strict=True):
+        assert digest == digest_by_definition(param.detach().reshape(-1), 0)
