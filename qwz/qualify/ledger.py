@@ -63,9 +63,11 @@ def check_and_record(
 
 
 def describe_arm(arm: dict[str, Any]) -> str:
-    if not arm.get("quantized"):
-        return "unquantized"
-    return f"group size {arm.get('group_size')}"
+    """The arm's name and what it sends: "reference (unquantized)", "candidate-g64 (group
+    size 64)". The name tells apart arms that send alike (the reference and the calibration
+    arm are both unquantized), which would otherwise overwrite each other as siblings."""
+    kind = "unquantized" if not arm.get("quantized") else f"group size {arm.get('group_size')}"
+    return f"{arm['name']} ({kind})" if arm.get("name") else kind
 
 
 def _siblings(
