@@ -116,7 +116,7 @@ def test_changed_group_size_changes_the_hash_and_the_check_says_so(runs, tmp_pat
     assert checks["reproduced[reference]"].detail.startswith("reproduced")
     detail = checks["reproduced[candidate-g8192]"].detail
     assert detail.startswith("first run of this head")
-    assert "differs from the group size 64" in detail
+    assert "differs from the candidate-g64 (group size 64) arm's" in detail
 
 
 def test_report_prints_the_markdown(runs):
