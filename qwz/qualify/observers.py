@@ -99,7 +99,9 @@ def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=values.device)
     # On CPU in cache-sized pieces; elsewhere in one (each piece costs kernel launches).
     piece = DIGEST_CHUNK_NUMEL if values.device.type == "cpu" else max(1, bits.numel())
-    offsets = _index_terms(min(bits.numel(), piece), values.device)
+    # (j * K1) mod 2**32 for j in a piece, by the same int32 wrap.
+    offsets = torch.arange(min(bits.numel(), piece), dtype=torch.int32, device=values.device)
+    offsets *= _as_int32(K1 & MASK32)
     for start in range(0, bits.numel(), piece):
         chunk = bits[start : start + piece]
         # ((first + start + j) * K1) mod 2**32 = (first + start) * K1 + j * K1, mod 2**32.
@@ -113,13 +115,6 @@ def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
 def _as_int32(value: int) -> int:
     """`value` in [0, 2**32) as the int32 with the same bits."""
     return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _index_terms(numel: int, device: torch.device) -> torch.Tensor:
-    """int32 (numel,): ``(j * K1) mod 2**32`` as int32 bits, j = 0..numel-1."""
-    indices = torch.arange(numel, dtype=torch.int64, device=device)
-    terms = (indices * K1) & MASK32
-    return torch.where(terms >= 1 << 31, terms - (1 << 32), terms).to(torch.int32)
 
 
 @torch.no_grad()
