@@ -66,15 +66,19 @@ def _compiler() -> str:
     raise NativeBuildError("no C compiler: set $CC or install cc/gcc")
 
 
-def _cpu_flags() -> str:
-    """This CPU's model and feature flags (what -march=native depends on)."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """This CPU's feature flags (Linux ``flags``, ARM ``Features``), or none where `cpuinfo`
+    cannot be read. What -march=native compiles for; the qualification's environment names
+    some of them too (qwz/qualify/provenance.py)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = cpuinfo.read_text()
     except OSError:
-        return platform.processor()
-    keys = ("flags", "Features", "model name")
-    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in keys]
-    return "\n".join(sorted(set(lines)))
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
 
 
 def _cache_dir() -> Path:
@@ -117,9 +121,8 @@ def build() -> Path:
     compiler = _compiler()
     version = _run([compiler, "--version"]).stdout
     flags = FLAGS + ARCH_FLAGS
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(flags), compiler, version, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
+    identity = [SOURCE.read_text(), " ".join(flags), compiler, version, platform.processor()]
+    key = hashlib.sha256("\0".join([*identity, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
     target = _writable(_cache_dir()) / f"qwz-wire-kernels-{key}.so"
     if target.exists():
         return target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import pathlib
 import platform
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from qwz.native import cpu_flags as _cpu_flags
 from qwz.qualify.record import Environment, Head, Subject
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
@@ -84,8 +86,6 @@ def device_name() -> str:
     and caps such as ``ONEDNN_MAX_CPU_ISA`` (:data:`ISA_CAPS`). CPUs that differ there
     round matmuls differently, so the ledger (keyed by the environment) never compares their
     hashes: a nightly pool of mixed machines would otherwise report false mismatches."""
-    import os
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.get_device_name(torch.cuda.current_device())
     flags = _cpu_flags()
@@ -100,20 +100,6 @@ def device_name() -> str:
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 """Environment variables that cap or pin the instructions oneDNN and MKL compute with
 (case-insensitive values, named upper-case)."""
-
-
-def _cpu_flags(cpuinfo: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> set[str]:
-    """This CPU's feature flags (Linux ``flags``, ARM ``Features``), or none where `cpuinfo`
-    cannot be read."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
 
 
 def environment(device_names: list[str]) -> Environment:

@@ -257,7 +257,7 @@ def test_the_cache_key_covers_the_cpu_and_the_source(cache_dir, monkeypatch):
     hashes the CPU's flags (and the source, the flags and the compiler)."""
     first = native.build()
     assert native.build() == first  # cached: not rebuilt
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags: avx2 (another machine)")
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2"})  # another machine
     other_cpu = native.build()
     assert other_cpu != first
     edited = cache_dir / "wire_kernels.c"
