@@ -70,7 +70,6 @@ from typing import NamedTuple
 import torch
 
 from qwz import native
-from qwz.native import NativeKernels
 
 DEFAULT_GROUP_SIZE = 64
 """Elements per quantization group (one fp32 scale each)."""
@@ -348,7 +347,9 @@ class _FusedDecode:
     CPU bug seen in torch 2.13 (a fused copy into a partial last group left it unwritten)."""
 
     def __init__(
-        self, native: NativeKernels | None = None, check: Callable[[], str | None] | None = None
+        self,
+        native: native.NativeKernels | None = None,
+        check: Callable[[], str | None] | None = None,
     ) -> None:
         self.kernel = _FusedKernel(decode_into, check)
         self.native = native
@@ -387,7 +388,9 @@ class _FusedEncode:
     thread: 2.7 ms against 4.7 ms for the two compiled passes and 2.3 ms for a bf16 copy)."""
 
     def __init__(
-        self, native: NativeKernels | None = None, check: Callable[[], str | None] | None = None
+        self,
+        native: native.NativeKernels | None = None,
+        check: Callable[[], str | None] | None = None,
     ) -> None:
         self.scales = _FusedKernel(encode_scales_into, check)
         self.codes = _FusedKernel(encode_codes_into, check)
@@ -404,7 +407,7 @@ class _FusedEncode:
 
 
 @functools.cache
-def native_kernels() -> tuple[NativeKernels | None, str | None]:
+def native_kernels() -> tuple[native.NativeKernels | None, str | None]:
     """The native CPU kernels and None, or None and why they cannot serve here (logged; the
     fused kernels then use ``torch.compile`` on CPU too): they must build, load, and write
     the eager kernels' bytes on rows that take every path. See [Note: native build]."""
@@ -463,7 +466,7 @@ a partial block, any other group size, and a group wholly past the source's end.
 
 
 def _probe_values(group_size: int, numel: int) -> torch.Tensor:
-    """A zero first group, then a ramp; with two groups or more, the second holds 127 (scale
+    """A ramp; with two groups or more, a zero first group and a second that holds 127 (scale
     1) and the ties 2.5 and -3.5 (codes 2 and -4: half to even)."""
     values = torch.linspace(-3.0, 5.0, numel)
     if numel >= 2 * group_size and group_size >= 3:
