@@ -16,12 +16,17 @@ into place, so a reader never sees half a library. ``-ffp-contract=off`` keeps e
 product rounded as torch rounds it; no ``-ffast-math`` (NaN and Inf must behave as IEEE
 says).
 
-The kernels are single-threaded and serve only where torch runs one intra-op thread (every
-rank under torchrun, which sets ``OMP_NUM_THREADS=1``, or under ``qwz.launch``). With more
-threads the ``torch.compile`` kernels, which share torch's OpenMP pool, serve instead:
-threads of the kernels' own would stall behind OpenMP workers spinning after each parallel
-region (measured: a 1M-element encode + decode took 3.8 ms instead of 0.3 ms right after a
-two-thread copy, one scheduler tick).
+The source is built with ``-fopenmp`` (without it where the compiler has no OpenMP; then
+the kernels run on one thread). Each call splits its work over ``torch.get_num_threads()``
+threads, but only where the kernels share torch's OpenMP runtime (:func:`openmp_runtimes`:
+one runtime mapped in the process, as with torch's wheels, whose ``libgomp.so.1`` the
+loader reuses for the library): then they run on torch's own workers. With a second runtime
+their threads would stall behind torch's workers spinning after each parallel region
+(measured with threads of their own: a 1M-element encode + decode took 3.8 ms instead of
+0.3 ms right after a two-thread copy, one scheduler tick), so there the kernels serve only
+where torch runs one intra-op thread (every rank under torchrun, which sets
+``OMP_NUM_THREADS=1``, or under ``qwz.launch``) and the ``torch.compile`` kernels serve
+elsewhere. The bytes do not depend on the thread count: one thread encodes a whole group.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ FLAGS = (
     "-ffp-contract=off",
 )
 ARCH_FLAGS = ("-march=native",)
+OPENMP_FLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 120
 
 logger = logging.getLogger("qwz")
@@ -115,12 +121,12 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def build() -> Path:
+def build(openmp: bool = True) -> Path:
     """Path of the built library (compiling it unless the cache holds it); raises
     NativeBuildError naming what failed. See [Note: native build]."""
     compiler = _compiler()
     version = _run([compiler, "--version"]).stdout
-    flags = FLAGS + ARCH_FLAGS
+    flags = FLAGS + ARCH_FLAGS + (OPENMP_FLAGS if openmp else ())
     identity = [SOURCE.read_text(), " ".join(flags), compiler, version, platform.processor()]
     key = hashlib.sha256("\0".join([*identity, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
     target = _writable(_cache_dir()) / f"qwz-wire-kernels-{key}.so"
@@ -132,7 +138,8 @@ def build() -> Path:
         result = _run([compiler, *flags, str(SOURCE), "-o", temporary, "-lm"])
         if result.returncode != 0:
             raise NativeBuildError(
-                f"{Path(compiler).name} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}"
+                f"{Path(compiler).name} failed on {SOURCE.name} ({' '.join(flags)}): "
+                f"{result.stderr.strip()[-500:]}"
             )
         os.chmod(temporary, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(temporary, target)
@@ -142,28 +149,64 @@ def build() -> Path:
     return target
 
 
+OPENMP_RUNTIME_PREFIXES = ("libgomp", "libiomp", "libomp")
+"""File names of OpenMP runtimes: GNU's (torch's Linux wheels ship it), Intel's, LLVM's."""
+
+
+def openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> set[str] | None:
+    """The OpenMP runtime files mapped into this process, or None where `maps` cannot be
+    read (then nobody can tell whether the kernels share torch's runtime)."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return None
+    runtimes = set()
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset device inode [path]
+        if len(fields) == 6 and Path(fields[5]).name.startswith(OPENMP_RUNTIME_PREFIXES):
+            runtimes.add(fields[5])
+    return runtimes
+
+
 class NativeKernels:
     """The loaded library's two entry points, with argument checks done in Python."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, openmp: bool):
         library = ctypes.CDLL(str(path))
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._encode = library.qwz_encode_f32
-        self._encode.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        self._encode.argtypes = [ptr, i64, i64, i64, ptr, ptr, c_int]
         self._encode.restype = None
         self._decode = library.qwz_decode
-        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64]
+        self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64, c_int]
         self._decode.restype = None
         self.path = path
+        runtimes = openmp_runtimes()
+        self.threaded = openmp and runtimes is not None and len(runtimes) == 1
+        """Whether calls use torch's intra-op threads: built with OpenMP, and the one OpenMP
+        runtime in the process is torch's (see [Note: native build])."""
+        self.threading = (
+            "torch's intra-op threads (OpenMP)"
+            if self.threaded
+            else "one thread (built without OpenMP)"
+            if not openmp
+            else f"one thread (OpenMP runtimes mapped: {sorted(runtimes or []) or 'unknown'})"
+        )
 
-    @staticmethod
-    def can_encode(values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor) -> bool:
-        """Whether :meth:`encode` serves these tensors: CPU, one torch thread (see
+    def _threads(self) -> int:
+        """Threads a call runs on: torch's count where the kernels share its runtime, else 1
+        (and then they serve only at one torch thread)."""
+        return torch.get_num_threads() if self.threaded else 1
+
+    def can_encode(
+        self, values: torch.Tensor, scales_out: torch.Tensor, codes_out: torch.Tensor
+    ) -> bool:
+        """Whether :meth:`encode` serves these tensors: CPU, torch's threads usable (see
         [Note: native build]), a contiguous fp32 source of at most U * G elements, contiguous
         fp32 scales (U,) and int8 codes (U * G,)."""
         return (
             values.device.type == scales_out.device.type == codes_out.device.type == "cpu"
-            and torch.get_num_threads() == 1
+            and (self.threaded or torch.get_num_threads() == 1)
             and values.dtype == torch.float32
             and scales_out.dtype == torch.float32
             and codes_out.dtype == torch.int8
@@ -176,15 +219,14 @@ class NativeKernels:
             and values.numel() <= codes_out.numel()
         )
 
-    @staticmethod
-    def can_decode(scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> bool:
-        """Whether :meth:`decode` serves these tensors: CPU, one torch thread, fp32 scales
-        (W, U) and int8 codes (W, U * G) with unit element stride, and a bf16 or fp32
+    def can_decode(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether :meth:`decode` serves these tensors: CPU, torch's threads usable, fp32
+        scales (W, U) and int8 codes (W, U * G) with unit element stride, and a bf16 or fp32
         destination (W, n <= U * G) whose rows are unit-stride and do not overlap (the rows
         themselves may be strided)."""
         return (
             scales.device.type == codes.device.type == out.device.type == "cpu"
-            and torch.get_num_threads() == 1
+            and (self.threaded or torch.get_num_threads() == 1)
             and scales.dtype == torch.float32
             and codes.dtype == torch.int8
             and out.dtype in (torch.bfloat16, torch.float32)
@@ -209,6 +251,7 @@ class NativeKernels:
             codes_out.shape[0] // num_groups,
             scales_out.data_ptr(),
             codes_out.data_ptr(),
+            self._threads(),
         )
 
     def decode(self, scales: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
@@ -226,19 +269,26 @@ class NativeKernels:
             num_groups,
             codes.shape[1] // num_groups,
             out.shape[1],
+            self._threads(),
         )
 
 
 @functools.cache
 def load() -> NativeKernels:
-    """The native kernels, built on first call (raises NativeBuildError). A cached library
-    that does not load (truncated, damaged) is removed and built again, once; one that loads
-    but lacks the entry points is removed for the next process to rebuild (this process
-    cannot load another file under the same name) and NativeBuildError is raised."""
+    """The native kernels, built on first call (raises NativeBuildError); with OpenMP where
+    the compiler has it, else without (logged). A cached library that does not load
+    (truncated, damaged) is removed and built again, once; one that loads but lacks the
+    entry points is removed for the next process to rebuild (this process cannot load
+    another file under the same name) and NativeBuildError is raised."""
     try:
-        path = build()
+        _compiler()  # none at all: say so, rather than retrying without OpenMP
         try:
-            return NativeKernels(path)
+            path, openmp = build(openmp=True), True
+        except NativeBuildError as error:
+            logger.warning("qwz: native kernels build without OpenMP (%s)", error)
+            path, openmp = build(openmp=False), False
+        try:
+            return NativeKernels(path, openmp)
         except AttributeError as error:
             path.unlink(missing_ok=True)
             raise NativeBuildError(
@@ -248,6 +298,6 @@ def load() -> NativeKernels:
         except OSError as error:
             logger.warning("qwz: cached %s fails to load (%s); rebuilding", path, error)
             path.unlink(missing_ok=True)
-            return NativeKernels(build())
+            return NativeKernels(build(openmp), openmp)
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeBuildError(f"{type(error).__name__}: {error}") from error

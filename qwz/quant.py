@@ -341,10 +341,11 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 class _FusedDecode:
     """:func:`decode_into`, fused: the native one-pass kernel where it serves the tensors
-    (CPU, bf16/fp32 destination, one torch thread), else ``torch.compile`` on whole groups,
-    the partial last group of a row (a source that is not a whole number of groups) decoded
-    eagerly -- the same bytes -- which also keeps the compiled kernel clear of an inductor
-    CPU bug seen in torch 2.13 (a fused copy into a partial last group left it unwritten)."""
+    (CPU, bf16/fp32 destination; threads: [Note: native build]), else ``torch.compile`` on
+    whole groups, the partial last group of a row (a source that is not a whole number of
+    groups) decoded eagerly -- the same bytes -- which also keeps the compiled kernel clear
+    of an inductor CPU bug seen in torch 2.13 (a fused copy into a partial last group left
+    it unwritten)."""
 
     def __init__(
         self,
@@ -378,8 +379,8 @@ class _FusedDecode:
 
 class _FusedEncode:
     """:func:`encode_into`, fused: the native one-pass kernel where it serves the tensors
-    (CPU, contiguous fp32 source, one torch thread), else two ``torch.compile`` kernels, one
-    per pass (scales, then codes).
+    (CPU, contiguous fp32 source; threads: [Note: native build]), else two ``torch.compile``
+    kernels, one per pass (scales, then codes).
 
     Fused into one kernel, inductor's CPU code for the group reduction and the broadcast
     multiply that follows it runs about 3x slower than the two kernels apart (measured,

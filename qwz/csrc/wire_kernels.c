@@ -10,9 +10,11 @@
  * The torch kernels take two passes over the source instead (inductor splits the reduction
  * from the pointwise loop that consumes it).
  *
- * Single-threaded: qwz.native uses them where torch runs one intra-op thread (each rank
- * under torchrun or qwz.launch); threads of their own would contend with torch's OpenMP
- * workers, which spin after every parallel region.
+ * Threads: `threads` > 1 splits the work over an OpenMP team, from the same OpenMP runtime
+ * as torch's intra-op pool (qwz.native checks that before passing more than 1), so the
+ * kernels run on torch's workers instead of contending with them. Each group is encoded and
+ * each row's group decoded by one thread alone, so the bytes do not depend on `threads`.
+ * Built without OpenMP the pragmas are ignored and every call runs on one thread.
  */
 #include <float.h>
 #include <stdint.h>
@@ -20,6 +22,9 @@
 
 #define INT8_MAX_CODE 127
 #define BLOCK 16 /* groups whose scales are computed together, in one vector */
+/* Fewer elements run on one thread: a team's fork and join cost microseconds (torch's own
+ * parallel_for grain is 32768). */
+#define PARALLEL_MIN_ELEMENTS 65536
 
 /* max |x| over n elements as fp32 bits: for non-NaN values integer order is float order,
  * and every NaN's bits exceed +inf's, so the integer max is the absmax, or a NaN when the
@@ -111,17 +116,21 @@ static void encode_partial_block(const float *x, int64_t numel, int64_t first, i
 
 /* Quantize x[0..numel) into num_groups groups of group_size: scales (num_groups,) fp32 and
  * codes (num_groups * group_size,) int8; numel <= num_groups * group_size, the rest of the
- * last groups zero. */
+ * last groups zero. Whole blocks of BLOCK groups are shared among `threads` threads. */
 void qwz_encode_f32(const float *x, int64_t numel, int64_t num_groups, int64_t group_size,
-                    float *scales, int8_t *codes) {
-    int64_t g = 0;
-    for (; g + BLOCK <= num_groups && (g + BLOCK) * group_size <= numel; g += BLOCK) {
+                    float *scales, int8_t *codes, int threads) {
+    int64_t blocks = numel / (BLOCK * group_size);
+    blocks = blocks < num_groups / BLOCK ? blocks : num_groups / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && blocks * BLOCK * group_size >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t g = b * BLOCK;
         if (group_size == 64) /* the default: a constant, so both loops unroll */
             encode_block(x + g * 64, 64, scales + g, codes + g * 64);
         else
             encode_block(x + g * group_size, group_size, scales + g, codes + g * group_size);
     }
-    for (; g < num_groups; g += BLOCK) {
+    for (int64_t g = blocks * BLOCK; g < num_groups; g += BLOCK) {
         int count = num_groups - g < BLOCK ? (int)(num_groups - g) : BLOCK;
         encode_partial_block(x, numel, g, count, group_size, scales, codes);
     }
@@ -135,26 +144,35 @@ static inline uint16_t bf16_bits(float value) {
     return value != value ? (uint16_t)0x7fc0 : rounded;
 }
 
+/* Decode one group of `length` codes into bf16 (bf16 != 0) or fp32 at `to`. */
+static inline void decode_group(const int8_t *restrict in, int64_t length, float scale,
+                                void *restrict to, int bf16) {
+    if (bf16) {
+        uint16_t *restrict out = (uint16_t *)to;
+        for (int64_t i = 0; i < length; i++) out[i] = bf16_bits((float)in[i] * scale);
+    } else {
+        float *restrict out = (float *)to;
+        for (int64_t i = 0; i < length; i++) out[i] = (float)in[i] * scale;
+    }
+}
+
 /* Decode `rows` wire rows into out (rows, numel) bf16 (bf16 != 0) or fp32: row r's scales
  * at scales + r * scale_stride, its codes at codes + r * code_stride, its output at
- * out + r * out_stride elements; numel <= num_groups * group_size. */
+ * out + r * out_stride elements; numel <= num_groups * group_size. The (row, group) pairs
+ * are shared among `threads` threads. */
 void qwz_decode(const float *scales, int64_t scale_stride, const int8_t *codes,
                 int64_t code_stride, void *out, int64_t out_stride, int bf16, int64_t rows,
-                int64_t num_groups, int64_t group_size, int64_t numel) {
-    for (int64_t row = 0; row < rows; row++) {
-        for (int64_t g = 0; g < num_groups; g++) {
-            int64_t start = g * group_size, length = numel - start;
-            length = length > group_size ? group_size : length;
-            if (length <= 0) break;
-            const float scale = scales[row * scale_stride + g];
-            const int8_t *in = codes + row * code_stride + start;
-            if (bf16) {
-                uint16_t *to = (uint16_t *)out + row * out_stride + start;
-                for (int64_t i = 0; i < length; i++) to[i] = bf16_bits((float)in[i] * scale);
-            } else {
-                float *to = (float *)out + row * out_stride + start;
-                for (int64_t i = 0; i < length; i++) to[i] = (float)in[i] * scale;
-            }
-        }
+                int64_t num_groups, int64_t group_size, int64_t numel, int threads) {
+    const int64_t used = (numel + group_size - 1) / group_size; /* groups holding output */
+    const int64_t groups = used < num_groups ? used : num_groups;
+    const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (threads > 1 && rows * numel >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t index = 0; index < rows * groups; index++) {
+        const int64_t row = index / groups, g = index % groups;
+        const int64_t start = g * group_size, left = numel - start;
+        decode_group(codes + row * code_stride + start, left < group_size ? left : group_size,
+                     scales[row * scale_stride + g],
+                     (char *)out + (size_t)(row * out_stride + start) * element, bf16);
     }
 }

@@ -1,7 +1,7 @@
 """The native one-pass CPU wire kernels (``qwz/csrc/wire_kernels.c``, ``qwz/native.py``):
-they write the eager kernels' bytes for every input, serve only where torch runs one
-thread, and their build cache never hands out a library that does not load or was built
-for another CPU.
+they write the eager kernels' bytes for every input and thread count, run on torch's
+intra-op threads only where they share its OpenMP runtime, and their build cache never
+hands out a library that does not load or was built for another CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from qwz import native, quant
@@ -113,9 +113,9 @@ def torch_threads():
 
 
 def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_threads):
-    """CPU fp32 sources and bf16/fp32 destinations with one torch thread go native; an fp16
-    destination, a non-contiguous source or more threads take the torch kernels -- the same
-    bytes either way."""
+    """CPU fp32 sources and bf16/fp32 destinations go native (at more than one torch thread
+    only where the kernels share torch's OpenMP runtime); an fp16 destination or a
+    non-contiguous source take the torch kernels -- the same bytes either way."""
     torch_threads(1)
     fused = quant.compiled_kernels()
     assert isinstance(fused.encode.native, native.NativeKernels)
@@ -134,12 +134,93 @@ def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_
     for values, dtype, threads in cases:
         torch_threads(threads)
         if threads > 1:
-            assert not kernels.can_encode(contiguous, scales[0], codes[0])
-            assert not kernels.can_decode(scales, codes, bf16_out)
+            assert kernels.can_encode(contiguous, scales[0], codes[0]) == kernels.threaded
+            assert kernels.can_decode(scales, codes, bf16_out) == kernels.threaded
         fused_rows, fused_out = _rows(fused, values, 64, 2, 1, 0, dtype)
         eager_rows, eager_out = _rows(EAGER_KERNELS, values, 64, 2, 1, 0, dtype)
         assert torch.equal(fused_rows, eager_rows)
         _assert_same_decode(fused_out, eager_out)
+
+
+def test_the_kernels_run_on_torchs_threads_where_they_share_its_openmp_runtime(kernels):
+    """With torch's wheel (its libgomp.so.1, which the loader reuses for the library) the
+    process maps one OpenMP runtime and the kernels use torch's threads."""
+    runtimes = native.openmp_runtimes()
+    assert runtimes is not None, "/proc/self/maps unreadable"
+    assert len(runtimes) >= 1, "torch maps an OpenMP runtime"
+    if len(runtimes) == 1 and "torch" in next(iter(runtimes)):
+        assert kernels.threaded, kernels.threading
+
+
+def test_a_second_openmp_runtime_keeps_the_kernels_on_one_thread(
+    kernels, torch_threads, monkeypatch
+):
+    """Where the library's OpenMP runtime is not torch's (two mapped), or the maps cannot
+    be read, or it was built without OpenMP, it runs on one thread and serves only where
+    torch runs one: its threads would stall behind torch's spinning workers."""
+    two = {"/opt/torch/lib/libgomp.so.1", "/usr/lib/libgomp.so.1"}
+    for runtimes, openmp in [(two, True), (None, True), ({"/usr/lib/libgomp.so.1"}, False)]:
+        monkeypatch.setattr(native, "openmp_runtimes", lambda runtimes=runtimes: runtimes)
+        single = native.NativeKernels(kernels.path, openmp)
+        assert not single.threaded and single.threading.startswith("one thread")
+        torch_threads(2)
+        assert single._threads() == 1
+        assert not single.can_encode(
+            torch.zeros(64), torch.zeros(1), torch.zeros(64, dtype=torch.int8)
+        )
+        torch_threads(1)
+        assert single.can_encode(torch.zeros(64), torch.zeros(1), torch.zeros(64, dtype=torch.int8))
+
+
+def test_openmp_runtimes_reads_the_mapped_files(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 42 /site/torch/lib/libgomp.so.1\n"
+        "7f01-7f02 r--p 00001000 08:01 42 /site/torch/lib/libgomp.so.1\n"
+        "7f02-7f03 r-xp 00000000 08:01 43 /opt/intel/lib/libiomp5.so\n"
+        "7f03-7f04 rw-p 00000000 00:00 0 \n"
+        "7f04-7f05 r-xp 00000000 08:01 44 /usr/lib/libc.so.6\n"
+    )
+    assert native.openmp_runtimes(maps) == {
+        "/site/torch/lib/libgomp.so.1",
+        "/opt/intel/lib/libiomp5.so",
+    }
+    assert native.openmp_runtimes(tmp_path / "missing") is None
+
+
+@st.composite
+def threaded_rows(draw):
+    """Rows large enough for the kernels' OpenMP team (65,536 elements and more): group
+    sizes with and without the G=64 fast path, partial last blocks and groups."""
+    group_size = draw(st.sampled_from([64, 100, 8192]))
+    num_groups = -(-draw(st.integers(65_536, 300_000)) // group_size)
+    numel = num_groups * group_size - draw(st.sampled_from([0, 1, group_size - 1, 17 * group_size]))
+    values = torch.randn(max(1, numel), generator=torch.Generator().manual_seed(numel))
+    values[draw(st.integers(0, values.numel() - 1))] = float("nan")
+    return (
+        values,
+        group_size,
+        num_groups,
+        draw(st.sampled_from([1, 3])),
+        draw(st.sampled_from([torch.bfloat16, torch.float32])),
+    )
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=threaded_rows(), threads=st.sampled_from([2, 3]))
+def test_threaded_native_kernels_write_the_eager_kernels_bytes(case, threads, kernels):
+    """Split over torch's threads, the encode and decode write the bytes of the eager
+    kernels (one thread encodes a whole group, so the split cannot change them)."""
+    values, group_size, num_groups, world_size, dtype = case
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows, decoded = _rows(kernels, values, group_size, num_groups, world_size, 0, dtype)
+    finally:
+        torch.set_num_threads(before)
+    eager_rows, eager = _rows(EAGER_KERNELS, values, group_size, num_groups, world_size, 0, dtype)
+    assert torch.equal(rows, eager_rows)
+    _assert_same_decode(decoded, eager)
 
 
 def test_fused_kernels_call_the_native_ones_with_the_callers_tensors(kernels, torch_threads):
