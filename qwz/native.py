@@ -182,16 +182,20 @@ class NativeKernels:
         self._decode.restype = None
         self.path = path
         runtimes = openmp_runtimes()
-        self.threaded = openmp and runtimes is not None and len(runtimes) == 1
-        """Whether calls use torch's intra-op threads: built with OpenMP, and the one OpenMP
-        runtime in the process is torch's (see [Note: native build])."""
-        self.threading = (
-            "torch's intra-op threads (OpenMP)"
-            if self.threaded
-            else "one thread (built without OpenMP)"
-            if not openmp
-            else f"one thread (OpenMP runtimes mapped: {sorted(runtimes or []) or 'unknown'})"
-        )
+        torch_openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+        self.threaded = openmp and torch_openmp and runtimes is not None and len(runtimes) == 1
+        """Whether calls use torch's intra-op threads: built with OpenMP, torch's intra-op
+        pool is OpenMP, and the one OpenMP runtime in the process is the one both use (see
+        [Note: native build])."""
+        if self.threaded:
+            self.threading = "torch's intra-op threads (OpenMP)"
+        elif not openmp:
+            self.threading = "one thread (built without OpenMP)"
+        elif not torch_openmp:
+            self.threading = "one thread (torch's intra-op pool is not OpenMP)"
+        else:
+            mapped = sorted(runtimes) if runtimes is not None else "unknown"
+            self.threading = f"one thread (OpenMP runtimes mapped: {mapped})"
 
     def _threads(self) -> int:
         """Threads a call runs on: torch's count where the kernels share its runtime, else 1

@@ -156,20 +156,33 @@ def test_a_second_openmp_runtime_keeps_the_kernels_on_one_thread(
     kernels, torch_threads, monkeypatch
 ):
     """Where the library's OpenMP runtime is not torch's (two mapped), or the maps cannot
-    be read, or it was built without OpenMP, it runs on one thread and serves only where
-    torch runs one: its threads would stall behind torch's spinning workers."""
+    be read, or torch's pool is not OpenMP, or the library was built without OpenMP, it runs
+    on one thread and serves only where torch runs one: its threads would stall behind
+    torch's spinning workers."""
     two = {"/opt/torch/lib/libgomp.so.1", "/usr/lib/libgomp.so.1"}
-    for runtimes, openmp in [(two, True), (None, True), ({"/usr/lib/libgomp.so.1"}, False)]:
+    torchs = {"/opt/torch/lib/libgomp.so.1"}
+    openmp_pool = torch.__config__.parallel_info()
+    native_pool = openmp_pool.replace("parallel backend: OpenMP", "parallel backend: native")
+    cases = [
+        (two, True, openmp_pool, "OpenMP runtimes mapped"),
+        (None, True, openmp_pool, "OpenMP runtimes mapped: unknown"),
+        (torchs, True, native_pool, "not OpenMP"),
+        (torchs, False, openmp_pool, "built without OpenMP"),
+    ]
+    values, scales, codes = torch.zeros(64), torch.zeros(1), torch.zeros(64, dtype=torch.int8)
+    for runtimes, openmp, pool, why in cases:
         monkeypatch.setattr(native, "openmp_runtimes", lambda runtimes=runtimes: runtimes)
+        monkeypatch.setattr(torch.__config__, "parallel_info", lambda pool=pool: pool)
         single = native.NativeKernels(kernels.path, openmp)
-        assert not single.threaded and single.threading.startswith("one thread")
+        assert not single.threaded and why in single.threading
         torch_threads(2)
         assert single._threads() == 1
-        assert not single.can_encode(
-            torch.zeros(64), torch.zeros(1), torch.zeros(64, dtype=torch.int8)
-        )
+        assert not single.can_encode(values, scales, codes)
         torch_threads(1)
-        assert single.can_encode(torch.zeros(64), torch.zeros(1), torch.zeros(64, dtype=torch.int8))
+        assert single.can_encode(values, scales, codes)
+    monkeypatch.setattr(native, "openmp_runtimes", lambda: torchs)
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: openmp_pool)
+    assert native.NativeKernels(kernels.path, True).threaded
 
 
 def test_openmp_runtimes_reads_the_mapped_files(tmp_path):
