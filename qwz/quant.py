@@ -461,9 +461,10 @@ def kernel_fallbacks() -> list[str]:
 
 PROBE_ROWS = ((8, 4, 5),)
 """(group size, groups, elements short of whole groups) of the rows a probe encodes."""
-NATIVE_PROBE_ROWS = ((64, 17, 5), (8, 3, 5), (100, 2, 150))
+NATIVE_PROBE_ROWS = ((64, 17, 5), (1000, 17, 5), (8, 3, 5), (100, 2, 150))
 """Rows taking every path of the native kernels: blocks of 16 groups at the G=64 fast path,
-a partial block, any other group size, and a group wholly past the source's end."""
+a block of groups too large to share L1 (encoded one at a time), partial blocks, any other
+group size, and a group wholly past the source's end."""
 
 
 def _probe_values(group_size: int, numel: int) -> torch.Tensor:

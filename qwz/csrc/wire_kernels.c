@@ -6,7 +6,8 @@
  * the kernel probe before first use). Plain C that gcc vectorizes; no intrinsics, so the
  * same file builds for AVX-512, AVX2 or any other target (-march=native picks the widest).
  *
- * Each group is read once from memory: its absmax, then its codes while it is still in L1.
+ * Each group is read once from memory: its absmax, then its codes while it is still in L1
+ * (in L2 for groups of more than 8192 elements, which do not fit a 32 KiB L1 alone).
  * The torch kernels take two passes over the source instead (inductor splits the reduction
  * from the pointwise loop that consumes it).
  *
@@ -25,6 +26,8 @@
 /* Fewer elements run on one thread: a team's fork and join cost microseconds (torch's own
  * parallel_for grain is 32768). */
 #define PARALLEL_MIN_ELEMENTS 65536
+/* Largest group size whose BLOCK groups (fp32) take half of a 32 KiB L1 data cache. */
+#define L1_GROUP 256
 
 /* max |x| over n elements as fp32 bits: for non-NaN values integer order is float order,
  * and every NaN's bits exceed +inf's, so the integer max is the absmax, or a NaN when the
@@ -83,15 +86,29 @@ static inline void codes_of(const float *restrict x, int64_t n, float scale, flo
 }
 
 /* BLOCK whole groups of group_size elements; inlined with a constant group size, gcc
- * unrolls the loops over a group. */
+ * unrolls the loops over a group. Where BLOCK groups fit in L1 (group_size <= L1_GROUP), the
+ * absmaxes of all of them first, their scales in one vector, then their codes; larger
+ * groups one at a time (a group's absmax, its scale, its codes), so each is still in L1 when
+ * its codes are written; its scale takes a lane of the same vector code, so the bytes are
+ * the same either way. */
 static inline __attribute__((always_inline)) void encode_block(
     const float *restrict x, int64_t group_size, float *restrict scales,
     int8_t *restrict codes) {
-    float absmax[BLOCK], inverse[BLOCK];
-    for (int i = 0; i < BLOCK; i++) absmax[i] = absmax_of(x + i * group_size, group_size);
-    scales_of_block(absmax, scales, inverse);
-    for (int i = 0; i < BLOCK; i++)
-        codes_of(x + i * group_size, group_size, scales[i], inverse[i], codes + i * group_size);
+    float absmax[BLOCK] = {0}, scale[BLOCK], inverse[BLOCK];
+    if (group_size <= L1_GROUP) {
+        for (int i = 0; i < BLOCK; i++) absmax[i] = absmax_of(x + i * group_size, group_size);
+        scales_of_block(absmax, scales, inverse);
+        for (int i = 0; i < BLOCK; i++)
+            codes_of(x + i * group_size, group_size, scales[i], inverse[i],
+                     codes + i * group_size);
+        return;
+    }
+    for (int i = 0; i < BLOCK; i++) {
+        absmax[0] = absmax_of(x + i * group_size, group_size);
+        scales_of_block(absmax, scale, inverse);
+        scales[i] = scale[0];
+        codes_of(x + i * group_size, group_size, scale[0], inverse[0], codes + i * group_size);
+    }
 }
 
 /* Up to BLOCK groups that may run past the source's end: the zero padding changes neither
