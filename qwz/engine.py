@@ -264,7 +264,7 @@ def initialize(
     Uses the default process group unless `process_group` is given; without an
     initialised process group it runs on one rank with the collectives skipped.
     `compile_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
-    C kernels on CPU with one torch thread, ``torch.compile`` otherwise) when a one-time
+    C kernels on CPU, ``torch.compile`` otherwise) when a one-time
     probe shows they work here and write the eager kernels' bytes, else uses the eager
     kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
     the fused kernels; False keeps eager.

@@ -65,6 +65,10 @@ class NativeBuildError(RuntimeError):
     """The native kernels could not be built or loaded here (the message says why)."""
 
 
+class CompileError(NativeBuildError):
+    """The compiler ran and rejected the source with these flags."""
+
+
 def _compiler() -> str:
     for candidate in (os.environ.get("CC"), "cc", "gcc"):
         if candidate and shutil.which(candidate):
@@ -137,7 +141,7 @@ def build(openmp: bool = True) -> Path:
     try:
         result = _run([compiler, *flags, str(SOURCE), "-o", temporary, "-lm"])
         if result.returncode != 0:
-            raise NativeBuildError(
+            raise CompileError(
                 f"{Path(compiler).name} failed on {SOURCE.name} ({' '.join(flags)}): "
                 f"{result.stderr.strip()[-500:]}"
             )
@@ -219,6 +223,7 @@ class NativeKernels:
             and scales_out.is_contiguous()
             and codes_out.is_contiguous()
             and scales_out.numel() > 0
+            and codes_out.numel() >= scales_out.numel()
             and codes_out.numel() % scales_out.numel() == 0
             and values.numel() <= codes_out.numel()
         )
@@ -237,6 +242,7 @@ class NativeKernels:
             and scales.dim() == codes.dim() == out.dim() == 2
             and scales.shape[0] == codes.shape[0] == out.shape[0]
             and scales.shape[1] > 0
+            and codes.shape[1] >= scales.shape[1]
             and codes.shape[1] % scales.shape[1] == 0
             and out.shape[1] <= codes.shape[1]
             and scales.stride(1) == 1
@@ -285,10 +291,9 @@ def load() -> NativeKernels:
     entry points is removed for the next process to rebuild (this process cannot load
     another file under the same name) and NativeBuildError is raised."""
     try:
-        _compiler()  # none at all: say so, rather than retrying without OpenMP
         try:
             path, openmp = build(openmp=True), True
-        except NativeBuildError as error:
+        except CompileError as error:  # e.g. a clang without libomp
             logger.warning("qwz: native kernels build without OpenMP (%s)", error)
             path, openmp = build(openmp=False), False
         try:

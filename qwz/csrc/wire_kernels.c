@@ -14,7 +14,11 @@
  * Threads: `threads` > 1 splits the work over an OpenMP team, from the same OpenMP runtime
  * as torch's intra-op pool (qwz.native checks that before passing more than 1), so the
  * kernels run on torch's workers instead of contending with them. Each group is encoded and
- * each row's group decoded by one thread alone, so the bytes do not depend on `threads`.
+ * each row's group decoded by one thread alone, so the bytes do not depend on `threads`
+ * (one exception, shared with torch's own OpenMP kernels: flush-to-zero is a per-thread
+ * setting, so under torch.set_flush_denormal(True) a group of subnormal values only may get
+ * scale 0 on the calling thread and FLT_MIN on a worker; every rank decodes the bytes the
+ * owner sent, so replicas still agree).
  * Built without OpenMP the pragmas are ignored and every call runs on one thread.
  */
 #include <float.h>
@@ -136,6 +140,7 @@ static void encode_partial_block(const float *x, int64_t numel, int64_t first, i
  * last groups zero. Whole blocks of BLOCK groups are shared among `threads` threads. */
 void qwz_encode_f32(const float *x, int64_t numel, int64_t num_groups, int64_t group_size,
                     float *scales, int8_t *codes, int threads) {
+    if (group_size <= 0 || num_groups <= 0) return; /* nothing to write (qwz.native refuses it) */
     int64_t blocks = numel / (BLOCK * group_size);
     blocks = blocks < num_groups / BLOCK ? blocks : num_groups / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) \
@@ -180,6 +185,7 @@ static inline void decode_group(const int8_t *restrict in, int64_t length, float
 void qwz_decode(const float *scales, int64_t scale_stride, const int8_t *codes,
                 int64_t code_stride, void *out, int64_t out_stride, int bf16, int64_t rows,
                 int64_t num_groups, int64_t group_size, int64_t numel, int threads) {
+    if (group_size <= 0 || num_groups <= 0) return; /* nothing to read (qwz.native refuses it) */
     const int64_t used = (numel + group_size - 1) / group_size; /* groups holding output */
     const int64_t groups = used < num_groups ? used : num_groups;
     const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);

@@ -99,7 +99,7 @@ class Arm(_Model):
     dtype: str
     kernels: Literal["eager", "compiled"] = Field(
         description='Quantize/dequantize kernels: eager, or fused ("compiled": qwz\'s native C '
-        "kernels on CPU with one torch thread, torch.compile otherwise)"
+        "kernels on CPU, torch.compile otherwise)"
     )
     integration_enabled: bool = Field(
         description="deepspeed subject: whether qwz's gather was allowed to take over"

@@ -185,6 +185,27 @@ def test_a_second_openmp_runtime_keeps_the_kernels_on_one_thread(
     assert native.NativeKernels(kernels.path, True).threaded
 
 
+@pytest.mark.usefixtures("kernels")
+def test_a_compiler_without_openmp_still_gives_one_thread_kernels(cache_dir, monkeypatch, caplog):
+    """Where -fopenmp does not compile (a clang without libomp), the library is built
+    without it, says so, and runs on one thread with the same bytes."""
+    monkeypatch.setattr(native, "OPENMP_FLAGS", ("-fno-such-openmp-flag-qwz",))
+    native.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="qwz"):
+            loaded = native.load()
+    finally:
+        native.load.cache_clear()
+    assert not loaded.threaded and loaded.threading == "one thread (built without OpenMP)"
+    assert any("without OpenMP" in record.getMessage() for record in caplog.records)
+    assert [path.name for path in cache_dir.glob("*.so")] == [loaded.path.name]
+    values = torch.linspace(-1.0, 1.0, 64 * 20 - 3)
+    assert torch.equal(
+        _rows(loaded, values, 64, 20, 2, 1, torch.bfloat16)[0],
+        _rows(EAGER_KERNELS, values, 64, 20, 2, 1, torch.bfloat16)[0],
+    )
+
+
 def test_openmp_runtimes_reads_the_mapped_files(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text(
@@ -224,6 +245,8 @@ def threaded_rows(draw):
 def test_threaded_native_kernels_write_the_eager_kernels_bytes(case, threads, kernels):
     """Split over torch's threads, the encode and decode write the bytes of the eager
     kernels (one thread encodes a whole group, so the split cannot change them)."""
+    if not kernels.threaded:
+        pytest.skip(f"the native kernels run on one thread here: {kernels.threading}")
     values, group_size, num_groups, world_size, dtype = case
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -289,6 +312,14 @@ def test_shapes_the_native_kernels_cannot_serve_take_the_torch_path(kernels, tor
     assert not kernels.can_encode(torch.zeros(16), scales_out.bfloat16(), codes_out)
     assert not kernels.can_encode(torch.zeros(16), scales_out, codes_out.to(torch.uint8))
     assert not kernels.can_encode(torch.zeros(16), torch.zeros(3), codes_out)
+    # Groups of no elements (codes narrower than the scales) would divide by zero in C.
+    empty_codes = torch.zeros(0, dtype=torch.int8)
+    assert not kernels.can_encode(torch.zeros(0), torch.zeros(1), empty_codes)
+    assert not kernels.can_decode(
+        torch.ones(2, 3), torch.zeros(2, 0, dtype=torch.int8), torch.zeros(2, 0)
+    )
+    kernels.encode(torch.zeros(0), torch.zeros(1), empty_codes)  # and C returns, not SIGFPE
+    kernels.decode(torch.ones(2, 3), torch.zeros(2, 0, dtype=torch.int8), torch.zeros(2, 0))
 
 
 def test_fused_kernels_without_a_working_torch_compile_run_eager_logged(

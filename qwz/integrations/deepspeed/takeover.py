@@ -122,8 +122,8 @@ def initialize(
     (a dict, a JSON path or JSON text). ``qwz_gather=False`` (default: the
     ``QWZ_DEEPSPEED_GATHER`` environment variable, on unless 0/false/off) validates
     and strips the qwz keys but leaves DeepSpeed stock. ``compile_kernels``: None
-    (default) uses the gather's fused kernels (native C on CPU with one torch thread,
-    ``torch.compile`` otherwise) when a one-time probe shows they work here, else the eager
+    (default) uses the gather's fused kernels (native C on CPU, ``torch.compile``
+    otherwise) when a one-time probe shows they work here, else the eager
     kernels (same bytes), and logs why (``optimizer.qwz_kernel_fallback``); True requires
     the fused kernels; False keeps eager.
     """
