@@ -16,17 +16,18 @@ into place, so a reader never sees half a library. ``-ffp-contract=off`` keeps e
 product rounded as torch rounds it; no ``-ffast-math`` (NaN and Inf must behave as IEEE
 says).
 
-The source is built with ``-fopenmp`` (without it where the compiler has no OpenMP; then
-the kernels run on one thread). Each call splits its work over ``torch.get_num_threads()``
-threads, but only where the kernels share torch's OpenMP runtime (:func:`openmp_runtimes`:
-one runtime mapped in the process, as with torch's wheels, whose ``libgomp.so.1`` the
-loader reuses for the library): then they run on torch's own workers. With a second runtime
-their threads would stall behind torch's workers spinning after each parallel region
-(measured with threads of their own: a 1M-element encode + decode took 3.8 ms instead of
-0.3 ms right after a two-thread copy, one scheduler tick), so there the kernels serve only
-where torch runs one intra-op thread (every rank under torchrun, which sets
-``OMP_NUM_THREADS=1``, or under ``qwz.launch``) and the ``torch.compile`` kernels serve
-elsewhere. The bytes do not depend on the thread count: one thread encodes a whole group.
+The source is built with ``-fopenmp`` (without it where the compiler rejects that flag;
+then the kernels run on one thread). Each call splits its work over
+``torch.get_num_threads()`` threads, but only where the library shares torch's OpenMP
+runtime (:func:`shares_torch_openmp`: a thread count set through torch is the one the
+library's OpenMP sees, as with torch's wheels, whose ``libgomp.so.1`` the loader reuses for
+the library): then the kernels run on torch's own workers. With a runtime of their own their
+threads would stall behind torch's workers spinning after each parallel region (measured
+with threads of their own: a 1M-element encode + decode took 3.8 ms instead of 0.3 ms right
+after a two-thread copy, one scheduler tick), so there the kernels serve only where torch
+runs one intra-op thread (every rank under torchrun, which sets ``OMP_NUM_THREADS=1``, or
+under ``qwz.launch``) and the ``torch.compile`` kernels serve elsewhere. The bytes do not
+depend on the thread count: one thread encodes a whole group.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -153,23 +155,19 @@ def build(openmp: bool = True) -> Path:
     return target
 
 
-OPENMP_RUNTIME_PREFIXES = ("libgomp", "libiomp", "libomp")
-"""File names of OpenMP runtimes: GNU's (torch's Linux wheels ship it), Intel's, LLVM's."""
-
-
-def openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> set[str] | None:
-    """The OpenMP runtime files mapped into this process, or None where `maps` cannot be
-    read (then nobody can tell whether the kernels share torch's runtime)."""
+def shares_torch_openmp(max_threads: Callable[[], int]) -> bool:
+    """Whether a library whose ``omp_get_max_threads`` is `max_threads` uses torch's OpenMP
+    runtime: torch's thread count, changed for a moment, is what the library then sees (the
+    count is the calling thread's setting in the runtime that holds it; torch's OpenMP
+    backend sets it with ``omp_set_num_threads``). False where torch's pool is not OpenMP, the
+    library has a runtime of its own, or it was built without OpenMP (0)."""
+    before = torch.get_num_threads()
+    probe = before + 1
     try:
-        text = maps.read_text()
-    except OSError:
-        return None
-    runtimes = set()
-    for line in text.splitlines():
-        fields = line.split(maxsplit=5)  # address perms offset device inode [path]
-        if len(fields) == 6 and Path(fields[5]).name.startswith(OPENMP_RUNTIME_PREFIXES):
-            runtimes.add(fields[5])
-    return runtimes
+        torch.set_num_threads(probe)
+        return max_threads() == probe
+    finally:
+        torch.set_num_threads(before)
 
 
 class NativeKernels:
@@ -185,21 +183,18 @@ class NativeKernels:
         self._decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, c_int, i64, i64, i64, i64, c_int]
         self._decode.restype = None
         self.path = path
-        runtimes = openmp_runtimes()
-        torch_openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-        self.threaded = openmp and torch_openmp and runtimes is not None and len(runtimes) == 1
-        """Whether calls use torch's intra-op threads: built with OpenMP, torch's intra-op
-        pool is OpenMP, and the one OpenMP runtime in the process is the one both use (see
-        [Note: native build])."""
-        if self.threaded:
-            self.threading = "torch's intra-op threads (OpenMP)"
-        elif not openmp:
-            self.threading = "one thread (built without OpenMP)"
-        elif not torch_openmp:
-            self.threading = "one thread (torch's intra-op pool is not OpenMP)"
-        else:
-            mapped = sorted(runtimes) if runtimes is not None else "unknown"
-            self.threading = f"one thread (OpenMP runtimes mapped: {mapped})"
+        max_threads = library.qwz_openmp_max_threads
+        max_threads.argtypes, max_threads.restype = [], c_int
+        self.threaded = openmp and shares_torch_openmp(max_threads)
+        """Whether calls use torch's intra-op threads: built with OpenMP, and the library's
+        OpenMP runtime is torch's (see [Note: native build])."""
+        self.threading = (
+            "torch's intra-op threads (OpenMP)"
+            if self.threaded
+            else "one thread (built without OpenMP)"
+            if not openmp
+            else "one thread (its OpenMP runtime is not torch's)"
+        )
 
     def _threads(self) -> int:
         """Threads a call runs on: torch's count where the kernels share its runtime, else 1

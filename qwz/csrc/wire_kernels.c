@@ -24,6 +24,9 @@
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define INT8_MAX_CODE 127
 #define BLOCK 16 /* groups whose scales are computed together, in one vector */
@@ -198,4 +201,15 @@ void qwz_decode(const float *scales, int64_t scale_stride, const int8_t *codes,
                      scales[row * scale_stride + g],
                      (char *)out + (size_t)(row * out_stride + start) * element, bf16);
     }
+}
+
+/* The team size a parallel region started now on the calling thread would get
+ * (omp_get_max_threads), or 0 when built without OpenMP. qwz.native sets torch's thread
+ * count and reads this back: equal only where this library uses torch's OpenMP runtime. */
+int qwz_openmp_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 0;
+#endif
 }

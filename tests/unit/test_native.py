@@ -143,36 +143,31 @@ def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_
 
 
 def test_the_kernels_run_on_torchs_threads_where_they_share_its_openmp_runtime(kernels):
-    """With torch's wheel (its libgomp.so.1, which the loader reuses for the library) the
-    process maps one OpenMP runtime and the kernels use torch's threads."""
-    runtimes = native.openmp_runtimes()
-    assert runtimes is not None, "/proc/self/maps unreadable"
-    assert len(runtimes) >= 1, "torch maps an OpenMP runtime"
-    if len(runtimes) == 1 and "torch" in next(iter(runtimes)):
+    """With torch's wheel (an OpenMP intra-op pool, its libgomp.so.1, which the loader
+    reuses for the library) the kernels use torch's threads."""
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
         assert kernels.threaded, kernels.threading
 
 
-def test_a_second_openmp_runtime_keeps_the_kernels_on_one_thread(
+def test_sharing_torchs_openmp_runtime_is_seen_through_the_thread_count(torch_threads):
+    """The library shares torch's runtime when it sees the thread count torch sets; a
+    runtime of its own (its own count) or no OpenMP (0) does not; torch's count is restored."""
+    torch_threads(3)
+    assert native.shares_torch_openmp(torch.get_num_threads)
+    assert not native.shares_torch_openmp(lambda: 3)  # a runtime of its own, set to 3
+    assert not native.shares_torch_openmp(lambda: 0)  # built without OpenMP
+    assert torch.get_num_threads() == 3
+
+
+def test_kernels_outside_torchs_openmp_runtime_stay_on_one_thread(
     kernels, torch_threads, monkeypatch
 ):
-    """Where the library's OpenMP runtime is not torch's (two mapped), or the maps cannot
-    be read, or torch's pool is not OpenMP, or the library was built without OpenMP, it runs
-    on one thread and serves only where torch runs one: its threads would stall behind
+    """Where the library's OpenMP runtime is not torch's, or it was built without OpenMP, it
+    runs on one thread and serves only where torch runs one: its threads would stall behind
     torch's spinning workers."""
-    two = {"/opt/torch/lib/libgomp.so.1", "/usr/lib/libgomp.so.1"}
-    torchs = {"/opt/torch/lib/libgomp.so.1"}
-    openmp_pool = torch.__config__.parallel_info()
-    native_pool = openmp_pool.replace("parallel backend: OpenMP", "parallel backend: native")
-    cases = [
-        (two, True, openmp_pool, "OpenMP runtimes mapped"),
-        (None, True, openmp_pool, "OpenMP runtimes mapped: unknown"),
-        (torchs, True, native_pool, "not OpenMP"),
-        (torchs, False, openmp_pool, "built without OpenMP"),
-    ]
     values, scales, codes = torch.zeros(64), torch.zeros(1), torch.zeros(64, dtype=torch.int8)
-    for runtimes, openmp, pool, why in cases:
-        monkeypatch.setattr(native, "openmp_runtimes", lambda runtimes=runtimes: runtimes)
-        monkeypatch.setattr(torch.__config__, "parallel_info", lambda pool=pool: pool)
+    for shares, openmp, why in [(False, True, "not torch's"), (True, False, "without OpenMP")]:
+        monkeypatch.setattr(native, "shares_torch_openmp", lambda _, shares=shares: shares)
         single = native.NativeKernels(kernels.path, openmp)
         assert not single.threaded and why in single.threading
         torch_threads(2)
@@ -180,8 +175,7 @@ def test_a_second_openmp_runtime_keeps_the_kernels_on_one_thread(
         assert not single.can_encode(values, scales, codes)
         torch_threads(1)
         assert single.can_encode(values, scales, codes)
-    monkeypatch.setattr(native, "openmp_runtimes", lambda: torchs)
-    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: openmp_pool)
+    monkeypatch.setattr(native, "shares_torch_openmp", lambda _: True)
     assert native.NativeKernels(kernels.path, True).threaded
 
 
@@ -204,22 +198,6 @@ def test_a_compiler_without_openmp_still_gives_one_thread_kernels(cache_dir, mon
         _rows(loaded, values, 64, 20, 2, 1, torch.bfloat16)[0],
         _rows(EAGER_KERNELS, values, 64, 20, 2, 1, torch.bfloat16)[0],
     )
-
-
-def test_openmp_runtimes_reads_the_mapped_files(tmp_path):
-    maps = tmp_path / "maps"
-    maps.write_text(
-        "7f00-7f01 r-xp 00000000 08:01 42 /site/torch/lib/libgomp.so.1\n"
-        "7f01-7f02 r--p 00001000 08:01 42 /site/torch/lib/libgomp.so.1\n"
-        "7f02-7f03 r-xp 00000000 08:01 43 /opt/intel/lib/libiomp5.so\n"
-        "7f03-7f04 rw-p 00000000 00:00 0 \n"
-        "7f04-7f05 r-xp 00000000 08:01 44 /usr/lib/libc.so.6\n"
-    )
-    assert native.openmp_runtimes(maps) == {
-        "/site/torch/lib/libgomp.so.1",
-        "/opt/intel/lib/libiomp5.so",
-    }
-    assert native.openmp_runtimes(tmp_path / "missing") is None
 
 
 @st.composite
