@@ -179,27 +179,6 @@ def test_kernels_outside_torchs_openmp_runtime_stay_on_one_thread(
     assert native.NativeKernels(kernels.path, True).threaded
 
 
-@pytest.mark.usefixtures("kernels")
-def test_a_compiler_without_openmp_still_gives_one_thread_kernels(cache_dir, monkeypatch, caplog):
-    """Where -fopenmp does not compile (a clang without libomp), the library is built
-    without it, says so, and runs on one thread with the same bytes."""
-    monkeypatch.setattr(native, "OPENMP_FLAGS", ("-fno-such-openmp-flag-qwz",))
-    native.load.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="qwz"):
-            loaded = native.load()
-    finally:
-        native.load.cache_clear()
-    assert not loaded.threaded and loaded.threading == "one thread (built without OpenMP)"
-    assert any("without OpenMP" in record.getMessage() for record in caplog.records)
-    assert [path.name for path in cache_dir.glob("*.so")] == [loaded.path.name]
-    values = torch.linspace(-1.0, 1.0, 64 * 20 - 3)
-    assert torch.equal(
-        _rows(loaded, values, 64, 20, 2, 1, torch.bfloat16)[0],
-        _rows(EAGER_KERNELS, values, 64, 20, 2, 1, torch.bfloat16)[0],
-    )
-
-
 @st.composite
 def threaded_rows(draw):
     """Rows large enough for the kernels' OpenMP team (65,536 elements and more): group
@@ -328,6 +307,23 @@ def test_fused_kernels_without_a_working_torch_compile_run_eager_logged(
 # --------------------------------------------------------------------------- #
 
 
+def _load_afresh(caplog) -> native.NativeKernels:
+    """native.load() past its per-process cache (and clearing it again), warnings captured."""
+    native.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="qwz"):
+            return native.load()
+    finally:
+        native.load.cache_clear()
+
+
+def _assert_encodes_as_eager(loaded, values, group_size, num_groups) -> None:
+    assert torch.equal(
+        _rows(loaded, values, group_size, num_groups, 2, 1, torch.bfloat16)[0],
+        _rows(EAGER_KERNELS, values, group_size, num_groups, 2, 1, torch.bfloat16)[0],
+    )
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("QWZ_CACHE_DIR", str(tmp_path))
@@ -338,20 +334,11 @@ def cache_dir(tmp_path, monkeypatch):
 def test_a_damaged_cached_library_is_rebuilt(cache_dir, caplog):
     path = native.build()
     path.write_bytes(b"\x7fELF truncated by a full disk")
-    native.load.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="qwz"):
-            loaded = native.load()
-    finally:
-        native.load.cache_clear()
+    loaded = _load_afresh(caplog)
     assert loaded.path == path and path.read_bytes()[:4] == b"\x7fELF"
     assert path.stat().st_size > 1000
     assert any("fails to load" in record.getMessage() for record in caplog.records)
-    values = torch.linspace(-1.0, 1.0, 128)
-    assert torch.equal(
-        _rows(loaded, values, 64, 2, 1, 0, torch.float32)[0],
-        _rows(EAGER_KERNELS, values, 64, 2, 1, 0, torch.float32)[0],
-    )
+    _assert_encodes_as_eager(loaded, torch.linspace(-1.0, 1.0, 128), 64, 2)
 
 
 @pytest.mark.usefixtures("kernels")
@@ -382,6 +369,18 @@ def test_a_failing_compiler_is_named_and_leaves_no_library(cache_dir, monkeypatc
     with pytest.raises(native.NativeBuildError, match=r"false failed on wire_kernels.c"):
         native.build()
     assert not list(cache_dir.iterdir())
+
+
+@pytest.mark.usefixtures("kernels")
+def test_a_compiler_without_openmp_still_gives_one_thread_kernels(cache_dir, monkeypatch, caplog):
+    """Where -fopenmp does not compile (a clang without libomp), the library is built
+    without it, says so, and runs on one thread with the same bytes."""
+    monkeypatch.setattr(native, "OPENMP_FLAGS", ("-fno-such-openmp-flag-qwz",))
+    loaded = _load_afresh(caplog)
+    assert not loaded.threaded and loaded.threading == "one thread (built without OpenMP)"
+    assert any("without OpenMP" in record.getMessage() for record in caplog.records)
+    assert [path.name for path in cache_dir.glob("*.so")] == [loaded.path.name]
+    _assert_encodes_as_eager(loaded, torch.linspace(-1.0, 1.0, 64 * 20 - 3), 64, 20)
 
 
 def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
