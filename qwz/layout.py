@@ -227,16 +227,20 @@ def _pieces_by_position(
     return result
 
 
-PIPELINE_CHUNK_NUMEL = 1 << 23
+PIPELINE_CHUNK_NUMEL = 1 << 22
 """[Note: chunks to overlap]
 The staging bound caps a chunk; it does not ask for one chunk when the bound
 allows it. A single chunk leaves the gather pipeline ([Note: gather pipeline],
 collectives.py) nothing to overlap: encode, collective and decode run one
 after the other. So a shard is also cut into chunks of at most this many
 source elements per rank. Measured on 2 CPU ranks (gloo, bf16, G=64, 16.8M
-elements per rank, fused kernels): one chunk 58 ms, two chunks 36 ms, five
-chunks 44 ms per gather. Smaller chunks only shrink the staging, so the bound
-still holds."""
+elements per rank, the torch.compile kernels of the time): one chunk 58 ms, two
+chunks 36 ms, five chunks 44 ms per gather. With the native kernels (2 cores,
+benchmarks/gather.py, interleaved with stock), 4M- against 8M-element chunks: W=2,
+8M elements per rank: 15.7-17.0 ms against 17.2-20.4 ms; W=4, 16M per rank: 106-119 ms
+against 154-178 ms; W=2, 32M per rank within the run-to-run noise; DeepSpeed's step
+through the drop-in unchanged. Smaller chunks only shrink the staging, so the bound still
+holds."""
 
 
 def plan_gather(
