@@ -31,7 +31,7 @@ import torch.distributed as dist
 from qwz.collectives import Staging, gather
 from qwz.launch import launch
 from qwz.layout import plan_gather
-from qwz.quant import WireRow, choose_kernels, row_codes, row_scales
+from qwz.quant import WireRow, choose_kernels, native_kernels, row_codes, row_scales
 
 BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default ``allgather_bucket_size``."""
@@ -136,7 +136,9 @@ def main() -> None:
     parser.add_argument("--skip-gather", action="store_true")
     args = parser.parse_args()
     default_threads = torch.get_num_threads()
-    print(f"kernels: {choose_kernels(None).kernels.name}")
+    native, why_not = native_kernels()
+    on_cpu = f"native C, {native.threading}" if native else f"not native: {why_not}"
+    print(f"kernels: {choose_kernels(None).kernels.name} (on CPU: {on_cpu})")
     print("(b) quantize + dequantize vs a bf16 copy, one rank")
     print("| threads | elements | G | bf16 copy ms | quant+dequant ms | rate vs copy |")
     print("|---|---|---|---|---|---|")
