@@ -17,7 +17,7 @@ def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str) -> list[str
     monkeypatch.setattr(
         gpu_memory,
         "free_bytes",
-        lambda indices: {i: (int(free_gib * GIB), 80 * GIB) for i in indices},
+        lambda indices: {i: (int(free_gib * GIB), 141 * GIB) for i in indices},
     )
     args = cli.build_parser().parse_args(
         ["run", "--workload", "qwen3-4b", "--out", str(tmp_path / "out"), *argv]
@@ -26,9 +26,11 @@ def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str) -> list[str
 
 
 def test_a_run_that_cannot_fit_a_gpu_is_refused_with_the_estimate(tmp_path, monkeypatch):
-    """Qwen3-4B in bf16 on 2 ranks: two resident arms need about 2 x 37.5 GiB + 1 GiB."""
+    """Qwen3-4B in bf16 on 2 ranks: two resident arms need about 2 x 45 GiB + 1 GiB."""
     lines = run_problems(tmp_path, monkeypatch, 60, "--world-size", "2")
-    assert len(lines) == 2 and lines[0].startswith("--world-size 2: cuda:0 has 60.0 GiB free")
+    assert len(lines) == 2 and lines[0].startswith(
+        "--world-size 2: cuda:0 has 60.0 GiB free of 141.0 GiB"
+    )
     needed = (gpu_memory.CONTEXT_BYTES + 2 * gpu_memory.arm_bytes(QWEN3_4B_NUMEL, 2, "bf16")) / GIB
     assert f"about {needed:.1f} GiB needed at least" in lines[0]
     assert "2 arms of 4,022,468,096 parameters in bf16" in lines[0]
@@ -45,7 +47,7 @@ def test_a_gpu_too_small_for_one_arm_says_so(tmp_path, monkeypatch):
 
 
 def test_a_run_that_fits_passes(tmp_path, monkeypatch):
-    assert run_problems(tmp_path, monkeypatch, 79, "--world-size", "2") == []
+    assert run_problems(tmp_path, monkeypatch, 95, "--world-size", "2") == []
 
 
 def test_gloo_ranks_skip_the_gpu_preflight(monkeypatch):
