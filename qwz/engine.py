@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from qwz import checkpoint
 from qwz.config import ConfigError, QwzConfig
+from qwz.devices import group_device
 from qwz.loss_scale import LossScaler
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError, ZeroOptimizer
 
@@ -50,9 +51,13 @@ class Engine:
         _check_batch_sizes(config, world_size)
         self.config = config
         self.world_size = world_size
-        if distributed and dist.get_backend(process_group) == "nccl":
-            model = model.to(torch.device("cuda", torch.cuda.current_device()))
-        self.module = model.to(WORKING_DTYPES[config.dtype])
+        # [Note: collectives on the group's device] (devices.py): cuda:LOCAL_RANK for an NCCL
+        # or mixed "cpu:gloo,cuda:nccl" group, set as the current device; one move, already
+        # in the working dtype, so the GPU never holds an fp32 copy of the model.
+        device = group_device(process_group) if distributed else None
+        if device is not None and device.type != "cuda":
+            device = None  # a gloo group: the model stays where the caller put it
+        self.module = model.to(device=device, dtype=WORKING_DTYPES[config.dtype])
         if distributed and world_size > 1:
             broadcast_module_state(self.module, process_group)
         zero = config.zero

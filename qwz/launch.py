@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qwz.devices import use_cpu_accelerator_for_gloo
+
 BACKEND_ENV = "QWZ_BACKEND"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -125,6 +127,7 @@ def _rank_main(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    use_cpu_accelerator_for_gloo(backend)  # [Note: collectives on the group's device]
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -284,7 +284,21 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
             )
     if not _under_torchrun():
         problems += _local_resource_problems(world_size, numel)
+    problems += _gpu_memory_problems(args, world_size, numel)
     return problems
+
+
+def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) -> list[str]:
+    """[Note: GPU memory estimate] (qualify/gpu_memory.py) on every GPU the ranks use."""
+    from qwz.qualify import gpu_memory
+
+    return gpu_memory.problems(
+        world_size=world_size,
+        numel=numel,
+        dtype=args.dtype,
+        one_arm_at_a_time=args.one_arm_at_a_time,
+        indices=gpu_memory.indices_for_run(world_size, _under_torchrun()),
+    )
 
 
 def _workload_numel(name: str, seed: int) -> int:

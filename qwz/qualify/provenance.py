@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from qwz.native import cpu_flags as _cpu_flags
-from qwz.qualify.record import Environment, Head, Subject
+from qwz.qualify.record import Determinism, Environment, Head, Subject
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
@@ -102,12 +104,59 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
 (case-insensitive values, named upper-case)."""
 
 
-def environment(device_names: list[str]) -> Environment:
-    """Versions, backend, device names (one per rank) and world shape of this run."""
-    import os
+def compute_capability() -> str | None:
+    """This rank's GPU's compute capability as ``sm_XY``; None on a CPU rank. Kernels
+    (Triton's, cuBLAS's choice of algorithm) differ between capabilities."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+        return f"sm_{major}{minor}"
+    return None
 
+
+NVIDIA_DRIVER_FILE = pathlib.Path("/proc/driver/nvidia/version")
+
+
+def driver_version(version_file: pathlib.Path = NVIDIA_DRIVER_FILE) -> str | None:
+    """The loaded NVIDIA kernel driver's version (Linux), None where none is loaded."""
+    try:
+        text = version_file.read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else None
+
+
+def gpu_versions() -> dict[str, str | None]:
+    """CUDA, cuDNN, NCCL, driver and Triton versions (None for what this build lacks)."""
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    nccl = None
+    if torch.cuda.is_available():
+        with contextlib.suppress(Exception):  # a CUDA build without NCCL
+            version = torch.cuda.nccl.version()
+            nccl = (
+                ".".join(str(part) for part in version)
+                if isinstance(version, tuple)
+                else str(version)
+            )
+    return {
+        "cuda": torch.version.cuda,
+        "cudnn": None if cudnn is None else str(cudnn),
+        "nccl": nccl,
+        "driver": driver_version(),
+        "triton": _version("triton") or _version("pytorch-triton"),
+    }
+
+
+def environment(
+    device_names: list[str],
+    compute_capabilities: list[str | None] | None = None,
+    determinism: Determinism | None = None,
+) -> Environment:
+    """Versions, backend, device names and compute capabilities (one per rank), the
+    deterministic settings and the world shape of this run."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    capabilities = [item for item in compute_capabilities or [] if item is not None]
     return Environment(
         python=platform.python_version(),
         torch=torch.__version__,
@@ -118,4 +167,7 @@ def environment(device_names: list[str]) -> Environment:
         world_size=world_size,
         node_count=max(1, world_size // max(1, local)),
         platform=f"{platform.system()} {platform.release()} ({sys.platform})",
+        compute_capabilities=capabilities,
+        determinism=determinism,
+        **gpu_versions(),
     )

@@ -63,6 +63,25 @@ class Subject(_Model):
     sha: str | None = Field(None, description="Git SHA when installed from a checkout")
 
 
+class Determinism(_Model):
+    """The deterministic settings the ranks ran under (qwz/qualify/determinism.py); the
+    ``reproduced`` and ``step1-exact`` checks rely on them."""
+
+    deterministic_algorithms: bool = Field(
+        description="torch.use_deterministic_algorithms (warn_only: ops without a "
+        "deterministic implementation warn instead of failing)"
+    )
+    warn_only: bool
+    fill_uninitialized_memory: bool = Field(
+        description="torch.utils.deterministic.fill_uninitialized_memory"
+    )
+    cublas_workspace_config: str | None = Field(
+        description="CUBLAS_WORKSPACE_CONFIG as the ranks saw it"
+    )
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+
+
 class Environment(_Model):
     python: str
     torch: str
@@ -73,11 +92,36 @@ class Environment(_Model):
     world_size: int
     node_count: int
     platform: str
+    cuda: str | None = Field(None, description="CUDA version torch was built with")
+    cudnn: str | None = Field(None, description="cuDNN version, where torch has cuDNN")
+    nccl: str | None = Field(None, description="NCCL version, where torch has NCCL")
+    driver: str | None = Field(None, description="NVIDIA driver version, where one is loaded")
+    triton: str | None = Field(None, description="Triton version, where installed")
+    compute_capabilities: list[str] = Field(
+        default_factory=list, description="Per rank: the GPU's compute capability (sm_XY)"
+    )
+    determinism: Determinism | None = None
 
     def fingerprint(self) -> str:
-        """What must match for hashes to be reproducible: versions, backend, devices, ranks."""
+        """What must match for hashes to be reproducible: versions, backend, devices and
+        their compute capabilities, ranks, deterministic settings. Fields a record written
+        before they existed lacks (None, empty) are left out, so its fingerprint stays."""
         payload = self.model_dump(exclude={"platform"})
+        for name in _LATER_ENVIRONMENT_FIELDS:
+            if payload[name] in (None, []):
+                del payload[name]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_LATER_ENVIRONMENT_FIELDS = (
+    "cuda",
+    "cudnn",
+    "nccl",
+    "driver",
+    "triton",
+    "compute_capabilities",
+    "determinism",
+)
 
 
 class Workload(_Model):

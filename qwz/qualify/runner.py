@@ -51,9 +51,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qwz import devices
 from qwz.hashing import param_hash
+from qwz.optimizer import WORKING_DTYPES
 from qwz.probe import WireProbe
-from qwz.qualify import observers, provenance, stats
+from qwz.qualify import determinism, observers, provenance, stats
 from qwz.qualify.subjects import ArmEngine, make_arm
 from qwz.qualify.workloads import Workload
 
@@ -180,7 +182,9 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).clone()
+    """[Note: collectives on the group's device] (qwz/devices.py): the all-reduce gets a
+    tensor on the group's device, wherever `value` was computed."""
+    value = value.detach().float().reshape(1).to(devices.group_device(), copy=True)
     if dist.is_initialized():
         dist.all_reduce(value)
         value /= dist.get_world_size()
@@ -255,6 +259,37 @@ def _peak_memory() -> dict[str, Any]:
     return {"kind": "rss", "peak_allocated_bytes": int(rss), "peak_reserved_bytes": None}
 
 
+class _StepPeak:
+    """[Note: peak around the train step]
+    An arm's memory is its training step's: forward, backward, reductions, optimizer step
+    and gather, with the arm's resident state. The counter is reset before each step's
+    forward and read right after its gather, and the record keeps the largest step; the
+    harness's own checks (own-shard decode, digests, held-out loss) run outside that
+    window, so what they allocate is not charged to the subject. An arm that never
+    completed a step reports the peak since the arm began instead."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.peak: dict[str, Any] | None = None
+
+    @contextlib.contextmanager
+    def around_step(self):
+        _reset_peak_memory()
+        yield
+        measured = _peak_memory()
+        self.steps += 1
+        if self.peak is None:
+            self.peak = measured
+            return
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            if measured[key] is not None:
+                self.peak[key] = max(self.peak[key] or 0, measured[key])
+
+    def result(self) -> dict[str, Any]:
+        assert self.peak is not None
+        return dict(self.peak)
+
+
 # ------------------------------------------------------------------- arms
 
 
@@ -270,9 +305,13 @@ def _call_hook(plan: RunPlan, arm: ArmSpec, engine: ArmEngine) -> ArmEngine:
 
 
 def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
+    # Built where it trains and in the dtype it trains in: no fp32 copy on the GPU.
+    model = plan.workload.build_model(
+        plan.seed, device=devices.group_device(), dtype=WORKING_DTYPES[plan.dtype]
+    )
     engine = make_arm(
         plan.subject,
-        plan.workload.build_model(plan.seed),
+        model,
         plan.arm_config(arm),
         quantized=arm.quantized,
         compile_kernels=plan.compile_kernels,
@@ -287,10 +326,11 @@ def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int) -> float:
     was_training = module.training
     module.eval()
     try:
-        total = torch.zeros(())
+        losses = []
         for index in range(plan.held_out_batches):
             batch = plan.workload.held_out_batch(seed=plan.seed, index=index, rank=rank)
-            total += plan.workload.loss(module, batch).detach().float().cpu()
+            losses.append(plan.workload.loss(module, batch).detach().float())
+        total = torch.stack(losses).sum()  # on the model's device, summed in order
     finally:
         module.train(was_training)
     return _mean_over_ranks(total / plan.held_out_batches)
@@ -366,6 +406,7 @@ def _train_arm(
     sampled: dict[str, list[torch.Tensor]] = {}
     engine: ArmEngine | None = None
     update_check: observers.UpdateCheck | None = None
+    peak = _StepPeak()
     step = 0
     try:
         engine = _build(plan, arm)
@@ -392,10 +433,12 @@ def _train_arm(
         for step in range(1, plan.steps + 1):
             error: dict[str, Any] | None = None
             try:
-                loss = workload.loss(module, workload.batch(seed=plan.seed, step=step, rank=rank))
                 update_check.begin_step(step)
-                with WireProbe() as probe:
-                    engine.train_step(loss)
+                with peak.around_step():
+                    batch = workload.batch(seed=plan.seed, step=step, rank=rank)
+                    loss = workload.loss(module, batch)
+                    with WireProbe() as probe:
+                        engine.train_step(loss)
                 update_check.end_step()
                 loss_value = _mean_over_ranks(loss)
                 grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
@@ -459,7 +502,7 @@ def _train_arm(
             obs["update"] = dataclasses.asdict(update_check.result)
             update_check.close()
         obs["steps_completed"] = len(obs["losses"])
-        obs["memory"] = _peak_memory()
+        obs["memory"] = peak.result() if peak.steps else _peak_memory()
         del engine, update_check
         _release_memory()
     return obs, sampled
@@ -506,14 +549,23 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
 
 
 def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
-    """Run the plan on this rank; rank 0 gets every rank's observations."""
+    """Run the plan on this rank under [Note: deterministic ranks] (determinism.py); rank 0
+    gets every rank's observations."""
+    if dist.is_initialized():
+        devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
+    with determinism.deterministic() as settings:
+        return _qualify(plan, settings)
+
+
+def _qualify(plan: RunPlan, settings: Any) -> list[dict[str, Any]] | None:
     rank, world_size = _rank_and_world()
     progress = _Progress(rank == 0)
     progress.say(
         f"{plan.subject}: {len(plan.arms)} arms one after another, {plan.steps} steps each, "
         f"then {plan.blocks} blocks x {plan.block_steps} steps per candidate"
     )
-    probe_model = plan.workload.build_model(plan.seed)
+    with torch.device("meta"):  # shapes only: the sample indices and the parameter count
+        probe_model = plan.workload.build_model(plan.seed)
     samples = _sample_indices(probe_model, plan.samples_per_param, plan.seed)
     num_parameters = sum(p.numel() for p in probe_model.parameters())
     del probe_model
@@ -543,6 +595,7 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
         "world_size": world_size,
         "num_parameters": num_parameters,
         "device_name": provenance.device_name(),
+        "compute_capability": provenance.compute_capability(),
         "arms": arms,
         "timings": timings,
     }
@@ -552,7 +605,9 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
     gathered = _agree(observation)
     if rank == 0:
         names = [item["device_name"] for item in gathered]
-        gathered[0]["environment"] = provenance.environment(names).model_dump()
+        capabilities = [item["compute_capability"] for item in gathered]
+        environment = provenance.environment(names, capabilities, settings)
+        gathered[0]["environment"] = environment.model_dump()
         return gathered
     return None
 

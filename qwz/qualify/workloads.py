@@ -23,6 +23,7 @@ Presets:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -90,16 +91,34 @@ class Workload:
     name: str
     params: dict[str, Any] = field(default_factory=dict)
 
-    def build_model(self, seed: int) -> torch.nn.Module:
-        """The model, initialised from `seed` alone (identical on every rank)."""
-        torch.manual_seed(seed)
-        if self.name == "mlp":
-            return _mlp(self.params["sizes"])
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+    def build_model(
+        self,
+        seed: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.nn.Module:
+        """The model, initialised from `seed` alone (identical on every rank), created on
+        `device` in `dtype` (default: torch's current defaults): a GPU never holds an fp32
+        copy of a model that trains in bf16, and the host never holds the model at all.
 
-        config = Qwen3Config(**self.params["model"])
-        config._attn_implementation = "eager"
-        return Qwen3ForCausalLM(config)
+        The parameters are drawn in `dtype` on `device` (CUDA's generator on a GPU), so
+        each (device type, dtype) has its own initial values, the same on every rank and
+        in every arm of a run."""
+        torch.manual_seed(seed)
+        context = torch.device(device) if device is not None else contextlib.nullcontext()
+        with context:
+            if self.name == "mlp":
+                return _mlp(self.params["sizes"], dtype)
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+
+            config = Qwen3Config(**self.params["model"])
+            config._attn_implementation = "eager"
+            if dtype is None:
+                return Qwen3ForCausalLM(config)
+            # transformers' own way to create a model in a dtype (its rotary frequencies
+            # stay fp32 while they are computed).
+            return Qwen3ForCausalLM._from_config(config, dtype=dtype)
 
     def batch(self, *, seed: int, step: int, rank: int) -> tuple[torch.Tensor, ...]:
         """The CPU tensors of the batch of (seed, step, rank); see `loss`."""
@@ -168,10 +187,10 @@ def _batch_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 4099 + rank
 
 
-def _mlp(sizes: list[int]) -> torch.nn.Module:
+def _mlp(sizes: list[int], dtype: torch.dtype | None = None) -> torch.nn.Module:
     layers: list[torch.nn.Module] = []
     for index, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
-        layers.append(torch.nn.Linear(fan_in, fan_out))
+        layers.append(torch.nn.Linear(fan_in, fan_out, dtype=dtype))
         if index < len(sizes) - 2:
             layers.append(torch.nn.GELU())
     return torch.nn.Sequential(*layers)

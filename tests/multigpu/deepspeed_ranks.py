@@ -18,7 +18,7 @@ import torch.distributed as dist
 import qwz
 from qwz.integrations import deepspeed as qwz_deepspeed
 from qwz.tolerance import element_bound, half_ulp
-from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp
+from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp, device_of
 from tests.multigpu.ranks import BETAS, LR
 
 WEIGHT_DECAY = 0.01
@@ -91,7 +91,7 @@ def _build(config: dict[str, Any], seed: int, *, plain: bool = False, **kwargs: 
 
 def _forward_backward(engine: Any, seed: int, step: int) -> float:
     dtype = next(engine.module.parameters()).dtype
-    inputs, targets = batch(seed, step, dist.get_rank(), dtype)
+    inputs, targets = batch(seed, step, dist.get_rank(), dtype, device_of(engine.module))
     loss = torch.nn.functional.mse_loss(engine(inputs).float(), targets)
     engine.backward(loss)
     return loss.item()
@@ -104,7 +104,7 @@ def _exact_mask(engine: Any, group: int, rank: int) -> torch.Tensor:
     optimizer = engine.optimizer
     flat = optimizer.bit16_groups_flat[group]
     partition_numel = optimizer.parallel_partitioned_bit16_groups[group][rank].numel()
-    mask = torch.zeros(flat.numel(), dtype=torch.bool)
+    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
     for param in engine.module.parameters():
         offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
         inside = 0 <= offset < flat.numel()
@@ -314,7 +314,7 @@ def _full_flat_scales(engine: Any) -> dict[str, torch.Tensor]:
     scales: dict[str, torch.Tensor] = {}
     for group, flat in enumerate(optimizer.bit16_groups_flat):
         own = _element_scales(engine, group)
-        full = torch.empty(own.numel() * dist.get_world_size(), dtype=own.dtype)
+        full = torch.empty(own.numel() * dist.get_world_size(), dtype=own.dtype, device=own.device)
         dist.all_gather_into_tensor(full, own)
         for name, param in engine.module.named_parameters():
             offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()

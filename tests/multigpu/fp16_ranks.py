@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import qwz
+from qwz import devices
 from qwz.config import QwzConfig
 from qwz.hashing import tensors_hash
 from qwz.probe import WireProbe
@@ -49,7 +50,8 @@ def _loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     fp16 gradient overflows, on one rank, so at stage 2 only the rank that owns it would see
     the overflow in its own shard."""
     inputs, targets, spike = batch
-    loss = torch.nn.functional.mse_loss(model(inputs).float(), targets)
+    device = models.device_of(model)
+    loss = torch.nn.functional.mse_loss(model(inputs.to(device)).float(), targets.to(device))
     if spike:
         loss = loss + 1e30 * model.head.bias.float().sum()
     return loss
@@ -59,7 +61,8 @@ class _Reference:
     """Plain torch data parallelism in fp16 with DeepSpeed's loss scaler."""
 
     def __init__(self, config: dict[str, Any], seed: int):
-        self.model = models.build_odd_width_mlp(seed).half()
+        # On the group's device, like the engine's model: its all-reduce runs on that group.
+        self.model = models.build_odd_width_mlp(seed).to(devices.group_device(), torch.float16)
         self.masters = [p.detach().float().clone() for p in self.model.parameters()]
         params = config["optimizer"]["params"]
         self.adam = torch.optim.AdamW(

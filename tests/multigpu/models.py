@@ -12,7 +12,9 @@ change with it.
   drop-in with expert parallelism (tests/multigpu/moe_ranks.py); it needs deepspeed.
 
 Both read :func:`batch`: ``MICRO_BATCH`` rows of ``IN_FEATURES`` inputs and
-``OUT_FEATURES`` targets.
+``OUT_FEATURES`` targets, drawn on the CPU (the same values whatever the device) and
+placed on the device of the model they feed (:func:`device_of`): on NCCL the models live
+on ``cuda:LOCAL_RANK`` ([Note: collectives on the group's device], qwz/devices.py).
 """
 
 from __future__ import annotations
@@ -121,9 +123,20 @@ def build_deepspeed_layout_mlp(seed: int) -> DeepSpeedLayoutMLP:
     return DeepSpeedLayoutMLP()
 
 
-def batch(seed: int, step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic synthetic (inputs, targets) for one (seed, step, rank)."""
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where `module`'s parameters live (what its batches must follow)."""
+    return next(module.parameters()).device
+
+
+def batch(
+    seed: int,
+    step: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic synthetic (inputs, targets) for one (seed, step, rank), on `device`."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     inputs = torch.randn(MICRO_BATCH, IN_FEATURES, generator=generator)
     targets = torch.randn(MICRO_BATCH, OUT_FEATURES, generator=generator)
-    return inputs.to(dtype), targets
+    return inputs.to(device, dtype), targets.to(device)

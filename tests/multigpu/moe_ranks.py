@@ -124,7 +124,8 @@ def train(stage: int, ep_size: int, num_experts: int, steps: int, seed: int = 0)
         "unquantized_bytes": qwz_deepspeed.unquantized_gather_bytes(optimizer),
     }
     for step in range(1, steps + 1):
-        inputs, targets = models.batch(seed, step, dist.get_rank(), torch.bfloat16)
+        device = models.device_of(engine.module)
+        inputs, targets = models.batch(seed, step, dist.get_rank(), torch.bfloat16, device)
         outputs, aux_loss = engine(inputs)
         loss = torch.nn.functional.mse_loss(outputs.float(), targets) + AUX_LOSS_WEIGHT * aux_loss
         engine.backward(loss)

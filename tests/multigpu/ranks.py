@@ -17,7 +17,7 @@ import torch.distributed as dist
 import qwz
 from qwz.probe import WireProbe
 from qwz.tolerance import element_bound
-from tests.multigpu.models import MICRO_BATCH, batch, build_odd_width_mlp
+from tests.multigpu.models import MICRO_BATCH, batch, build_odd_width_mlp, device_of
 
 LR = 1e-3
 BETAS = (0.9, 0.999)
@@ -58,7 +58,7 @@ def ds_config(
 def _loss(engine: qwz.Engine, seed: int, step: int, micro: int) -> torch.Tensor:
     rank = dist.get_rank()
     dtype = next(engine.module.parameters()).dtype
-    inputs, targets = batch(seed, step * 100 + micro, rank, dtype)
+    inputs, targets = batch(seed, step * 100 + micro, rank, dtype, device_of(engine.module))
     return torch.nn.functional.mse_loss(engine(inputs).float(), targets)
 
 
@@ -96,7 +96,7 @@ def train(config: dict[str, Any], steps: int, seed: int = 0) -> dict[str, Any]:
             {name: stats._asdict() for name, stats in engine.optimizer.last_gather.items()}
         )
     result["final_params"] = {
-        name: param.detach().float().clone() for name, param in engine.module.named_parameters()
+        name: param.detach().float().cpu() for name, param in engine.module.named_parameters()
     }
     result["regions"] = {
         region.name: {

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from qwz.launch import pick_backend
 from qwz.qualify import record
 
 pytestmark = pytest.mark.multigpu
@@ -71,7 +72,11 @@ def test_run_writes_record_report_and_plots(runs):
     loaded = record.load(out / "record.json")
     assert loaded.verdict.passed, loaded.verdict
     assert [arm.name for arm in loaded.arms] == ["reference", "calibration-g64", "candidate-g64"]
-    assert loaded.environment.world_size == 2 and loaded.environment.backend == "gloo"
+    # The backend the launcher picked for 2 local ranks: NCCL on a host with 2 GPUs.
+    assert loaded.environment.world_size == 2
+    assert loaded.environment.backend == pick_backend(2)
+    determinism = loaded.environment.determinism
+    assert determinism is not None and determinism.deterministic_algorithms
     assert len(loaded.head.sha) == 40 or loaded.head.sha == "unknown"
     assert len(loaded.performance[0].blocks) == 2
     assert [block.order for block in loaded.performance[0].blocks] == ["AB", "BA"]
