@@ -13,6 +13,13 @@ with the default process group initialised (NCCL when there are enough GPUs,
 gloo otherwise; ``QWZ_BACKEND`` overrides) and the usual torchrun environment
 variables set, so DeepSpeed finds its process group too.
 
+When a rank fails -- returns an exception, reports one through ``qwz.rank_reports``
+(a rank that stops with ``rank_reports.crash`` while its peers sit in a collective),
+dies, or outlasts the timeout -- ``run`` gives the others GRACE_S to fail too, kills
+what still runs and raises :class:`RankFailure` naming the rank that failed first
+([Note: the rank that failed first] in qwz/rank_reports.py), with the others' ends as
+context and what the ranks had kept with ``rank_reports.report_result``.
+
 [Note: no orphaned ranks]
   Each rank leads its own process group (so a compile worker it starts is
   killed with it) and, on Linux, asks the kernel for SIGKILL when its parent
