@@ -13,6 +13,13 @@ with the default process group initialised (NCCL when there are enough GPUs,
 gloo otherwise; ``QWZ_BACKEND`` overrides) and the usual torchrun environment
 variables set, so DeepSpeed finds its process group too.
 
+When a rank fails -- returns an exception, reports one through ``qwz.rank_reports``
+(a rank that stops with ``rank_reports.crash`` while its peers sit in a collective),
+dies, or outlasts the timeout -- ``run`` gives the others GRACE_S to fail too, kills
+what still runs and raises :class:`RankFailure` naming the rank that failed first
+([Note: the rank that failed first] in qwz/rank_reports.py), with the others' ends as
+context and what the ranks had kept with ``rank_reports.report_result``.
+
 [Note: no orphaned ranks]
   Each rank leads its own process group (so a compile worker it starts is
   killed with it) and, on Linux, asks the kernel for SIGKILL when its parent
@@ -29,10 +36,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pathlib
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -41,14 +52,36 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qwz import rank_reports
 from qwz.devices import use_cpu_accelerator_for_gloo
+from qwz.rank_reports import RankEnd
 
 BACKEND_ENV = "QWZ_BACKEND"
 DEFAULT_TIMEOUT_S = 300.0
+GRACE_S = 5.0
+"""After the first failure, how long the other ranks get to fail too (their errors are
+context) or finish, before every rank still running is killed."""
+POLL_S = 0.2
 
 
 class RankFailure(RuntimeError):
-    """A rank raised, died or timed out; the message holds its traceback or exit code."""
+    """A rank raised, died or timed out; the message holds its traceback or exit code.
+
+    ``cause`` is the rank that failed first ([Note: the rank that failed first] in
+    qwz/rank_reports.py), ``context`` how the other failed ranks ended, ``results`` what
+    every rank had kept with ``rank_reports.report_result`` before the failure."""
+
+    def __init__(
+        self,
+        message: str,
+        cause: RankEnd | None = None,
+        context: tuple[RankEnd, ...] = (),
+        results: dict[int, dict[str, Any]] | None = None,
+    ):
+        super().__init__(message)
+        self.cause = cause
+        self.context = context
+        self.results = results or {}
 
 
 class Interrupted(BaseException):  # like KeyboardInterrupt: not caught by `except Exception`
@@ -114,6 +147,7 @@ def _rank_main(
     backend: str,
     port: int,
     collective_timeout_s: float,
+    reports_dir: str,
     tasks: Any,
     results: Any,
 ) -> None:
@@ -126,6 +160,7 @@ def _rank_main(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    os.environ[rank_reports.REPORTS_ENV] = reports_dir
     torch.set_num_threads(1)
     use_cpu_accelerator_for_gloo(backend)  # [Note: collectives on the group's device]
     try:
@@ -177,6 +212,8 @@ class LocalWorld:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         port = self._store.port
+        # [Note: the rank that failed first]: the ranks' side channel to this launcher.
+        self.reports_dir = pathlib.Path(tempfile.mkdtemp(prefix="qwz-rank-reports-"))
         self._processes = [
             context.Process(
                 target=_rank_main,
@@ -186,6 +223,7 @@ class LocalWorld:
                     self.backend,
                     port,
                     timeout_s,
+                    str(self.reports_dir),
                     self._tasks[rank],
                     self._results,
                 ),
@@ -200,69 +238,108 @@ class LocalWorld:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call `fn(*args, **kwargs)` on every rank; return the results in rank order.
 
-        Raises RankFailure with the first failing rank's traceback; a rank that dies or a
-        call that outlasts the timeout breaks the world (every rank is killed)."""
+        Raises RankFailure naming the rank that failed first: one that raised (returned an
+        error or reported one through qwz.rank_reports), died or outlasted the timeout. The
+        others get GRACE_S to finish or fail; a world with a dead or unfinished rank is
+        broken (every rank is killed)."""
         if self.broken:
             raise RankFailure("this LocalWorld is broken by an earlier failure; start a new one")
+        rank_reports.clear(self.reports_dir)
         for task_queue in self._tasks:
             task_queue.put((fn, args, kwargs))
-        outcomes: dict[int, tuple[bool, Any]] = {}
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
-        while len(outcomes) < self.world_size:
-            try:
-                rank, ok, value = self._results.get(timeout=1.0)
-                outcomes[rank] = (ok, value)
-                if not ok:
-                    # The others may be blocked in a collective the failed rank never
-                    # entered; give them a moment to fail too, then stop waiting.
-                    self._collect_until(outcomes, seconds=5.0)
-                    break
-            except queue.Empty:
-                dead = self._dead_ranks(outcomes)
-                if dead:
-                    self._collect_until(outcomes, seconds=5.0)
-                    self.close(kill=True)
-                    rank, code = dead[0]
-                    raise RankFailure(
-                        f"rank {rank} of {self.world_size} died with exit code {code} "
-                        f"while running {_name(fn)}{_tracebacks(outcomes)}"
-                    ) from None
-                if datetime.datetime.now() > deadline:
-                    self.close(kill=True)
-                    missing = sorted(set(range(self.world_size)) - set(outcomes))
-                    raise RankFailure(
-                        f"ranks {missing} of {self.world_size} did not finish {_name(fn)} "
-                        f"within {self.timeout_s:.0f} s (a hang or a deadlock); all ranks "
-                        f"were killed{_tracebacks(outcomes)}"
-                    ) from None
-        failed = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
-        if failed:
-            dead = self._dead_ranks(outcomes)
-            if len(outcomes) < self.world_size:
+        outcomes: dict[int, tuple[bool, Any, float]] = {}
+        died_at: dict[int, float] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while not self._failed(outcomes, died_at):
+            if len(outcomes) == self.world_size:
+                return [outcomes[rank][1] for rank in range(self.world_size)]
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                ends = [self._timed_out(rank) for rank in missing]
+                failure = self._failure(fn, ends, outcomes, f" within {self.timeout_s:.0f} s")
                 self.close(kill=True)
-            first = min(failed)
-            died = "".join(f"; rank {r} died with exit code {c}" for r, c in dead)
-            raise RankFailure(
-                f"rank {first} of {self.world_size} raised in {_name(fn)} "
-                f"(failed ranks: {sorted(failed)}{died}):\n{failed[first]}"
-            )
-        return [outcomes[rank][1] for rank in range(self.world_size)]
+                raise failure
+            self._poll(outcomes, died_at, POLL_S)
+        grace_end = time.monotonic() + GRACE_S
+        while len(outcomes) + len(died_at) < self.world_size and time.monotonic() < grace_end:
+            self._poll(outcomes, died_at, POLL_S)
+        ends = [self._end(rank, outcomes, died_at) for rank in range(self.world_size)]
+        failure = self._failure(fn, [end for end in ends if end is not None], outcomes, "")
+        if died_at or len(outcomes) < self.world_size:
+            self.close(kill=True)  # the reports are read: the directory may go
+        raise failure
 
-    def _dead_ranks(self, outcomes: dict[int, tuple[bool, Any]]) -> list[tuple[int, int | None]]:
-        return [
-            (rank, process.exitcode)
-            for rank, process in enumerate(self._processes)
-            if not process.is_alive() and rank not in outcomes
-        ]
+    def _failed(self, outcomes: dict[int, tuple], died_at: dict[int, float]) -> bool:
+        return (
+            bool(died_at)
+            or any(not ok for ok, _, _ in outcomes.values())
+            or rank_reports.any_failure(self.reports_dir)
+        )
 
-    def _collect_until(self, outcomes: dict[int, tuple[bool, Any]], seconds: float) -> None:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=seconds)
-        while len(outcomes) < self.world_size and datetime.datetime.now() < deadline:
-            try:
-                rank, ok, value = self._results.get(timeout=0.2)
-                outcomes[rank] = (ok, value)
-            except queue.Empty:
-                continue
+    def _poll(
+        self, outcomes: dict[int, tuple[bool, Any, float]], died_at: dict[int, float], wait_s: float
+    ) -> None:
+        """Take one result (waiting up to `wait_s`), then note every rank newly dead."""
+        try:
+            rank, ok, value = self._results.get(timeout=wait_s)
+            outcomes[rank] = (ok, value, time.time())
+        except queue.Empty:
+            pass
+        for rank, process in enumerate(self._processes):
+            if rank not in outcomes and rank not in died_at and not process.is_alive():
+                died_at[rank] = time.time()
+
+    def _end(
+        self, rank: int, outcomes: dict[int, tuple[bool, Any, float]], died_at: dict[int, float]
+    ) -> RankEnd | None:
+        """How `rank` ended, or None when it returned a result."""
+        reported = rank_reports.reported_failure(self.reports_dir, rank)
+        if reported is not None:
+            return reported
+        where = rank_reports.where(self.reports_dir, rank)
+        if rank in outcomes:
+            ok, value, at_s = outcomes[rank]
+            if ok:
+                return None
+            lines = [line for line in str(value).splitlines() if line.strip()]
+            error = lines[-1].strip() if lines else "an exception without a message"
+            return RankEnd(rank, "raised", error, tuple(lines[-40:]), None, None, where, at_s)
+        if rank in died_at:
+            code = self._processes[rank].exitcode
+            at_s = died_at[rank]
+            if code is not None and code < 0:
+                name = signal.Signals(-code).name
+                return RankEnd(rank, "signal", f"killed by {name}", (), name, code, where, at_s)
+            return RankEnd(rank, "exit", f"exit code {code}", (), None, code, where, at_s)
+        return self._timed_out(rank)
+
+    def _timed_out(self, rank: int) -> RankEnd:
+        where = rank_reports.where(self.reports_dir, rank)
+        return RankEnd(rank, "timeout", "still running", (), None, None, where, time.time())
+
+    def _failure(
+        self,
+        fn: Callable[..., Any],
+        ends: list[RankEnd],
+        outcomes: dict[int, tuple[bool, Any, float]],
+        within: str,
+    ) -> RankFailure:
+        cause = rank_reports.first_failure(ends)
+        context = tuple(end for end in ends if end is not cause)
+        where = ", ".join(f"{key} {value}" for key, value in sorted(cause.where.items()))
+        others = "".join(f"; rank {end.rank} {end.describe()}" for end in context)
+        message = (
+            f"rank {cause.rank} of {self.world_size} {cause.describe()}{within} while running "
+            f"{_name(fn)}{f' ({where})' if where else ''}{others}"
+        )
+        if cause.how == "timeout":
+            message += "; all ranks were killed"
+        raised = {rank: value for rank, (ok, value, _) in outcomes.items() if not ok}
+        if cause.traceback and cause.rank not in raised:
+            raised = {cause.rank: "\n".join(cause.traceback), **raised}
+        texts = [f"\n--- rank {rank} ---\n{value}" for rank, value in raised.items()]
+        results = rank_reports.results(self.reports_dir, self.world_size)
+        return RankFailure(message + "".join(texts), cause, context, results)
 
     def close(self, kill: bool = False) -> None:
         if not kill and not self.broken:
@@ -277,6 +354,7 @@ class LocalWorld:
         for process in self._processes:
             process.join(timeout=5)
         self.broken = True
+        shutil.rmtree(self.reports_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalWorld:
         return self
@@ -319,8 +397,3 @@ def _kill_rank(process: Any) -> None:
 
 def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _tracebacks(outcomes: dict[int, tuple[bool, Any]]) -> str:
-    texts = [f"\n--- rank {rank} ---\n{value}" for rank, (ok, value) in outcomes.items() if not ok]
-    return "".join(texts)

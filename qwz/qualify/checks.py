@@ -89,7 +89,9 @@ def derive(record: Record) -> list[Check]:
         failure = trajectory.failure
         numbers = [*trajectory.losses, *trajectory.grad_norms]
         complete = len(trajectory.losses) == trajectory.steps_planned
-        if failure is not None:
+        if failure is not None and failure.kind == "not-run":
+            checks.append(_check(f"finite[{trajectory.arm}]", "n/a", failure.message))
+        elif failure is not None:
             params = f" (non-finite: {', '.join(failure.parameters)})" if failure.parameters else ""
             checks.append(
                 _check(
@@ -262,6 +264,11 @@ def derive(record: Record) -> list[Check]:
     # --- the group size in force, and the bytes on the wire
     for probe in record.probes:
         reported = probe.reported_group_sizes
+        if failures.get(probe.arm) is not None and set(reported) == {None}:
+            why = "the arm failed before its engine reported a group size; see finite"
+            checks.append(_check(f"probe[{probe.arm}]", "n/a", why))
+            checks.append(_check(f"in-effect[{probe.arm}]", "n/a", why))
+            continue
         # A one-rank group is gathered exactly (nothing to save on the wire), by qwz's engine
         # and by the drop-in, and no group size is reported there.
         one_rank_exact = world_size == 1
@@ -432,9 +439,14 @@ def _learning(record: Record, reference: str | None, candidates) -> list[Check]:
         learned = False
     margin = numbers["margin"]
     calibrated = numbers["noise_gap"] is not None
+    # A run that crashed or never started an arm left it no held-out losses: finite says why.
+    ended = {t.arm: t.failure.kind for t in record.trajectories if t.failure is not None}
     for arm in candidates:
         name = f"learning[{arm.name}]"
         ours = held_out.get(arm.name, {})
+        if ended.get(arm.name) in ("crash", "not-run"):
+            checks.append(_check(name, "n/a", f"the arm ended: {ended[arm.name]}; see finite"))
+            continue
         if not learned or margin is None:
             checks.append(
                 _check(name, "inconclusive" if drop is not None else "n/a", "see the reference")

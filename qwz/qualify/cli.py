@@ -384,11 +384,21 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _run_torchrun(plan, timeout_s: float):
+def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
+    """Under torchrun a rank's own failure ends it through qwz.rank_reports.crash (exit 70,
+    its report in ``<out>/rank-reports`` of its node); torchrun's agent then stops the other
+    ranks. No record is written for such a run: no process outlives the ranks to read every
+    node's reports (a local run's launcher does)."""
     import torch
     import torch.distributed as dist
 
+    from qwz import rank_reports
     from qwz.qualify.runner import qualify_rank
+
+    if rank_reports.REPORTS_ENV not in os.environ:
+        reports = out / "rank-reports"
+        reports.mkdir(parents=True, exist_ok=True)
+        os.environ[rank_reports.REPORTS_ENV] = str(reports)
 
     if not dist.is_initialized():
         use_cuda = torch.cuda.is_available()
@@ -398,9 +408,11 @@ def _run_torchrun(plan, timeout_s: float):
             "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
     try:
-        return qualify_rank(plan)
+        observations = qualify_rank(plan)
     finally:
         dist.destroy_process_group()
+    rank_reports.forget()  # this rank finished: its reports are moot
+    return observations
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -437,16 +449,18 @@ def cmd_run(args: argparse.Namespace) -> int:
                 )
                 return 2
             world_size = launched
-            observations = _run_torchrun(plan, args.timeout)
+            observations = _run_torchrun(plan, args.timeout, args.out)
         else:
             observations = launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
     except RankFailure as failure:
-        # A rank died or hung: the evidence is a FAIL record naming the rank and the error.
+        # A rank raised, died or hung ([Note: failures] in qualify/runner.py): the evidence
+        # is a FAIL record naming the rank that failed first, the arm and the step.
         print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
-        if _under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
-            return 1
-        observations = None
-        built = evidence.build_failure_record(plan, world_size, str(failure))
+        if failure.cause is None:
+            raise
+        built = evidence.build_failure_record(
+            plan, world_size, failure.cause, failure.context, failure.results
+        )
     else:
         if observations is None:  # not rank 0
             return 0

@@ -12,13 +12,15 @@ from __future__ import annotations
 import datetime
 import math
 import pathlib
-import re
 from typing import Any
+
+import torch
 
 from qwz.qualify import checks as derived
 from qwz.qualify import ledger, provenance
 from qwz.qualify.record import Environment, Record, seal
 from qwz.qualify.runner import CALIBRATION, REFERENCE, RunPlan, empty_observation, plan_dict
+from qwz.rank_reports import RankEnd
 from qwz.tolerance import master_drift_bound
 
 
@@ -268,35 +270,79 @@ def build_record(
     return seal(payload)
 
 
-_RANK = re.compile(r"--- rank (\d+) ---")
-_STEP = re.compile(r"step (\d+)")
-
-
-def build_failure_record(plan: RunPlan, world_size: int, message: str) -> Record:
-    """A FAIL record for a run whose ranks crashed or hung (the launcher's `message` holds the
-    failing rank's traceback): every arm is marked failed with what can be recovered -- the
-    rank, the step when the error names one, and the error's last line."""
-    ranks = [int(match) for match in _RANK.findall(message)] or [0]
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else "the ranks failed without a message"
-    steps = _STEP.findall(message)
-    failure = {
-        "step": int(steps[-1]) if steps else 0,
-        "rank": ranks[0],
-        "ranks": sorted(set(ranks)),
+def _crash_failure(plan: RunPlan, cause: RankEnd, context: tuple[RankEnd, ...]) -> dict:
+    """The Failure of the arm a run crashed in: the rank that failed first, how, and where."""
+    where = cause.where
+    phase = where.get("phase")
+    last = where.get("last_completed_step")
+    step = where.get("step", plan.steps if phase == "timing" else 0)
+    after = f" (last completed step {last})" if last is not None else ""
+    on_their_own = {end.rank for end in context if end.how != "timeout" and not end.peer_lost}
+    return {
+        "step": int(step or 0),
+        "rank": cause.rank,
+        "ranks": sorted({cause.rank} | on_their_own),
         "kind": "crash",
-        "message": last[:2000],
+        "message": f"{cause.describe()}{after}"[:2000],
+        "parameters": [],
+        "last_completed_step": None if last is None else int(last),
+        "phase": None if phase is None else str(phase),
+        "signal": cause.signal,
+        "exit_code": cause.exit_code if cause.how == "exit" else None,
+        "traceback": [line[:500] for line in cause.traceback],
+        "context": [f"rank {end.rank} {end.describe()}"[:2000] for end in context],
+    }
+
+
+def build_failure_record(
+    plan: RunPlan,
+    world_size: int,
+    cause: RankEnd,
+    context: tuple[RankEnd, ...] = (),
+    results: dict[int, dict[str, Any]] | None = None,
+) -> Record:
+    """A FAIL record for a run that crashed ([Note: failures] in qualify/runner.py).
+
+    `cause` is the rank that failed first, `context` how the others ended, `results` each
+    rank's observations of the arms it finished ({rank: {arm: observation}}). Arms every
+    rank finished keep their observations and are judged; the arm the run crashed in gets
+    a "crash" failure; the arms after it are "not run"."""
+    results = results or {}
+    names = [arm.name for arm in plan.arms]
+    finished = [
+        name for name in names if all(name in results.get(r, {}) for r in range(world_size))
+    ]
+    crashed = cause.where.get("arm")
+    if crashed not in names:
+        crashed = next((name for name in names if name not in finished), names[-1])
+    crash = _crash_failure(plan, cause, context)
+    not_run = {
+        "step": 0,
+        "rank": -1,
+        "ranks": [],
+        "kind": "not-run",
+        "message": f"not run: the run ended in {crashed} (a crash on rank {cause.rank})",
         "parameters": [],
     }
+
+    def arm_observation(name: str, rank: int) -> dict[str, Any]:
+        if name == crashed:
+            kept = results[rank][name] if name in finished else empty_observation()
+            return kept | {"failure": crash}
+        if name in finished:
+            return results[rank][name]
+        return empty_observation(not_run)
+
     environment = provenance.environment([provenance.device_name()] * world_size)
-    empty = empty_observation(failure)
+    with torch.device("meta"):
+        num_parameters = sum(p.numel() for p in plan.workload.build_model(plan.seed).parameters())
     observations = [
         {
             "rank": rank,
             "world_size": world_size,
-            "num_parameters": 0,
+            "num_parameters": num_parameters,
             "device_name": environment.device_names[rank],
-            "arms": {arm.name: empty for arm in plan.arms},
+            "arms": {name: arm_observation(name, rank) for name in names},
             "timings": {},
             "head": provenance.git_head().model_dump(),
             "subject": provenance.subject(plan.subject).model_dump(),

@@ -152,16 +152,39 @@ class Arm(_Model):
 
 
 class Failure(_Model):
-    """How an arm ended early: the step, the rank(s) and what went wrong."""
+    """How an arm ended early, or that it never started ([Note: failures] in
+    qualify/runner.py): ``non-finite`` -- every rank saw a NaN/Inf loss or gradient norm
+    at the step, the arm ended and the run went on; ``crash`` -- one rank raised, died or
+    hung and the run ended there (the rank that failed first, by the launcher's report);
+    ``not-run`` -- the run ended before this arm started; ``error`` -- records written
+    before crashes ended the run."""
 
     step: int = Field(description="1-based training step; 0: before the first step")
-    rank: int = Field(description="The first rank that reported the failure")
-    ranks: list[int] = Field(description="Every rank that reported it")
-    kind: Literal["non-finite", "error", "crash"]
+    rank: int = Field(description="The first rank that reported the failure; -1 for not-run")
+    ranks: list[int] = Field(description="Every rank that reported it (crash: that failed)")
+    kind: Literal["non-finite", "error", "crash", "not-run"]
     message: str
     parameters: list[str] = Field(
         description="Parameters with a NaN/Inf gradient or weight (the engine's report, else "
         "the working weights that rank holds)"
+    )
+    last_completed_step: int | None = Field(
+        None, description="crash: the failing rank's last completed step of this arm (0: none)"
+    )
+    phase: str | None = Field(
+        None, description="crash: what the failing rank was doing (build, train, timing, ...)"
+    )
+    signal: str | None = Field(None, description="crash: the signal that killed the rank")
+    exit_code: int | None = Field(
+        None, description="crash: the rank's exit status, when it died without a report"
+    )
+    traceback: list[str] = Field(
+        default_factory=list, description="crash: the innermost lines of the rank's traceback"
+    )
+    context: list[str] = Field(
+        default_factory=list,
+        description="crash: how the other ranks ended (for example their connection reset by "
+        "the failed rank): consequences, not the cause",
     )
 
 

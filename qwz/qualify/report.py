@@ -314,8 +314,10 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
 
 
 def _failures_section(record: Record) -> list[str]:
-    failed = [t for t in record.trajectories if t.failure is not None]
-    if not failed:
+    ended = [t for t in record.trajectories if t.failure is not None]
+    failed = [t for t in ended if t.failure.kind != "not-run"]
+    not_run = [f"`{t.arm}`" for t in ended if t.failure.kind == "not-run"]
+    if not ended:
         return []
     rows = [
         (
@@ -328,11 +330,32 @@ def _failures_section(record: Record) -> list[str]:
         )
         for t in failed
     ]
-    return [
-        "## Failures",
-        "",
-        *_table(["arm", "step", "ranks", "kind", "non-finite parameters", "message"], rows),
-    ]
+    lines = ["## Failures", ""]
+    if rows:
+        lines += _table(["arm", "step", "ranks", "kind", "non-finite parameters", "message"], rows)
+    for t in failed:
+        lines += _crash_lines(t.arm, t.failure) if t.failure.kind == "crash" else []
+    if not_run:
+        lines += [f"Not run (the run ended before they started): {', '.join(not_run)}.", ""]
+    return lines
+
+
+def _crash_lines(arm: str, failure) -> list[str]:
+    """What the launcher knows of the rank that failed first, and of the others."""
+    details = {
+        "phase": failure.phase,
+        "last completed step": failure.last_completed_step,
+        "signal": failure.signal,
+        "exit code": failure.exit_code,
+    }
+    how = [f"{name} {value}" for name, value in details.items() if value is not None]
+    lines = [f"`{arm}` crashed on rank {failure.rank}: {'; '.join(how) or 'no details'}.", ""]
+    if failure.traceback:
+        lines += ["```", *failure.traceback, "```", ""]
+    if failure.context:
+        lines += ["Then (consequences, not the cause):", ""]
+        lines += [f"- {item}" for item in failure.context] + [""]
+    return lines
 
 
 def _code_section(record: Record) -> list[str]:

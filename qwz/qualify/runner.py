@@ -28,11 +28,28 @@ Per arm and step, on every rank:
 4. the replicas' per-parameter digests agree across ranks;
 5. at step 1, layout-independent digests of every parameter's master;
 6. at the evaluation steps, the held-out loss.
-A step that raises (NonFiniteError, any exception) or produces a non-finite
-loss or gradient norm ends the arm: the failure is recorded with the step, the
-rank and the parameters, every rank agrees on it, and the run goes on with the
-next arm. A rank that dies, or hangs in a collective, is the launcher's to
-report: the CLI then writes a failure record from the launcher's message.
+A non-finite loss or gradient norm ends the arm and the run goes on with the next
+one; any other exception ends the run at once, without a collective, naming the
+rank, the arm and the last completed step ([Note: failures]).
+
+[Note: failures]
+Two kinds, told apart by who sees them:
+- Seen by every rank together: a non-finite loss (the loss is averaged over the
+  ranks) or gradient norm (a global norm), raised here as NonFiniteStep, and
+  qwz's NonFiniteError (raised on every rank with the same text, after its own
+  all-gather). Every rank stands at the same point, so ``_agree`` (an
+  all_gather_object) is safe: the failure is recorded with the step, the ranks
+  and the parameters, the arm ends, the next arm runs.
+- Seen by one rank: anything else raised while building an arm, in a step, in a
+  check, while timing (a CUDA OOM, a bug, a rank's lost peer). Its peers may be
+  inside a collective this rank will never enter, so no collective may follow:
+  the rank reports the exception and where it was (``_Progress.at``: arm, phase,
+  step, last completed step) through the launcher's side channel and aborts the
+  process group (qwz.rank_reports.crash). The launcher stops the others and
+  names the rank that failed first ([Note: the rank that failed first]); the
+  CLI writes a "crash" record, keeping the arms every rank finished (reported
+  with rank_reports.report_result) and marking those never started "not run".
+  A rank that dies (SIGKILL) or hangs is found by the launcher the same way.
 """
 
 from __future__ import annotations
@@ -51,9 +68,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwz import devices
+from qwz import devices, rank_reports
 from qwz.hashing import param_hash
-from qwz.optimizer import WORKING_DTYPES
+from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
 from qwz.qualify import determinism, observers, provenance, stats
 from qwz.qualify.subjects import ArmEngine, make_arm
@@ -162,17 +179,32 @@ class RunPlan:
         }
 
 
+class NonFiniteStep(FloatingPointError):
+    """A step's loss or gradient norm is NaN/Inf: every rank sees it ([Note: failures])."""
+
+
+AGREED_FAILURES = (NonFiniteStep, NonFiniteError)
+"""Failures every rank raises at the same step, so agreeing on them cannot hang."""
+
+
 class _Progress:
-    """Rank 0 prints a line now and then; other ranks stay quiet."""
+    """Rank 0 prints a line now and then; other ranks stay quiet. Every rank tells its
+    launcher where it is ([Note: failures])."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.started = time.perf_counter()
+        self.where: dict[str, Any] = {"phase": "start"}
 
     def say(self, text: str) -> None:
         if self.enabled:
             elapsed = time.perf_counter() - self.started
             print(f"[qwz-qualify {elapsed:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    def at(self, **where: Any) -> None:
+        """Replace where this rank is (``phase``, ``arm``, ``step``, ``last_completed_step``)."""
+        self.where = where
+        rank_reports.report_progress(**where)
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -357,12 +389,12 @@ def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
 
 
 def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module) -> dict:
-    kind = "non-finite" if isinstance(error, FloatingPointError) else "error"
+    """One rank's record of an AGREED_FAILURES error ([Note: failures])."""
     message = f"{type(error).__name__}: {error}".splitlines()[0][:2000]
     return {
         "step": step,
         "rank": rank,
-        "kind": kind,
+        "kind": "non-finite",
         "message": message,
         "parameters": list(
             getattr(error, "parameters", ()) or observers.non_finite_parameters(module)
@@ -407,7 +439,8 @@ def _train_arm(
     engine: ArmEngine | None = None
     update_check: observers.UpdateCheck | None = None
     peak = _StepPeak()
-    step = 0
+    progress.at(phase="build", arm=arm.name, step=0, last_completed_step=0)
+    # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
     try:
         engine = _build(plan, arm)
         obs["group_size"] = engine.group_size
@@ -431,6 +464,7 @@ def _train_arm(
         if 0 in plan.eval_steps:
             obs["held_out"].append([0, _held_out_loss(plan, engine, rank)])
         for step in range(1, plan.steps + 1):
+            progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
             error: dict[str, Any] | None = None
             try:
                 update_check.begin_step(step)
@@ -443,10 +477,10 @@ def _train_arm(
                 loss_value = _mean_over_ranks(loss)
                 grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                    raise FloatingPointError(
+                    raise NonFiniteStep(
                         f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}"
                     )
-            except Exception as raised:  # recorded, agreed on, and the arm ends
+            except AGREED_FAILURES as raised:  # every rank raised it: agreed on, the arm ends
                 error = _failure(step, rank, raised, module)
             errors = [item for item in _agree(error) if item is not None]
             if errors:
@@ -493,10 +527,6 @@ def _train_arm(
         if check_own:
             obs["own_shard"] = dataclasses.asdict(own_result)
         obs["final_hash"] = param_hash(module)
-    except Exception as raised:  # a failure outside a step (building the arm, a check)
-        if engine is None or obs["failure"] is None:
-            module = engine.module if engine is not None else torch.nn.Module()
-            obs["failure"] = _failure(step, rank, raised, module) | {"ranks": [rank]}
     finally:
         if update_check is not None:
             obs["update"] = dataclasses.asdict(update_check.result)
@@ -521,6 +551,7 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
     )
     reference_spec = plan.arms[0]
     for arm in candidates:
+        progress.at(phase="timing", arm=arm.name)
         resident: dict[str, ArmEngine] = {}
 
         def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident) -> None:
@@ -550,16 +581,22 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
 
 def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
     """Run the plan on this rank under [Note: deterministic ranks] (determinism.py); rank 0
-    gets every rank's observations."""
-    if dist.is_initialized():
-        devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
-    with determinism.deterministic() as settings:
-        return _qualify(plan, settings)
-
-
-def _qualify(plan: RunPlan, settings: Any) -> list[dict[str, Any]] | None:
+    gets every rank's observations. A failure only this rank sees ends the run through
+    rank_reports.crash ([Note: failures])."""
     rank, world_size = _rank_and_world()
     progress = _Progress(rank == 0)
+    if dist.is_initialized():
+        devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
+    try:
+        with determinism.deterministic() as settings:
+            return _qualify(plan, rank, world_size, progress, settings)
+    except Exception as error:
+        rank_reports.crash(error, **progress.where)
+
+
+def _qualify(
+    plan: RunPlan, rank: int, world_size: int, progress: _Progress, settings: Any
+) -> list[dict[str, Any]] | None:
     progress.say(
         f"{plan.subject}: {len(plan.arms)} arms one after another, {plan.steps} steps each, "
         f"then {plan.blocks} blocks x {plan.block_steps} steps per candidate"
@@ -583,6 +620,7 @@ def _qualify(plan: RunPlan, settings: Any) -> list[dict[str, Any]] | None:
         if arm.name == REFERENCE:
             reference_samples = sampled if obs["failure"] is None else None
         arms[arm.name] = obs
+        rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
 
     # Arms that failed are not timed; without a working reference nothing is.
     timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name]["failure"] is None]
@@ -602,6 +640,7 @@ def _qualify(plan: RunPlan, settings: Any) -> list[dict[str, Any]] | None:
     if rank == 0:
         observation["head"] = provenance.git_head().model_dump()
         observation["subject"] = provenance.subject(plan.subject).model_dump()
+    progress.at(phase="gather observations")
     gathered = _agree(observation)
     if rank == 0:
         names = [item["device_name"] for item in gathered]

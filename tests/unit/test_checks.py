@@ -203,27 +203,39 @@ def test_a_speed_requirement_is_judged_on_the_interval():
     assert by_name(record)[f"speedup[{CANDIDATE}]"].status == "pass"
 
 
-def test_a_crashed_run_is_a_fail_record_naming_the_rank_and_step(tmp_path):
-    """The launcher's report of a dead rank becomes a record (the CLI writes it), and it
-    loads, reports and compares like any other."""
+def test_a_crashed_run_is_a_fail_record_naming_the_rank_arm_and_step(tmp_path):
+    """The launcher's report of the rank that failed first becomes a record (the CLI writes
+    it): the arm it crashed in names the rank, the signal and the last completed step, the
+    arms after it are "not run" (not failures), and it loads, reports and compares like any
+    other."""
     from qwz.qualify import evidence, record, report
     from qwz.qualify.runner import RunPlan
     from qwz.qualify.workloads import get_workload
+    from qwz.rank_reports import RankEnd
 
-    message = (
-        "rank 1 of 2 died with exit code 1 while running qwz.qualify.runner.qualify_rank\n"
-        '--- rank 1 ---\nTraceback (most recent call last):\n  File "x.py", line 1\n'
-        "RuntimeError: step 3: the gloo connection closed\n"
-    )
-    plan = RunPlan(workload=get_workload("mlp"), steps=4, blocks=0)
-    crashed = evidence.build_failure_record(plan, 2, message)
+    where = {"phase": "train", "arm": "reference", "step": 4, "last_completed_step": 3}
+    killed = RankEnd(1, "signal", "killed by SIGKILL", (), "SIGKILL", -9, where, 10.0)
+    reset = RankEnd(
+        0, "raised", "RuntimeError: Connection reset by peer", ("Traceback",), None, None,
+        where, 9.5,
+    )  # fmt: skip
+    plan = RunPlan(workload=get_workload("mlp"), steps=6, blocks=0)
+    crashed = evidence.build_failure_record(plan, 2, killed, (reset,))
     assert crashed.verdict.status == "FAIL"
-    for trajectory in crashed.trajectories:
-        failure = trajectory.failure
-        assert (failure.kind, failure.rank, failure.step) == ("crash", 1, 3)
-        assert failure.message == "RuntimeError: step 3: the gloo connection closed"
+    assert crashed.verdict.failed == ["finite[reference]"]
+    failure = crashed.trajectories[0].failure
+    assert (failure.kind, failure.rank, failure.ranks, failure.step) == ("crash", 1, [1], 4)
+    assert (failure.signal, failure.last_completed_step, failure.phase) == ("SIGKILL", 3, "train")
+    assert failure.context == ["rank 0 raised RuntimeError: Connection reset by peer"]
+    for trajectory in crashed.trajectories[1:]:
+        assert trajectory.failure.kind == "not-run", trajectory.arm
+        assert f"finite[{trajectory.arm}]: not run: the run ended in reference" in "; ".join(
+            crashed.verdict.not_applicable
+        )
     path = tmp_path / "record.json"
     record.save(crashed, path)
     loaded = record.load(path)
-    assert "| `candidate-g64` | 3 | 1 | crash |" in report.render_markdown(loaded)
-    assert set(loaded.verdict.failed) >= {f"finite[{arm.name}]" for arm in loaded.arms}
+    text = report.render_markdown(loaded)
+    assert "| `reference` | 4 | 1 | crash |" in text
+    assert "crashed on rank 1: phase train; last completed step 3; signal SIGKILL" in text
+    assert "Not run (the run ended before they started): `calibration-g64`, `candidate-g64`" in text

@@ -1,0 +1,170 @@
+"""A rank that fails on its own never hangs the others, and the record names it
+([Note: failures] in qwz/qualify/runner.py, [Note: the rank that failed first] in
+qwz/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with exit 1
+and a FAIL record naming the rank, the arm, the last completed step and the exception or
+signal; the arms every rank finished are judged, the ones after are "not run"."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from qwz.qualify import record
+
+pytestmark = [
+    pytest.mark.multigpu,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
+
+RUN = [
+    "--workload", "mlp", "--steps", "6", "--eval-every", "2", "--blocks", "1",
+    "--block-steps", "1", "--warmup-steps", "0", "--world-size", "2", "--no-compile",
+    "--group-size", "64", "--group-size", "128",
+]  # fmt: skip
+FAILING_RANK, FAILING_STEP = 1, 3
+BOUND_S = 30.0
+"""The run must end this soon after the failure; the collective timeout is 3600 s."""
+HOOK = "tests.multigpu.test_run_crash:raise_on_rank_1_at_step_3"
+
+
+def raise_on_rank_1_at_step_3(arm, engine, plan):
+    """arm_hook: candidate-g64's train_step raises on rank 1 at step 3, the others wait in
+    the step's collectives (the shape of a CUDA OOM on one card)."""
+    if arm.group_size != 64:
+        return engine
+    train_step, steps = engine.train_step, [0]
+
+    def failing_train_step(loss):
+        steps[0] += 1
+        if dist.get_rank() == FAILING_RANK and steps[0] == FAILING_STEP:
+            print(f"INJECTED at {time.time()}", file=sys.stderr, flush=True)
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK}, step {steps[0]}")
+        train_step(loss)
+
+    engine.train_step = failing_train_step
+    return engine
+
+
+def _cli_with_hook(out: pathlib.Path) -> list[str]:
+    """`qwz-qualify run` with the plan's arm_hook set (the CLI has no flag for the seam)."""
+    code = (
+        "import dataclasses, sys; from qwz.qualify import cli; plan = cli._plan; "
+        f"cli._plan = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
+        f"sys.exit(cli.main(['run', '--out', {str(out)!r}, *{RUN!r}]))"
+    )
+    return [sys.executable, "-c", code]
+
+
+def test_an_exception_on_one_rank_ends_the_run_and_the_record_names_it(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        _cli_with_hook(out),
+        capture_output=True,
+        text=True,
+        timeout=300,  # before the fix the peers wait 3600 s in the step's collective
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        check=False,
+    )
+    ended = time.time()
+    injected = re.search(r"INJECTED at ([0-9.]+)", done.stderr)
+    assert injected, done.stderr[-3000:]
+    assert ended - float(injected.group(1)) < BOUND_S, done.stderr[-3000:]
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    loaded = record.load(out / "record.json")
+    trajectories = {t.arm: t for t in loaded.trajectories}
+    failure = trajectories["candidate-g64"].failure
+    assert failure is not None and failure.kind == "crash", failure
+    assert (failure.rank, failure.step, failure.last_completed_step) == (1, 3, 2)
+    assert failure.phase == "train" and failure.signal is None
+    assert "RuntimeError: injected failure on rank 1, step 3" in failure.message
+    assert any("failing_train_step" in line for line in failure.traceback)
+    # The arms every rank finished are kept and judged; the one after the crash is not run.
+    assert trajectories["candidate-g128"].failure.kind == "not-run"
+    for arm in ("reference", "calibration-g128"):
+        assert trajectories[arm].failure is None and len(trajectories[arm].losses) == 6
+    assert loaded.verdict.failed == ["finite[candidate-g64]"], loaded.verdict
+    assert "step1-exact[candidate-g128]" not in loaded.verdict.evidence
+    report = (out / "report.md").read_text()
+    assert "`candidate-g64` crashed on rank 1: phase train; last completed step 2" in report
+    assert "Not run (the run ended before they started): `candidate-g128`" in report
+
+
+def _rank_processes(parent: int) -> list[int]:
+    """The launcher's rank processes in start order (rank order): its children that lead
+    their own process group ([Note: no orphaned ranks]) and run multiprocessing's spawn."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        ppid, pgid, started = int(fields[1]), int(fields[2]), int(fields[19])
+        if ppid == parent and pgid == pid and b"spawn_main" in command:
+            found.append((started, pid))
+    return [pid for _, pid in sorted(found)]
+
+
+def test_a_killed_rank_is_named_with_its_signal_arm_and_last_step(tmp_path):
+    out, reports = tmp_path / "out", tmp_path / "tmp"
+    reports.mkdir()
+    long_run = [*RUN[:2], "--steps", "100000", "--eval-every", "1000", *RUN[6:]]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out), *long_run],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(reports)),
+    )
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read_stderr() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            if re.search(r"reference step 10/", line):
+                training.set()
+
+    threading.Thread(target=read_stderr, daemon=True).start()
+    try:
+        assert training.wait(timeout=240), "".join(lines)[-3000:]
+        ranks = _rank_processes(process.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)  # frozen: its last report cannot change any more
+        where_files = list(reports.glob("qwz-rank-reports-*/rank00001.where.json"))
+        where = where_files[0].read_text() if where_files else ""
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = process.wait(timeout=120)
+        took_s = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 1, "".join(lines)[-3000:]
+    assert took_s < BOUND_S, took_s
+    loaded = record.load(out / "record.json")
+    failure = loaded.trajectories[0].failure
+    assert loaded.trajectories[0].arm == "reference"
+    assert failure is not None and failure.kind == "crash", failure
+    assert (failure.rank, failure.signal, failure.phase) == (1, "SIGKILL", "train"), failure
+    assert failure.message.startswith("was killed by SIGKILL (last completed step")
+    assert failure.last_completed_step is not None and failure.last_completed_step >= 9
+    assert f'"last_completed_step": {failure.last_completed_step}' in where, where
+    assert failure.step == failure.last_completed_step + 1
+    # Rank 0's lost connection is context, not the cause.
+    assert len(failure.context) == 1 and failure.context[0].startswith("rank 0 "), failure
+    assert all(t.failure.kind == "not-run" for t in loaded.trajectories[1:])
+    assert loaded.verdict.failed == ["finite[reference]"], loaded.verdict
