@@ -61,9 +61,11 @@ def test_the_self_test_rows_hold_every_fp32_extreme():
     assert (groups == 0).all(dim=1).any()  # a zero group
     assert torch.signbit(values[values == 0]).any()  # -0
     subnormal = (values != 0) & (values.abs() < tiny)
-    assert subnormal.any() and (subnormal | (values == 0)).all(dim=1).any()  # the floor
+    assert (
+        subnormal.any() and (subnormal | (values == 0)).view_as(groups).all(dim=1).any()
+    )  # the floor
     assert (values == largest).any() and (values == -largest).any()  # the overflow step
-    assert ((groups > 0).any(dim=1) & (groups < 0).any(dim=1)).all()  # mixed signs mostly
+    assert ((groups > 0).any(dim=1) & (groups < 0).any(dim=1)).sum() >= 5  # mixed signs
     assert torch.isfinite(values).all()
 
 
