@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from qwz.collectives import Staging, gather
+from qwz.kernels import choose_kernels, native_kernels
 from qwz.launch import launch
 from qwz.layout import plan_gather
-from qwz.quant import WireRow, choose_kernels, native_kernels, row_codes, row_scales
+from qwz.quant import WireRow, row_codes, row_scales
 
 BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default ``allgather_bucket_size``."""

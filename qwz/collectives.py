@@ -39,10 +39,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from qwz.kernels import EAGER_KERNELS, QuantKernels
 from qwz.layout import GatherPlan
 from qwz.quant import (
-    EAGER_KERNELS,
-    QuantKernels,
     WireRow,
     quantize_groups,
     row_codes,

@@ -2,8 +2,8 @@
 first use, cached on disk, called through ctypes.
 
 This module owns building and calling them; the numbers they compute are
-[Note: quantization math] (quant.py), and quant.py decides when they are used (its probe
-checks they write the eager kernels' bytes before any gather runs them).
+[Note: quantization math] (quant.py), and kernels.py decides when they are used (its
+self-test checks they write the eager kernels' bytes before any gather runs them).
 
 [Note: native build]
 The source is compiled with ``$CC`` (default ``cc``, then ``gcc``) and

@@ -82,7 +82,8 @@ import torch.distributed as dist
 
 from qwz import collectives, layout, shards
 from qwz.collectives import GatherStats
-from qwz.quant import choose_kernels, group_scales
+from qwz.kernels import choose_kernels, torch_compile
+from qwz.quant import group_scales
 
 WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -187,8 +188,9 @@ def _squares_float64(values: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _fused_sum_of_squares():
-    # dynamic=True: one kernel for every shard length, so no engine hits a recompile limit.
-    return torch.compile(_squares_float64, dynamic=True)
+    # dynamic=True: one kernel for every shard length, so no engine hits a recompile limit;
+    # the cache keyed by environment: [Note: compile cache per environment] (kernels.py).
+    return torch_compile(_squares_float64, dynamic=True)
 
 
 class ZeroOptimizer:
@@ -239,7 +241,7 @@ class ZeroOptimizer:
 
         choice = choose_kernels(compile_kernels)
         self.kernels = choice.kernels
-        """The gather's kernels: fused by default (quant.choose_kernels) when they work here."""
+        """The gather's kernels: fused by default (kernels.choose_kernels) when they work here."""
         self.kernel_fallback = choice.fallback_reason
         """Why the fused kernels are not in use although wanted (None when they are)."""
         self._check_same_kernels_on_every_rank()

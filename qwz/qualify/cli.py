@@ -35,8 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 from qwz.config import validate_group_size
+from qwz.kernels import compile_available
 from qwz.qualify.files import atomic_write_text, move_into
-from qwz.quant import compile_available
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 

@@ -152,6 +152,7 @@ def one_chunk_skipped(arm, engine, plan):
 
 def scale_absmax_over_128(arm, engine, plan):
     """The upstream bug: the scale maps absmax to 128, then the codes are clamped to 127."""
+    from qwz import kernels as wire_kernels
     from qwz import quant
 
     def bad_encode(values, scales_out, codes_out):
@@ -164,7 +165,7 @@ def scale_absmax_over_128(arm, engine, plan):
         scales_out.copy_(scales)
         codes_out.copy_(codes.to(torch.int8).view(-1))
 
-    kernels = quant.QuantKernels("eager", bad_encode, quant.decode_into)
+    kernels = wire_kernels.QuantKernels("eager", bad_encode, quant.decode_into)
     optimizer = engine.optimizer
     if hasattr(optimizer, "qwz_kernels"):
         optimizer.qwz_kernels = kernels

@@ -16,8 +16,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from qwz import kernels as wire_kernels
 from qwz import native, quant
-from qwz.quant import EAGER_KERNELS, WireRow, row_codes, row_scales
+from qwz.kernels import EAGER_KERNELS
+from qwz.quant import WireRow, row_codes, row_scales
 
 from .strategies import tensors
 
@@ -38,7 +40,7 @@ def kernels() -> native.NativeKernels:
     build or probe failure fails the test."""
     if not _has_compiler():
         pytest.skip("no C compiler ($CC, cc or gcc): the native kernels cannot be built here")
-    loaded, reason = quant.native_kernels()
+    loaded, reason = wire_kernels.native_kernels()
     assert loaded is not None, reason
     return loaded
 
@@ -117,7 +119,7 @@ def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_
     only where the kernels share torch's OpenMP runtime); an fp16 destination or a
     non-contiguous source take the torch kernels -- the same bytes either way."""
     torch_threads(1)
-    fused = quant.compiled_kernels()
+    fused = wire_kernels.compiled_kernels()
     assert isinstance(fused.encode.native, native.NativeKernels)
     assert isinstance(fused.decode.native, native.NativeKernels)
     row = WireRow(2, 64, 0, 2)
@@ -234,13 +236,13 @@ def test_fused_kernels_call_the_native_ones_with_the_callers_tensors(kernels, to
             calls.append(("decode", *args))
             kernels.decode(*args)
 
-    def no_torch_compile():
+    def no_torch_compile(device, dtype):
         raise AssertionError("the torch path ran")
 
-    fused = quant.QuantKernels(
+    fused = wire_kernels.QuantKernels(
         "compiled",
-        quant._FusedEncode(Spy(), no_torch_compile),
-        quant._FusedDecode(Spy(), no_torch_compile),
+        wire_kernels._FusedEncode(Spy(), no_torch_compile),
+        wire_kernels._FusedDecode(Spy(), no_torch_compile),
     )
     values = torch.linspace(-2.0, 3.0, 64 * 17 - 5)
     rows, decoded = _rows(fused, values, 64, 17, 2, 1, torch.bfloat16)
@@ -286,11 +288,13 @@ def test_fused_kernels_without_a_working_torch_compile_run_eager_logged(
     does not work, the call runs eager (the same bytes), says so and records why."""
     torch_threads(1)
 
-    def broken():
+    def broken(device, dtype):
         return "InductorError: no C++ compiler"
 
-    decode = quant._FusedDecode(kernels, broken)
-    fused = quant.QuantKernels("compiled", quant._FusedEncode(kernels, broken), decode)
+    decode = wire_kernels._FusedDecode(kernels, broken)
+    fused = wire_kernels.QuantKernels(
+        "compiled", wire_kernels._FusedEncode(kernels, broken), decode
+    )
     values = torch.linspace(-2.0, 3.0, 64 * 3)
     with caplog.at_level("WARNING", logger="qwz"):
         rows, decoded = _rows(fused, values, 64, 3, 2, 0, torch.float16)
@@ -384,7 +388,7 @@ def test_a_compiler_without_openmp_still_gives_one_thread_kernels(cache_dir, mon
 
 
 def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
-    """The probe compares them with the eager kernels before any gather runs them; a
+    """The self-test compares them with the eager kernels before any gather runs them; a
     mismatch (a miscompiled library) leaves the fused kernels on torch.compile, logged."""
 
     class Miscompiled:
@@ -399,14 +403,17 @@ def test_native_kernels_that_write_other_bytes_are_refused(monkeypatch, caplog):
             quant.decode_into(scales, codes, out)
 
     monkeypatch.setattr(native, "load", Miscompiled)
-    quant.native_kernels.cache_clear()
+    wire_kernels.native_kernels.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="qwz"):
-            loaded, reason = quant.native_kernels()
+            loaded, reason = wire_kernels.native_kernels()
     finally:
-        quant.native_kernels.cache_clear()
+        wire_kernels.native_kernels.cache_clear()
     assert loaded is None
-    assert "native kernels do not reproduce the eager kernels' bytes (G=64" in reason
+    assert (
+        "native kernels on cpu do not reproduce the eager kernels' bytes (eager on cpu: G=64"
+        in (reason)
+    )
     assert any("native wire kernels unavailable" in r.getMessage() for r in caplog.records)
 
 

@@ -17,10 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qwz
+from qwz import kernels as wire_kernels
 from qwz import quant
+from qwz.kernels import EAGER_KERNELS
 from qwz.quant import (
     DECODE_ERROR_SLACK,
-    EAGER_KERNELS,
     WireRow,
     dequantize_groups,
     group_scales,
@@ -421,7 +422,9 @@ def fresh_fused_kernels():
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=64):
-        yield quant.QuantKernels("compiled", quant._FusedEncode(), quant._FusedDecode())
+        yield wire_kernels.QuantKernels(
+            "compiled", wire_kernels._FusedEncode(), wire_kernels._FusedDecode()
+        )
     torch._dynamo.reset()
 
 
@@ -488,7 +491,7 @@ def test_recompile_limit_falls_back_to_eager_logged_and_recorded(caplog):
     import torch._dynamo
 
     torch._dynamo.reset()
-    kernel = quant._FusedKernel(quant.encode_into)
+    kernel = wire_kernels._FusedKernel(quant.encode_into)
     rows = {}
     with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level("WARNING", logger="qwz"):
         for num_groups in (1, 2, 1, 3):

@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 from qwz.collectives import GatherStats, MaskedGroups, Staging, gather
 from qwz.config import ConfigError, QuantizedWeights
+from qwz.kernels import EAGER_KERNELS, QuantKernels
 from qwz.layout import GatherPlan, plan_gather
-from qwz.quant import EAGER_KERNELS, QuantKernels
 
 
 @dataclass(frozen=True)

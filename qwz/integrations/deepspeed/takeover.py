@@ -82,7 +82,7 @@ from qwz.config import (
 from qwz.integrations.deepspeed import shards
 from qwz.integrations.deepspeed.config import check_supported, gather_enabled, take_config
 from qwz.integrations.deepspeed.gather import gather_optimizer_weights, plan_optimizer
-from qwz.quant import choose_kernels
+from qwz.kernels import choose_kernels
 
 _OPTIMIZER_ATTRIBUTES = (
     "bit16_groups_flat",
