@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
-KERNEL_CHECK = "qwz.kernels:check_device_bytes"
-"""The device byte probe (issue 22 item 4): called as ``check_device_bytes(device)``; it
-raises, or returns a falsy value or an object with ``ok = False``, when the bytes differ."""
+KERNEL_CHECK = "qwz.kernels:compare_with_eager"
+"""The device byte probe (issue 22 item 4): called as ``compare_with_eager(device, dtype)``
+for every working dtype; it raises, or returns a falsy value or an object with
+``ok = False``, when the bytes differ from the eager kernels' on the CPU."""
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 DELAY_CYCLES = 20_000_000
 """GPU clock cycles the side stream sleeps before each copy (about 10 ms)."""
@@ -63,7 +66,7 @@ def _delayed_all_gather(side_stream: Any):
 def _gather_once(device: torch.device, delayed: bool) -> torch.Tensor:
     from qwz import collectives
     from qwz.layout import plan_gather
-    from qwz.quant import choose_kernels
+    from qwz.kernels import choose_kernels
 
     group_size, shard_numel = 64, 64 * 4096
     source = torch.randn(shard_numel, generator=torch.Generator().manual_seed(7)).to(device)
@@ -135,9 +138,10 @@ def kernel_bytes(device: torch.device) -> tuple[bool | None, str]:
     check = getattr(module, function_name, None)
     if check is None:
         return None, f"{KERNEL_CHECK} is missing; the device byte probe is not here"
-    result = check(device)
-    ok = getattr(result, "ok", result)
-    return bool(ok), f"{KERNEL_CHECK}({device}): {result}"
+    results = {dtype: check(device, dtype) for dtype in KERNEL_DTYPES}
+    ok = all(bool(getattr(result, "ok", result)) for result in results.values())
+    details = "; ".join(f"{dtype}: {result}" for dtype, result in results.items())
+    return ok, f"{KERNEL_CHECK}({device}): {details}"
 
 
 CHECKS = {"pipeline": pipeline, "engine-repeat": engine_repeat, "kernel-bytes": kernel_bytes}

@@ -239,7 +239,7 @@ class ZeroOptimizer:
             if param.dtype != self.dtype:
                 raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
 
-        choice = choose_kernels(compile_kernels)
+        choice = choose_kernels(compile_kernels, self.device, self.dtype)
         self.kernels = choice.kernels
         """The gather's kernels: fused by default (kernels.choose_kernels) when they work here."""
         self.kernel_fallback = choice.fallback_reason

@@ -11,6 +11,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "ci" / "gpu-check.sh"
@@ -104,7 +105,9 @@ def test_a_missing_device_byte_probe_is_named(monkeypatch, capsys):
 
 def test_a_device_byte_probe_that_reports_a_difference_fails(monkeypatch, capsys):
     fake = types.ModuleType("fake_kernels")
-    fake.check = lambda device: types.SimpleNamespace(ok=False, detail="3 rows differ")
+    fake.check = lambda device, dtype: types.SimpleNamespace(
+        ok=dtype != torch.float16, detail="3 rows differ"
+    )
     monkeypatch.setitem(sys.modules, "fake_kernels", fake)
     monkeypatch.setattr(gpu_checks, "KERNEL_CHECK", "fake_kernels:check")
     assert gpu_checks.main(["kernel-bytes", "--device", "cpu"]) == 1

@@ -199,7 +199,9 @@ def _take_over(
     optimizer.qwz_preserve_numel = requested.preserve_numel
     optimizer.qwz_gather_stats = None
     optimizer.qwz_gathers = 0
-    choice = choose_kernels(compile_kernels)
+    choice = choose_kernels(
+        compile_kernels, optimizer.bit16_groups_flat[0].device, optimizer.bit16_groups_flat[0].dtype
+    )
     optimizer.qwz_kernels = choice.kernels
     optimizer.qwz_kernel_fallback = choice.fallback_reason
     optimizer.qwz_staging = Staging(optimizer.bit16_groups_flat[0].device)
