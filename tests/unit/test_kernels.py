@@ -255,13 +255,15 @@ def test_the_fingerprint_names_the_isa_caps(monkeypatch):
 
 def test_compile_cache_keeps_the_user_s_tag_and_directory(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    # torch's own patch(), not monkeypatch: a config module hides an entry deleted on undo.
     kernels.compile_cache.cache_clear()
     try:
-        cache = kernels.compile_cache()
-        assert torch.compiler.config.cache_key_tag == f"mine+qwz-env-{cache.fingerprint}"
-        assert cache.directory == str(tmp_path)
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
-        assert cache.directory_source == "TORCHINDUCTOR_CACHE_DIR"
+        with torch.compiler.config.patch(cache_key_tag="mine"):
+            cache = kernels.compile_cache()
+            assert torch.compiler.config.cache_key_tag == f"mine+qwz-env-{cache.fingerprint}"
+            assert cache.directory == str(tmp_path)
+            assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+            assert cache.directory_source == "TORCHINDUCTOR_CACHE_DIR"
     finally:
         kernels.compile_cache.cache_clear()
+    assert torch.compiler.config.cache_key_tag != "mine"
