@@ -344,3 +344,12 @@ def test_bounded_pieces_give_the_same_verdict_and_find_a_late_mismatch(monkeypat
     )
     assert pieces.mismatches == 1 and pieces.first_violation["index"] == 4_321
     assert pieces.first_violation == whole.first_violation
+
+
+def test_checks_run_in_bounded_pieces_of_whole_groups_on_every_device():
+    for device in ("cpu", "cuda", "meta"):
+        for group_size in (1, 64, 8192, 1 << 23):
+            piece = observers.piece_numel(torch.device(device), group_size)
+            assert piece % group_size == 0 and piece >= group_size
+            assert piece <= max(group_size, observers.DEVICE_PIECE_NUMEL)
+    assert observers.piece_numel(torch.device("cpu")) == observers.CPU_PIECE_NUMEL
