@@ -155,74 +155,12 @@ def derive(record: Record) -> list[Check]:
                 )
             )
 
-    # --- every step's update, on every rank
-    for updates in record.updates:
-        name = f"update[{updates.arm}]"
-        if updates.checked == 0 and not updates.missing_steps:
-            checks.append(_check(name, "n/a", "no optimizer step was observed"))
-        elif updates.violations or updates.missing_steps:
-            first = updates.first_violation
-            where = f"first at {_where(first)}: {first.what}" if first else ""
-            checks.append(
-                _check(
-                    name,
-                    "fail",
-                    f"{updates.violations} of {updates.checked} sampled master updates differ "
-                    f"from AdamW's on the arm's own gradient and state; {where}",
-                    violations=updates.violations,
-                    step=first.step if first else None,
-                )
-            )
-        else:
-            checks.append(
-                _check(
-                    name,
-                    "pass",
-                    f"{updates.checked} sampled master updates equal AdamW's on the arm's own "
-                    f"gradient and state within rounding (worst {updates.max_ratio:.3g} of "
-                    "the bound); one optimizer step per training step on every rank",
-                    checked=updates.checked,
-                    max_ratio=updates.max_ratio,
-                )
-            )
+    # --- every step's update, on every rank; the global norm of what was applied
+    checks += [_update(updates) for updates in record.updates]
 
-    # --- every rank's own shard decodes from its master; small parameters exact
+    # --- every rank's own shard is the spec's decode of its master; small parameters exact
     for own in record.own_shards:
-        name = f"own-shard[{own.arm}]"
-        if failures.get(own.arm) is not None and own.first_violation is None:
-            checks.append(_check(name, "n/a", "the arm failed; see finite"))
-            continue
-        rule = (
-            "within scale/2 (+ the cast's half-ulp) of its fp32 master"
-            if arms[own.arm].quantized
-            else "equal to its fp32 master cast to the working dtype"
-        )
-        if own.first_violation is not None or own.max_ratio is None or own.max_ratio > 1:
-            first = own.first_violation
-            where = f" first at {_where(first)}" if first else ""
-            small = (
-                " (a small parameter, which must travel exactly)" if first and first.what else ""
-            )
-            worst = "inf" if own.max_ratio is None else f"{own.max_ratio:.3g}"
-            checks.append(
-                _check(
-                    name,
-                    "fail",
-                    f"a rank's working copy of its own shard is not {rule}: worst "
-                    f"error/bound {worst};{where}{small}",
-                    max_ratio=own.max_ratio,
-                )
-            )
-        else:
-            checks.append(
-                _check(
-                    name,
-                    "pass",
-                    f"after every step every rank's own shard is {rule}, and parameters of "
-                    f"at most 65,536 elements exact (worst {own.max_ratio:.4g} of the bound)",
-                    max_ratio=own.max_ratio,
-                )
-            )
+        checks.append(_own_shard(own, arms[own.arm].quantized, failures.get(own.arm)))
 
     # --- replicas identical after every step and at the end; reproduced hashes
     for hashes in record.hashes:
@@ -342,6 +280,97 @@ def derive(record: Record) -> list[Check]:
                 )
             )
     return checks
+
+
+def _update(updates) -> Check:
+    """[Note: exact update check] and [Note: global norm check] (qualify/observers.py)."""
+    name = f"update[{updates.arm}]"
+    norm = (
+        f"; the handed gradient's global norm matched min(norm, clip) on "
+        f"{updates.norm_checked} steps (worst {updates.norm_max_ratio:.3g} of the bound)"
+    )
+    if updates.checked == 0 and not updates.missing_steps:
+        return _check(name, "n/a", "no optimizer step was observed")
+    if updates.violations or updates.missing_steps or updates.norm_violations:
+        first = updates.first_violation
+        where = f"first at {_where(first)}: {first.what}" if first else ""
+        norms = (
+            f"; the global norm of the gradient the optimizer was handed was wrong on "
+            f"{updates.norm_violations} of {updates.norm_checked} steps"
+            if updates.norm_violations
+            else ""
+        )
+        return _check(
+            name,
+            "fail",
+            f"{updates.violations} of {updates.checked} sampled master updates differ "
+            f"from AdamW's on the arm's own gradient and state{norms}; {where}",
+            violations=updates.violations,
+            norm_violations=updates.norm_violations,
+            step=first.step if first else None,
+        )
+    return _check(
+        name,
+        "pass",
+        f"{updates.checked} sampled master updates equal AdamW's on the arm's own "
+        f"gradient and state within rounding (worst {updates.max_ratio:.3g} of "
+        f"the bound){norm if updates.norm_checked else ''}; one optimizer step per training "
+        "step on every rank",
+        checked=updates.checked,
+        max_ratio=updates.max_ratio,
+        norm_checked=updates.norm_checked,
+        norm_max_ratio=updates.norm_max_ratio,
+    )
+
+
+def _kernel_fallbacks(own) -> str:
+    """The kernel implementations dropped on any rank (the record's ``kernels``), for the
+    detail: two implementations that disagree must never pass unseen."""
+    reasons = sorted({reason for use in own.kernels for reason in use.fallbacks})
+    return f"; kernel fallbacks: {'; '.join(reasons)}" if reasons else ""
+
+
+def _own_shard(own, quantized: bool, failure) -> Check:
+    """[Note: own shard against the spec] (qualify/observers.py): every element equals the
+    spec's decode (qualify/spec.py), or the exact cast where the spec sends it exactly."""
+    name = f"own-shard[{own.arm}]"
+    if failure is not None and own.first_violation is None:
+        return _check(name, "n/a", "the arm failed; see finite")
+    if own.checked == 0 and own.first_violation is None:
+        return _check(name, "n/a", "no own-shard element was observed")
+    rule = (
+        "the spec's decode of its fp32 master (scale absmax/127 in fp32, codes rounded to "
+        "nearest in [-127, 127]; qwz/qualify/spec.py) cast to the working dtype"
+        if quantized
+        else "its fp32 master cast to the working dtype"
+    )
+    fallbacks = _kernel_fallbacks(own)
+    if own.mismatches or own.first_violation is not None:
+        first = own.first_violation
+        where = f"; first at {_where(first)}: {first.what}" if first else ""
+        return _check(
+            name,
+            "fail",
+            f"{own.mismatches} of {own.checked} own-shard elements are not {rule}"
+            f"{where}{fallbacks}",
+            mismatches=own.mismatches,
+            max_ratio=own.max_ratio,
+        )
+    ties = (
+        f"; {own.near_ties} near-ties took the other neighbouring code (allowed)"
+        if own.near_ties
+        else ""
+    )
+    return _check(
+        name,
+        "pass",
+        f"after every step all {own.checked} own-shard elements are {rule}, parameters of at "
+        f"most 65,536 elements exact{ties} (worst error {format(own.max_ratio or 0.0, '.4g')} "
+        f"of scale/2 + 2**-15 scale + half-ulp){fallbacks}",
+        checked=own.checked,
+        near_ties=own.near_ties,
+        max_ratio=own.max_ratio,
+    )
 
 
 def _reproduced(hashes) -> Check:

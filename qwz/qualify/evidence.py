@@ -160,6 +160,14 @@ def build_record(
                     for rank, item in enumerate(rank_updates)
                     for step in item["missing_steps"]
                 ],
+                # Every rank judges the same all-reduced norm: steps, not rank-steps.
+                **{
+                    key: max((item.get(key, 0) for item in rank_updates), default=0)
+                    for key in ("norm_checked", "norm_violations")
+                },
+                "norm_max_ratio": max(
+                    (item.get("norm_max_ratio", 0.0) for item in rank_updates), default=0.0
+                ),
             }
         )
         rank_own = [item["own_shard"] for item in ranks]
@@ -173,6 +181,11 @@ def build_record(
                     "first_violation": _violation(
                         _earliest([item["first_violation"] for item in present])
                     ),
+                    **{
+                        key: sum(item.get(key, 0) for item in present)
+                        for key in ("checked", "mismatches", "near_ties")
+                    },
+                    "kernels": [item["kernels"] for item in ranks if item.get("kernels")],
                 }
             )
         if name != REFERENCE:

@@ -37,6 +37,40 @@ after step ``t - 1``: nothing but the optimizer writes a master) and *one step
 per step* (the optimizer stepped exactly once on every rank for every training
 step; a silent skip is a failure).
 
+[Note: global norm check]
+The update check takes the gradient the optimizer is handed as given, so an
+engine that computes the global norm wrongly -- and clips with it -- would pass
+it on every arm alike. The judge recomputes what was applied instead: in the
+shard optimizer's pre-step hook each rank sums the squares of every gradient it
+is handed (float64: a float32 square is exact there), the sums are all-reduced
+after the step, and the root ``H`` is the norm of the gradient that stepped.
+With the engine's reported (pre-clip) norm ``N`` and the run's clipping ``c``::
+
+    H == N * min(1, c / (N + 1e-6))     (H == N without clipping)
+
+within ``2**-16 * H`` (an engine may sum in float32 in any tree order, DeepSpeed
+does, and the clip coefficient and the scaled gradient round a few times more).
+A norm computed wrongly and used to clip (the 2.21-instead-of-2.97 of kernels
+compiled under another CPU capability), a wrong coefficient, or a clip that did
+not happen all break it; a violation fails ``update``, named "(global gradient
+norm)". What it cannot see: a *reported* norm that is wrong while the applied
+coefficient is right, when both lie above ``c`` (the handed gradient's norm is
+``c`` either way, and no number of the training changes).
+
+[Note: own shard against the spec]
+After every step, every element of every rank's own shard is compared with
+what the spec says the gather must write there ([Note: the spec's decode],
+qualify/spec.py): the spec's decode of the fp32 master, with the *requested*
+group size, cast to the working dtype -- equality, not a bound, so a candidate
+whose scales or codes are not the spec's fails even where its error would stay
+within half a scale. The only freedom is the spec's own: at a near-tie either
+neighbouring code (counted as ``near_ties``). Elements the spec sends exactly
+(parameters of at most 65,536 elements, everything when nothing is quantized)
+must equal the master cast to the working dtype. The worst error over
+``scale/2 + 2**-15 scale + half-ulp`` is kept as context. The shards are checked
+in bounded pieces of whole groups on every device (:func:`piece_numel`), with
+one host synchronisation per shard.
+
 [Note: layout-independent digests]
 Two arms may shard differently (the group size changes the padding), so the
 harness compares masters and replicas by per-parameter digests that do not
@@ -53,13 +87,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from qwz import shards as seam
-from qwz.tolerance import own_shard_decode_check
+from qwz.qualify import spec
 
 K1 = 0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF
 K2 = 0x85EBCA6B
@@ -84,8 +118,18 @@ def _all_reduce(tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
     return tensor
 
 
-DIGEST_CHUNK_NUMEL = 1 << 16
-"""Elements per piece of :func:`_digest_sum` on CPU (its temporaries stay in cache)."""
+CPU_PIECE_NUMEL = 1 << 16
+"""Elements per piece of a check on CPU: its temporaries stay in cache."""
+DEVICE_PIECE_NUMEL = 1 << 22
+"""Elements per piece of a check on an accelerator: a few 16 MiB temporaries at a time,
+never whole-shard copies, in pieces large enough that kernel launches do not dominate."""
+
+
+def piece_numel(device: torch.device, group_size: int = 1) -> int:
+    """Elements per piece of a check of tensors on `device`, a whole number of groups of
+    `group_size` (at least one group)."""
+    numel = CPU_PIECE_NUMEL if device.type == "cpu" else DEVICE_PIECE_NUMEL
+    return max(1, numel // group_size) * group_size
 
 
 def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
@@ -97,8 +141,7 @@ def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
     so the unsigned sum is the int32 sum plus 2**32 per negative term."""
     bits = values.detach().float().contiguous().view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=values.device)
-    # On CPU in cache-sized pieces; elsewhere in one (each piece costs kernel launches).
-    piece = DIGEST_CHUNK_NUMEL if values.device.type == "cpu" else max(1, bits.numel())
+    piece = piece_numel(values.device)  # bounded temporaries on every device
     # (j * K1) mod 2**32 for j in a piece, by the same int32 wrap.
     offsets = torch.arange(min(bits.numel(), piece), dtype=torch.int32, device=values.device)
     offsets *= _as_int32(K1 & MASK32)
@@ -160,16 +203,15 @@ def exact_masks(
     shards: Sequence[seam.OwnShard],
     group_size: int | None,
     param_numel: dict[str, int],
-    preserve: int,
 ) -> list[torch.Tensor]:
     """Per shard, (n,) bool: the elements that must travel exactly whatever the engine says
-    -- those of parameters of at most `preserve` elements (DESIGN: small parameters are sent
-    exactly), and every element when nothing is quantized (`group_size` None)."""
+    -- those of parameters the spec sends exactly (:func:`spec.travels_exactly`), and every
+    element when nothing is quantized (`group_size` None)."""
     masks = []
     for shard in shards:
         mask = torch.zeros(shard.master.numel(), dtype=torch.bool, device=shard.master.device)
         for slot in shard.slots:
-            if group_size is None or param_numel[slot.name] <= preserve:
+            if group_size is None or spec.travels_exactly(param_numel[slot.name]):
                 mask[slot.start : slot.end] = True
         masks.append(mask)
     return masks
@@ -177,10 +219,57 @@ def exact_masks(
 
 @dataclass
 class OwnShardResult:
+    """Totals of [Note: own shard against the spec] on one rank for one arm."""
+
+    checked: int = 0
+    mismatches: int = 0
+    near_ties: int = 0
     max_ratio: float = 0.0
     first_violation: dict[str, Any] | None = None
 
 
+class _PieceVerdict(NamedTuple):
+    mismatch: torch.Tensor
+    """(n,) bool: the working value is neither the spec's decode nor (exact) the cast."""
+    near_tie: torch.Tensor
+    """(n,) bool: the working value took the other code of a near-tie (allowed)."""
+    ratio: torch.Tensor
+    """(n,) fp32: context, |working - master| / (scale/2 + allowance + half-ulp)."""
+    expected: torch.Tensor
+    """(n,) the spec's nearest decode (or the exact cast), in the working dtype."""
+    element_scales: torch.Tensor
+
+
+def _judge_piece(
+    master: torch.Tensor, working: torch.Tensor, group_size: int | None, exact: torch.Tensor
+) -> _PieceVerdict:
+    """[Note: own shard against the spec] for whole groups of one shard (fp32 `master`,
+    `working` in the working dtype, bool `exact`, all (n,))."""
+    dtype = working.dtype
+    cast = master.to(dtype)
+    if group_size is None:
+        element_scales = torch.zeros_like(master)
+        nearest = other = cast
+    else:
+        values = torch.where(exact, torch.zeros_like(master), master)  # exact: not in the stream
+        element_scales = spec.scales(values, group_size).repeat_interleave(group_size)
+        element_scales = element_scales[: master.numel()]
+        decoded, decoded_other = spec.decode_alternatives(master, element_scales)
+        nearest = torch.where(exact, cast, decoded.to(dtype))
+        other = torch.where(exact, cast, decoded_other.to(dtype))
+    matches_nearest = working == nearest
+    mismatch = ~(matches_nearest | (working == other))
+    near_tie = ~matches_nearest & ~mismatch
+    error = (working.float() - master).abs()
+    magnitude = torch.maximum(master.abs(), working.float().abs())
+    bound = element_scales * (0.5 + spec.TIE_ALLOWANCE) + spec.half_ulp(magnitude, dtype)
+    ratio = torch.where(error == 0, torch.zeros_like(error), error / bound)
+    infinite = torch.isnan(ratio) | (mismatch & exact)  # an exact element that is not exact
+    ratio = torch.where(infinite, torch.full_like(ratio, math.inf), ratio)
+    return _PieceVerdict(mismatch, near_tie, ratio, nearest, element_scales)
+
+
+@torch.no_grad()
 def check_own_shards(
     shards: Sequence[seam.OwnShard],
     exact: Sequence[torch.Tensor],
@@ -189,24 +278,66 @@ def check_own_shards(
     rank: int,
     result: OwnShardResult,
 ) -> None:
-    """The tight decode check of every own shard against its master (qwz/tolerance.py), with
-    the *requested* group size and the design's exactness rule (`exact`, from
-    :func:`exact_masks`), never the engine's claims."""
+    """[Note: own shard against the spec] for every own shard, with the *requested* group size
+    and the spec's exactness rule (`exact`, from :func:`exact_masks`), never the engine's
+    claims; bounded pieces of whole groups, one host synchronisation per shard."""
     for shard, mask in zip(shards, exact, strict=True):
-        ratio, position = own_shard_decode_check(shard.master, shard.working, group_size or 1, mask)
-        if math.isnan(ratio):  # a NaN decode is a violation, never a ratio max() ignores
-            ratio = math.inf
-        result.max_ratio = max(result.max_ratio, ratio)
-        if ratio > 1.0 and result.first_violation is None:
-            name, index = seam.slot_of(shard, position)
-            result.first_violation = {
+        master = shard.master.detach().reshape(-1).float()
+        working = shard.working.detach().reshape(-1)
+        numel = master.numel()
+        if working.numel() != numel or mask.numel() != numel:
+            raise ValueError(
+                f"{shard.name}: working ({working.numel()} elements) and exact mask "
+                f"({mask.numel()}) must match the master ({numel})"
+            )
+        if numel == 0:
+            continue
+        piece = piece_numel(master.device, group_size or 1)
+        pieces = [(start, min(start + piece, numel)) for start in range(0, numel, piece)]
+        totals = torch.zeros(3, dtype=torch.float64, device=master.device)
+        for start, end in pieces:
+            verdict = _judge_piece(
+                master[start:end], working[start:end], group_size, mask[start:end]
+            )
+            totals[0] += verdict.mismatch.sum()
+            totals[1] += verdict.near_tie.sum()
+            totals[2] = torch.maximum(totals[2], verdict.ratio.max().double())
+        mismatches, near_ties, worst = totals.tolist()
+        result.checked += numel
+        result.mismatches += int(mismatches)
+        result.near_ties += int(near_ties)
+        result.max_ratio = max(result.max_ratio, worst)
+        if mismatches and result.first_violation is None:
+            result.first_violation = _first_mismatch(
+                shard, master, working, mask, group_size, pieces, step, rank
+            )
+
+
+def _first_mismatch(shard, master, working, mask, group_size, pieces, step, rank) -> dict:
+    """The first element of a shard that differs from the spec's decode (the rare path)."""
+    for start, end in pieces:
+        verdict = _judge_piece(master[start:end], working[start:end], group_size, mask[start:end])
+        if bool(verdict.mismatch.any()):
+            at = int(verdict.mismatch.nonzero()[0])
+            name, index = seam.slot_of(shard, start + at)
+            ratio = float(verdict.ratio[at])
+            exact_required = bool(mask[start + at])
+            what = (
+                f"master {float(master[start + at]):.9g}: the spec decodes to "
+                f"{float(verdict.expected[at]):.9g}"
+                + ("" if exact_required else f" (scale {float(verdict.element_scales[at]):.6g})")
+                + f", the working copy holds {float(working[start + at]):.9g}"
+            )
+            return {
                 "step": step,
                 "rank": rank,
                 "parameter": name,
                 "index": index,
                 "ratio": ratio if math.isfinite(ratio) else None,
-                "exact_required": bool(mask[position]),
+                "exact_required": exact_required,
+                "what": what,
             }
+    raise AssertionError("a mismatch was counted but not found again")  # pragma: no cover
 
 
 @dataclass
@@ -219,6 +350,10 @@ class UpdateResult:
     first_violation: dict[str, Any] | None = None
     missing_steps: list[int] = field(default_factory=list)
     """Training steps at which the optimizer did not step exactly once."""
+    norm_checked: int = 0
+    """Steps whose global gradient norm was recomputed ([Note: global norm check])."""
+    norm_violations: int = 0
+    norm_max_ratio: float = 0.0
 
 
 class UpdateCheck:
@@ -252,6 +387,8 @@ class UpdateCheck:
         self._calls = 0
         self._before: list[dict[str, torch.Tensor]] | None = None
         self._last_after: list[torch.Tensor] | None = None
+        self._grad_squares: torch.Tensor | None = None
+        """float64 sum of squares of this rank's handed gradients at this step's first call."""
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
@@ -264,6 +401,7 @@ class UpdateCheck:
     def begin_step(self, step: int) -> None:
         self.step = step
         self._calls = 0
+        self._grad_squares = None
 
     def end_step(self) -> None:
         if self._calls != 1:
@@ -284,6 +422,8 @@ class UpdateCheck:
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._calls += 1
+        if self._calls == 1:
+            self._grad_squares = _handed_squares(self.shards)
         before = []
         for shard_index, (shard, index) in enumerate(zip(self.shards, self.samples, strict=True)):
             param = shard.master
@@ -362,6 +502,36 @@ class UpdateCheck:
         self._last_after = after
         self._before = None
 
+    @torch.no_grad()
+    def check_norm(self, reported_norm: float, gradient_clipping: float) -> None:
+        """[Note: global norm check] for the step just taken; collective: every rank calls it
+        after every step on which no rank failed."""
+        device = self.shards[0].master.device if self.shards else torch.device("cpu")
+        squares = self._grad_squares
+        local = torch.zeros(2, dtype=torch.float64, device=device)
+        if squares is not None:
+            local[0] = squares
+            local[1] = 1.0  # this rank's optimizer stepped
+        handed_squares, ranks_stepped = _all_reduce(local).tolist()
+        self._grad_squares = None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if int(ranks_stepped) != world or not math.isfinite(reported_norm):
+            return  # a missing step is a violation already; a non-finite norm ends the arm
+        handed = math.sqrt(handed_squares)
+        expected, bound = expected_handed_norm(reported_norm, gradient_clipping)
+        ratio = abs(handed - expected) / bound
+        result = self.result
+        result.norm_checked += 1
+        result.norm_max_ratio = max(result.norm_max_ratio, ratio)
+        if ratio > 1:
+            result.norm_violations += 1
+            what = (
+                f"the optimizer was handed a gradient of global norm {handed:.9g}; the engine "
+                f"reports a norm of {reported_norm:.9g}, so with clipping at "
+                f"{gradient_clipping:g} it must be {expected:.9g} (bound {bound:.3g})"
+            )
+            self._violation(-1, 0, what, ratio, parameter="(global gradient norm)")
+
     def _count(self, bad: torch.Tensor) -> int | None:
         """Add the sampled elements flagged in `bad` to the violations; the first one's
         sample position (None when none is flagged)."""
@@ -370,10 +540,12 @@ class UpdateCheck:
         self.result.violations += int(bad.sum())
         return int(bad.nonzero()[0])
 
-    def _violation(self, shard_index: int, position: int, what: str, ratio: float) -> None:
+    def _violation(
+        self, shard_index: int, position: int, what: str, ratio: float, parameter: str = ""
+    ) -> None:
         if self.result.first_violation is not None:
             return
-        name, index = ("(optimizer)", -1)
+        name, index = (parameter or "(optimizer)", -1)
         if shard_index >= 0:
             name, index = seam.slot_of(self.shards[shard_index], position)
         self.result.first_violation = {
@@ -384,6 +556,71 @@ class UpdateCheck:
             "what": what,
             "ratio": ratio if math.isfinite(ratio) else None,
         }
+
+
+NORM_RELATIVE_SLACK = 2.0**-16
+"""[Note: global norm check]: how far, relative to it, the norm of the handed gradient may
+lie from ``min(norm, clip)``."""
+
+
+def expected_handed_norm(reported_norm: float, gradient_clipping: float) -> tuple[float, float]:
+    """(the global norm the clipped gradient must have, the bound on its distance) given the
+    engine's reported norm and the run's clipping threshold ([Note: global norm check])."""
+    coefficient = 1.0
+    if gradient_clipping > 0:
+        coefficient = min(1.0, gradient_clipping / (reported_norm + 1e-6))
+    expected = reported_norm * coefficient
+    return expected, NORM_RELATIVE_SLACK * expected + FLOAT32_TINY
+
+
+def _handed_squares(shards: Sequence[seam.OwnShard]) -> torch.Tensor:
+    """float64 sum of squares of the gradients the optimizer is handed for `shards` (this
+    rank's part of the global norm), in bounded pieces, without a host synchronisation."""
+    device = shards[0].master.device if shards else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for shard in shards:
+        grad = shard.master.grad
+        if grad is None:
+            continue
+        flat = grad.detach().reshape(-1)
+        piece = piece_numel(flat.device)
+        for start in range(0, flat.numel(), piece):
+            widened = flat[start : start + piece].double()  # fp32 squares are exact in fp64
+            total += torch.dot(widened, widened)
+    return total
+
+
+def _kernel_choice():
+    """qwz's public kernel-choice functions (``native_kernels``, ``kernel_fallbacks``).
+
+    They live in ``qwz.quant`` today and move to ``qwz.kernels`` when kernel choice gets its
+    own module: this import is the one line to change."""
+    from qwz import quant as kernel_choice
+
+    return kernel_choice
+
+
+def kernels_used(engine: Any, rank: int) -> dict[str, Any]:
+    """What wire kernels this rank's arm ran, and every implementation dropped on the way
+    (the record's ``KernelUse``). Reads the optimizer's public ``kernels`` /
+    ``kernel_fallback`` (qwz's engine) or ``qwz_kernels`` / ``qwz_kernel_fallback`` (the
+    DeepSpeed drop-in); stock DeepSpeed runs none of qwz's kernels."""
+    optimizer = engine.optimizer
+    chosen = getattr(optimizer, "kernels", None) or getattr(optimizer, "qwz_kernels", None)
+    fallback = getattr(optimizer, "kernel_fallback", None) or getattr(
+        optimizer, "qwz_kernel_fallback", None
+    )
+    name = getattr(chosen, "name", None)
+    fallbacks = [f"fused kernels unusable, eager instead: {fallback}"] if fallback else []
+    native = False
+    if name == "compiled":  # the fused kernels' probes ran: asking costs nothing now
+        choice = _kernel_choice()
+        native_kernels, native_reason = choice.native_kernels()
+        native = native_kernels is not None
+        if native_reason:
+            fallbacks.append(f"native kernels dropped, torch.compile instead: {native_reason}")
+        fallbacks += [f"fused kernel dropped: {reason}" for reason in choice.kernel_fallbacks()]
+    return {"rank": rank, "kernels": name, "native": native, "fallbacks": fallbacks}
 
 
 def non_finite_parameters(module: torch.nn.Module) -> list[str]:

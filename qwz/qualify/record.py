@@ -231,6 +231,15 @@ class Updates(_Model):
     missing_steps: list[list[int]] = Field(
         description="[step, rank] where the optimizer did not step exactly once"
     )
+    norm_checked: int = Field(
+        0, description="Steps whose global gradient norm and clipping the judge recomputed"
+    )
+    norm_violations: int = Field(
+        0, description="Of those, steps where the gradient handed to the optimizer was wrong"
+    )
+    norm_max_ratio: float = Field(
+        0.0, description="Worst |handed norm - min(norm, clip)| / its bound over the steps"
+    )
 
 
 class StepOneMasters(_Model):
@@ -241,12 +250,37 @@ class StepOneMasters(_Model):
     digests: dict[str, str] | None = Field(description="null when the arm failed before")
 
 
+class KernelUse(_Model):
+    """The wire kernels one rank's arm ran, and every implementation that was dropped."""
+
+    rank: int
+    kernels: str | None = Field(
+        description='"eager" or "compiled" (fused: the native C kernels where they serve, '
+        "else torch.compile); null: the arm ran none of qwz's kernels"
+    )
+    native: bool = Field(description="Whether the native C kernels served the fused kernels")
+    fallbacks: list[str] = Field(
+        description="Why a kernel implementation was dropped (it did not reproduce the eager "
+        "kernels' bytes, torch.compile failed, a recompile limit): empty when none was"
+    )
+
+
 class OwnShards(_Model):
-    """Every rank's own shard against its fp32 master after every step (qwz/tolerance.py)."""
+    """Every rank's own shard against the spec's decode of its fp32 master after every step
+    ([Note: the spec's decode], qualify/spec.py; observers.check_own_shards)."""
 
     arm: str
-    max_ratio: float | None = Field(description="<= 1 when right; null where infinite")
+    max_ratio: float | None = Field(
+        description="Context: worst |working - master| / (scale/2 + 2**-15 scale + the cast's "
+        "half-ulp), the spec's scale; null where infinite"
+    )
     first_violation: Violation | None
+    checked: int = Field(0, description="Elements compared, over ranks and steps")
+    mismatches: int = Field(0, description="Elements not equal to the spec's decode (or exact)")
+    near_ties: int = Field(
+        0, description="Elements at a near-tie that took the other neighbouring code (allowed)"
+    )
+    kernels: list[KernelUse] = Field(default_factory=list, description="Per rank")
 
 
 class Drift(_Model):

@@ -578,16 +578,34 @@ def _exactness_section(record: Record) -> list[str]:
         "Step-1 masters: a layout-independent digest per parameter, compared with the "
         "reference's by the `step1-exact` checks. Updates: sampled master elements per rank "
         "and step against AdamW recomputed in float64 from the arm's own gradient and state "
-        "([Note: exact update check], qwz/qualify/observers.py). Own shard: worst error / "
-        "(scale/2 + cast half-ulp) of every rank's own shard against its master, after every "
-        "step (<= 1).",
+        "([Note: exact update check], qwz/qualify/observers.py). Own shard: every rank's own "
+        "shard against the spec's decode of its master (qwz/qualify/spec.py), after every "
+        "step; the column is the worst error / (scale/2 + 2**-15 scale + cast half-ulp), "
+        "context (<= 1).",
         "",
         *_table(
             ["arm", "step-1 masters", "updates checked", "violations", "worst ratio",
              "first violation", "own shard vs master (<= 1)"],
             rows,
         ),
+        *_kernels_lines(record),
     ]  # fmt: skip
+
+
+def _kernels_lines(record: Record) -> list[str]:
+    """Which wire kernels each arm ran on each rank, and every implementation dropped: two
+    kernel implementations that disagree are never hidden in a log."""
+    lines = []
+    for own in record.own_shards:
+        ran = sorted(
+            {f"{use.kernels or 'none'}{' (native C)' if use.native else ''}" for use in own.kernels}
+        )
+        dropped = sorted({f"rank {use.rank}: {r}" for use in own.kernels for r in use.fallbacks})
+        if ran:
+            lines.append(f"Kernels of `{own.arm}`: {', '.join(ran)}.")
+        if dropped:
+            lines.append(f"**Kernel fallbacks of `{own.arm}`:** {'; '.join(dropped)}.")
+    return ["", *lines, ""] if lines else []
 
 
 def _drift_section(record: Record) -> list[str]:

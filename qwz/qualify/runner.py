@@ -24,7 +24,8 @@ warm-up, so even the timing holds one arm at a time.
 Per arm and step, on every rank:
 1. train one step (the probe counts the gather's bytes);
 2. [Note: exact update check] on a sample of this rank's master elements;
-3. the own-shard decode check (qwz/tolerance.py) with the requested group size;
+3. every own shard against the spec's decode of its master, with the requested group size,
+   and the global norm of the gradient the optimizer was handed (observers.py);
 4. the replicas' per-parameter digests agree across ranks;
 5. at step 1, layout-independent digests of every parameter's master;
 6. at the evaluation steps, the held-out loss.
@@ -72,7 +73,7 @@ from qwz import devices, rank_reports
 from qwz.hashing import param_hash
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
-from qwz.qualify import determinism, observers, provenance, stats
+from qwz.qualify import determinism, observers, provenance, spec, stats
 from qwz.qualify.subjects import ArmEngine, make_arm
 from qwz.qualify.workloads import Workload
 
@@ -81,8 +82,6 @@ CALIBRATION = "calibration"
 """Role and name prefix of the calibration arm: ``calibration-g<G>`` imitates group size G."""
 BETAS = (0.9, 0.999)
 EPS = 1e-8
-PRESERVE_NUMEL = 65_536
-"""Parameters of at most this many elements travel exactly (DESIGN.md)."""
 
 
 @dataclass(frozen=True)
@@ -374,16 +373,14 @@ def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
     copy of every quantized parameter -- uniform in [-scale/2, scale/2] per group of
     `group_size` elements of the parameter, drawn from one seed on every rank, so the
     replicas stay identical and the masters are untouched (the next gather overwrites it)."""
-    from qwz import quant
-
     generator = torch.Generator().manual_seed(seed * 1_000_033 + step)
     for param in engine.module.parameters():
-        if param.numel() <= PRESERVE_NUMEL:
+        if spec.travels_exactly(param.numel()):
             continue
         flat = param.detach().reshape(-1)
         padded = -(-flat.numel() // group_size) * group_size
         values = torch.nn.functional.pad(flat.float().cpu(), (0, padded - flat.numel()))
-        scales = quant.group_scales(values, group_size).repeat_interleave(group_size)
+        scales = spec.scales(values, group_size).repeat_interleave(group_size)
         noise = (torch.rand(padded, generator=generator) - 0.5) * scales
         flat.add_(noise[: flat.numel()].to(flat.device, flat.dtype))
 
@@ -411,6 +408,7 @@ def empty_observation(failure: dict[str, Any] | None = None) -> dict[str, Any]:
         "step1_digests": None,
         "update": None,
         "own_shard": None,
+        "kernels": None,
         "replica_divergence": None,
         "drift_max_abs": [],
         "gather_bytes": 0,
@@ -450,7 +448,7 @@ def _train_arm(
         # The shards' tensors are live views, so one call serves every step; which of their
         # elements must travel exactly never changes either.
         shards = engine.own_shards()
-        exact_masks = observers.exact_masks(shards, arm.group_size, numel, PRESERVE_NUMEL)
+        exact_masks = observers.exact_masks(shards, arm.group_size, numel)
         update_check = observers.UpdateCheck(
             shards,
             engine.shard_optimizer,
@@ -487,6 +485,7 @@ def _train_arm(
                 obs["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
                 progress.say(f"{arm.name}: FAILED at step {step}: {errors[0]['message'][:200]}")
                 break
+            update_check.check_norm(grad_norm, plan.gradient_clipping)
             obs["losses"].append(loss_value)
             obs["grad_norms"].append(grad_norm)
             obs["gather_bytes"] = int(probe.bytes["gather"])
@@ -528,6 +527,8 @@ def _train_arm(
             obs["own_shard"] = dataclasses.asdict(own_result)
         obs["final_hash"] = param_hash(module)
     finally:
+        if engine is not None:
+            obs["kernels"] = observers.kernels_used(engine, rank)
         if update_check is not None:
             obs["update"] = dataclasses.asdict(update_check.result)
             update_check.close()

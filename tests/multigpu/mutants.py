@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -207,6 +208,165 @@ def small_parameters_quantized(arm, engine, plan):
     return _rebuilt(arm, plan, lambda zero: zero.update(zero_quantized_weights_preserve_numel=0))
 
 
+# --------------------------------------------------------------------------- the spec itself
+#
+# [Note: spec mutants]
+# A commit that changes the spec inside qwz -- the scale formula, the rounding, the exactness
+# threshold -- changes every path that computes it together: the kernels, the engine's
+# own-shard scales (qwz/shards.py), the tolerance (qwz/tolerance.py). These mutants patch the
+# one definition in qwz (``qwz.quant`` / ``qwz.config``), rebuild the candidate under the
+# patch, and keep it until the engine is collected (the next arm and the next test see the
+# original; qwz's cached kernel choice is cleared both ways). The native C kernels cannot be
+# patched from Python, so the candidate runs the eager kernels, which the patch reaches;
+# ``*_native_disagrees`` instead keeps the fused kernels: the native kernels' probe then sees
+# that they no longer write the eager kernels' bytes and qwz falls back to torch.compile of
+# the patched code -- the record's ``kernels`` must say so.
+
+ABSMAX_DIVISOR_MUTANT = 100
+"""The scale formula of the scale mutant: absmax / 100 instead of / 127."""
+THRESHOLD_MUTANTS = {"spec_exact_threshold_4096": 4_096, "spec_exact_threshold_1m": 1 << 20}
+"""The exactness threshold of the threshold mutants instead of 65,536."""
+PLAN_WORKLOADS = {"spec_exact_threshold_4096": {"sizes": [263, 1031, 63, 3], "micro_batch": 8}}
+"""mlp sizes a mutant needs to be observable: the default mlp has no parameter of 4,097 to
+65,536 elements, so a 4,096 threshold changes nothing there (1031 x 63 = 64,953 does)."""
+
+
+def _scale_over_100(absmax):
+    """``quant.scale_from_absmax`` with the mutated formula (everything else as qwz's)."""
+    absmax = absmax.to(torch.float32)
+    return torch.where(
+        absmax == 0,
+        absmax,
+        torch.clamp(absmax / ABSMAX_DIVISOR_MUTANT, min=torch.finfo(torch.float32).tiny),
+    )
+
+
+def _codes_floor(values, inverse):
+    """``quant._codes`` rounding down instead of to nearest."""
+    codes = torch.floor(values * inverse[:, None])
+    codes = torch.where(codes == codes, codes, torch.zeros_like(codes))
+    return codes.clamp_(-127, 127).to(torch.int8)
+
+
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+
+
+def _clear_kernel_choice() -> None:
+    from qwz import quant
+
+    for cached in (quant.native_kernels, quant.inductor_probe, quant.compiled_kernels,
+                   quant.compile_probe):  # fmt: skip
+        cached.cache_clear()
+
+
+def _restore_spec() -> None:
+    for (module, name), original in _ORIGINALS.items():
+        setattr(module, name, original)
+    if _ORIGINALS:
+        _ORIGINALS.clear()
+        _clear_kernel_choice()
+
+
+def _spec_patched(arm, plan, patches, *, compile_kernels=False):
+    """The candidate rebuilt with `patches` ((module, name, value), ...) in force until the
+    engine is collected ([Note: spec mutants])."""
+    _restore_spec()
+    for module, name, value in patches:
+        _ORIGINALS[(module, name)] = getattr(module, name)
+        setattr(module, name, value)
+    _clear_kernel_choice()
+    engine = make_arm(
+        plan.subject,
+        plan.workload.build_model(plan.seed),
+        copy.deepcopy(plan.arm_config(arm)),
+        quantized=True,
+        compile_kernels=compile_kernels,
+        integration_enabled=plan.integration_enabled,
+    )
+    weakref.finalize(engine, _restore_spec)
+    return engine
+
+
+def spec_scale_absmax_over_100(arm, engine, plan):
+    """The scale formula changed in qwz itself: absmax / 100 (eager kernels)."""
+    from qwz import quant
+
+    return _spec_patched(arm, plan, [(quant, "scale_from_absmax", _scale_over_100)])
+
+
+def spec_scale_absmax_over_100_native_disagrees(arm, engine, plan):
+    """The same change with the fused kernels asked for: the native C kernels keep /127, so
+    their probe fails and torch.compile of the patched code runs instead."""
+    from qwz import quant
+
+    return _spec_patched(
+        arm, plan, [(quant, "scale_from_absmax", _scale_over_100)], compile_kernels=True
+    )
+
+
+def spec_rounding_floor(arm, engine, plan):
+    """The rounding changed in qwz itself: codes rounded down (eager kernels)."""
+    from qwz import quant
+
+    return _spec_patched(arm, plan, [(quant, "_codes", _codes_floor)])
+
+
+def _threshold(name):
+    def mutant(arm, engine, plan):
+        from qwz import config
+
+        return _spec_patched(
+            arm, plan, [(config, "DEFAULT_PRESERVE_NUMEL", THRESHOLD_MUTANTS[name])]
+        )
+
+    mutant.__name__ = name
+    mutant.__doc__ = f"The exactness threshold changed in qwz itself: {THRESHOLD_MUTANTS[name]:,}."
+    return mutant
+
+
+spec_exact_threshold_4096 = _threshold("spec_exact_threshold_4096")
+spec_exact_threshold_1m = _threshold("spec_exact_threshold_1m")
+
+
+# --------------------------------------------------------------------------- the global norm
+
+WRONG_NORM_FACTOR = 2.2121 / 2.9729
+"""The wrong global norm measured with compiled kernels reused across CPU capabilities."""
+
+
+def clip_coefficient_scaled(arm, engine, plan):
+    """The optimizer is handed the clipped gradient scaled by 0.8 (a wrong clip coefficient;
+    the update check, which uses the gradient the optimizer saw, cannot see it)."""
+
+    def scale(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(0.8)
+
+    engine.shard_optimizer.register_step_pre_hook(scale)
+
+
+def wrong_global_norm(arm, engine, plan):
+    """qwz's engine computes the global norm 2.2121/2.9729 of its value, reports it and clips
+    with it (the wrong sum of squares of kernels compiled under another CPU capability)."""
+    from qwz import optimizer as module
+
+    original_squares, original_step = module._sum_of_squares, engine.train_step
+
+    def wrong_squares(values, fused):
+        return original_squares(values, fused) * WRONG_NORM_FACTOR**2
+
+    def train_step(loss):
+        module._sum_of_squares = wrong_squares
+        try:
+            original_step(loss)
+        finally:
+            module._sum_of_squares = original_squares
+
+    engine.train_step = train_step
+
+
 KILLED_BY = {
     "never_updates": "update",
     "gradient_sign_flipped": "step1-exact",
@@ -220,5 +380,12 @@ KILLED_BY = {
     "scale_absmax_over_128": "own-shard",
     "wire_8192_reports_64": "own-shard",
     "small_parameters_quantized": "own-shard",
+    "spec_scale_absmax_over_100": "own-shard",
+    "spec_scale_absmax_over_100_native_disagrees": "own-shard",
+    "spec_rounding_floor": "own-shard",
+    "spec_exact_threshold_4096": "own-shard",
+    "spec_exact_threshold_1m": "own-shard",
+    "clip_coefficient_scaled": "update",
+    "wrong_global_norm": "update",
 }
 """Mutant -> the family of the check that must fail (``<family>[<candidate arm>]``)."""

@@ -15,9 +15,9 @@ import dataclasses
 
 import pytest
 
-from qwz.qualify import evidence
+from qwz.qualify import evidence, report
 from qwz.qualify.runner import RunPlan, qualify_rank
-from qwz.qualify.workloads import get_workload
+from qwz.qualify.workloads import Workload, get_workload
 
 from . import mutants
 
@@ -50,6 +50,8 @@ def qualify(worlds, plan: RunPlan):
 
 def mutated(subject: str, mutant: str | None, **changes) -> RunPlan:
     hook = None if mutant is None else f"tests.multigpu.mutants:{mutant}"
+    if mutant in mutants.PLAN_WORKLOADS:
+        changes.setdefault("workload", Workload("mlp", mutants.PLAN_WORKLOADS[mutant]))
     return dataclasses.replace(PLAN, subject=subject, arm_hook=hook, **changes)
 
 
@@ -71,9 +73,31 @@ def test_the_correct_candidate_passes(worlds, subject):
         assert f"{family}[{CANDIDATE}]" in record.verdict.evidence
 
 
-@pytest.mark.parametrize("mutant", list(mutants.KILLED_BY))
+NATIVE_DISAGREES = "spec_scale_absmax_over_100_native_disagrees"
+
+
+@pytest.mark.parametrize("mutant", [name for name in mutants.KILLED_BY if name != NATIVE_DISAGREES])
 def test_every_mutant_is_killed(worlds, mutant):
     assert_killed(qualify(worlds, mutated("qwz", mutant)), mutant)
+
+
+def test_a_spec_change_the_native_kernels_do_not_share_is_killed_and_shown(worlds):
+    """[Note: spec mutants]: with the fused kernels asked for, the native C kernels keep the
+    spec while the Python paths change it; qwz drops the native kernels for torch.compile of
+    the changed code. The candidate still FAILs, and the record and the report say which
+    kernels ran and why the native ones were dropped."""
+    record = qualify(worlds, mutated("qwz", NATIVE_DISAGREES, compile_kernels=True))
+    assert_killed(record, NATIVE_DISAGREES)
+    own = next(item for item in record.own_shards if item.arm == CANDIDATE)
+    assert [use.rank for use in own.kernels] == [0, 1]
+    for use in own.kernels:
+        assert use.kernels == "compiled" and not use.native
+        assert any("do not reproduce the eager kernels' bytes" in r for r in use.fallbacks)
+    markdown = report.render_markdown(record)
+    assert "native kernels dropped" in markdown
+    # The correct arms of the same run used the native kernels, with nothing dropped.
+    reference = next(item for item in record.own_shards if item.arm == "reference")
+    assert all(use.native and not use.fallbacks for use in reference.kernels)
 
 
 @pytest.mark.parametrize("mutant", DEEPSPEED_MUTANTS)

@@ -153,6 +153,9 @@ def _updates(arm: str) -> dict[str, Any]:
         "max_ratio": 0.49,
         "first_violation": None,
         "missing_steps": [],
+        "norm_checked": 20,
+        "norm_violations": 0,
+        "norm_max_ratio": 0.01,
     }
 
 
@@ -227,8 +230,8 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
         "step_one": [{"arm": name, "digests": _digests()} for name, _, _ in ARMS],
         "updates": [_updates(name) for name, _, _ in ARMS],
         "own_shards": [
-            {"arm": REFERENCE, "max_ratio": 0.0, "first_violation": None},
-            {"arm": CANDIDATE, "max_ratio": 0.998, "first_violation": None},
+            {"arm": REFERENCE, "max_ratio": 0.0, "first_violation": None, "checked": 81_920},
+            {"arm": CANDIDATE, "max_ratio": 0.998, "first_violation": None, "checked": 81_920},
         ],
         "drift": [
             {

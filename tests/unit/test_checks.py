@@ -239,3 +239,45 @@ def test_a_crashed_run_is_a_fail_record_naming_the_rank_arm_and_step(tmp_path):
     assert "| `reference` | 4 | 1 | crash |" in text
     assert "crashed on rank 1: phase train; last completed step 3; signal SIGKILL" in text
     assert "Not run (the run ended before they started): `calibration-g64`, `candidate-g64`" in text
+
+
+def test_a_wrong_global_norm_fails_update_naming_it():
+    payload = make_payload()
+    payload["updates"][2] |= {
+        "norm_violations": 20,
+        "norm_max_ratio": 4.1e3,
+        "first_violation": {
+            "step": 1,
+            "rank": 0,
+            "parameter": "(global gradient norm)",
+            "index": -1,
+            "what": "the optimizer was handed a gradient of global norm 1.34393",
+            "ratio": 4.1e3,
+        },
+    }
+    check = by_name(make_record(updates=payload["updates"]))[f"update[{CANDIDATE}]"]
+    assert check.status == "fail"
+    assert "global norm of the gradient the optimizer was handed was wrong on 20" in check.detail
+    assert "(global gradient norm)" in check.detail
+
+
+def test_own_shard_mismatches_fail_and_kernel_fallbacks_are_named():
+    payload = make_payload()
+    fallback = "native kernels dropped, torch.compile instead: RuntimeError: native kernels"
+    kernels = [{"rank": r, "kernels": "compiled", "native": False, "fallbacks": [fallback]}
+               for r in (0, 1)]  # fmt: skip
+    payload["own_shards"][1] |= {"mismatches": 7, "kernels": kernels}
+    check = by_name(make_record(own_shards=payload["own_shards"]))[f"own-shard[{CANDIDATE}]"]
+    assert check.status == "fail" and check.detail.startswith("7 of 81920 own-shard elements")
+    assert fallback in check.detail
+    # The same fallback on a candidate that matches the spec is shown, and passes.
+    payload["own_shards"][1]["mismatches"] = 0
+    check = by_name(make_record(own_shards=payload["own_shards"]))[f"own-shard[{CANDIDATE}]"]
+    assert check.status == "pass" and fallback in check.detail
+
+
+def test_an_own_shard_that_saw_nothing_is_not_a_pass():
+    payload = make_payload()
+    payload["own_shards"][1]["checked"] = 0
+    check = by_name(make_record(own_shards=payload["own_shards"]))[f"own-shard[{CANDIDATE}]"]
+    assert check.status == "n/a"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -182,7 +183,7 @@ def random_bits(numel: int, seed: int) -> torch.Tensor:
     )
 
 
-CHUNK = observers.DIGEST_CHUNK_NUMEL
+CHUNK = observers.CPU_PIECE_NUMEL
 
 
 @given(
@@ -207,3 +208,148 @@ def test_replica_digests_are_the_definition_per_parameter():
     assert names == [name for name, _ in module.named_parameters()]
     for (_, param), digest in zip(module.named_parameters(), digests.tolist(), strict=True):
         assert digest == digest_by_definition(param.detach().reshape(-1), 0)
+
+
+# --------------------------------------------------------------- [Note: global norm check]
+
+
+def _clipped_training(numel=256, steps=4, clip=1.0, coefficient_factor=1.0, norm_factor=1.0):
+    """AdamW on one shard with the engine's clipping done here: the reported norm is the true
+    one times `norm_factor` and clips too; the coefficient applied is off by
+    `coefficient_factor`. Returns the update check after `steps` steps."""
+    master, optimizer, shard, generator = _optimizer_and_shard(numel)
+    check = _check(optimizer, shard)
+    for step in range(1, steps + 1):
+        grad = torch.randn(numel, generator=generator) * 0.5
+        reported = float(grad.double().norm()) * norm_factor
+        coefficient = min(1.0, clip / (reported + 1e-6)) if clip > 0 else 1.0
+        master.grad = grad * (coefficient * coefficient_factor)
+        check.begin_step(step)
+        optimizer.step()
+        check.end_step()
+        check.check_norm(reported, clip)
+    return check.result
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0, 1e6])  # clipping on, off, never reached
+def test_a_correctly_clipped_gradient_passes_the_norm_check(clip):
+    result = _clipped_training(clip=clip)
+    assert result.norm_checked == 4 and result.norm_violations == 0
+    assert result.norm_max_ratio < 0.1
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"coefficient_factor": 0.8},  # a wrong clip coefficient
+        {"norm_factor": 2.2121 / 2.9729},  # a wrong norm, reported and clipped with
+        {"norm_factor": 2.2121 / 2.9729, "clip": 0.0},  # a wrong norm, no clipping
+        {"clip": 100.0, "norm_factor": 1e-3},  # no clip where one was due
+    ],
+)
+def test_a_wrong_norm_or_coefficient_is_caught_at_the_first_step(changes):
+    result = _clipped_training(**changes)
+    assert result.norm_violations == 4
+    assert result.first_violation["step"] == 1
+    assert result.first_violation["parameter"] == "(global gradient norm)"
+
+
+# --------------------------------------------------------------- [Note: own shard against the spec]
+
+
+def _quantized_shard(working_of, numel=1000, group_size=64, small=None, seed=0):
+    """One shard of a parameter "w" (and a small one, "b", of `small` elements, exact) whose
+    working copy is `working_of(master_with_b_zeroed, group_size)` (b: its exact cast)."""
+    generator = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=generator) * 0.02
+    slots = [ShardSlot("w", 0, numel if small is None else numel - small, 0)]
+    exact = torch.zeros(numel, dtype=torch.bool)
+    if small is not None:
+        slots.append(ShardSlot("b", numel - small, numel, 0))
+        exact[numel - small :] = True
+    quantized = torch.where(exact, torch.zeros_like(master), master)
+    working = torch.where(exact, master, working_of(quantized, group_size)).to(torch.bfloat16)
+    shard = make_own_shard("s", master, working, group_size, exact, slots)
+    numel_of = {"w": 1 << 20, "b": small or 0}  # the shard holds part of a large "w"
+    masks = observers.exact_masks([shard], group_size, numel_of)
+    return shard, masks
+
+
+def _judged(shard, masks, group_size=64):
+    result = observers.OwnShardResult()
+    observers.check_own_shards([shard], masks, group_size, step=3, rank=1, result=result)
+    return result
+
+
+def _qwz_eager_decode(values, group_size):
+    from qwz import quant
+
+    return quant.dequantize(quant.quantize(values, group_size))
+
+
+def test_qwz_kernels_decode_is_the_spec_decode_up_to_near_ties():
+    shard, masks = _quantized_shard(_qwz_eager_decode, numel=70_000, small=None)
+    result = _judged(shard, masks)
+    assert result.checked == 70_000 and result.mismatches == 0, result.first_violation
+    assert result.first_violation is None and result.max_ratio <= 1
+
+
+def _over_100(values, group_size):
+    groups = torch.nn.functional.pad(values, (0, -values.numel() % group_size))
+    groups = groups.view(-1, group_size)
+    scales = groups.abs().amax(dim=1, keepdim=True) / 100
+    codes = torch.round(groups / scales).clamp(-127, 127)
+    return (codes * scales).reshape(-1)[: values.numel()]
+
+
+def _floor(values, group_size):
+    from qwz.qualify import spec
+
+    element_scales = spec.scales(values, group_size).repeat_interleave(group_size)
+    element_scales = element_scales[: values.numel()]
+    return torch.floor(values / element_scales).clamp(-127, 127) * element_scales
+
+
+@pytest.mark.parametrize("wrong", [_over_100, _floor], ids=["absmax/100", "floor"])
+def test_a_decode_that_is_not_the_specs_fails_although_within_its_bound(wrong):
+    shard, masks = _quantized_shard(wrong)
+    result = _judged(shard, masks)
+    assert result.mismatches > 100
+    violation = result.first_violation
+    assert (violation["step"], violation["rank"], violation["parameter"]) == (3, 1, "w")
+    assert "the spec decodes to" in violation["what"] and not violation["exact_required"]
+
+
+def test_a_small_parameter_that_was_quantized_fails_as_exact_required():
+    shard, masks = _quantized_shard(_qwz_eager_decode, small=100)
+    with torch.no_grad():  # b decoded from its own group instead of sent exactly
+        shard.working[-100:] = _qwz_eager_decode(shard.master[-100:], 64).to(torch.bfloat16)
+    result = _judged(shard, masks)
+    assert result.first_violation["parameter"] == "b" and result.first_violation["exact_required"]
+    assert result.max_ratio == math.inf
+
+
+def test_bounded_pieces_give_the_same_verdict_and_find_a_late_mismatch(monkeypatch):
+    shard, masks = _quantized_shard(_qwz_eager_decode, numel=5_000)
+    with torch.no_grad():
+        shard.working[4_321] = -shard.working[4_321] + 1
+    whole = _judged(shard, masks)
+    monkeypatch.setattr(observers, "CPU_PIECE_NUMEL", 100)  # pieces of one 64-group
+    assert observers.piece_numel(torch.device("cpu"), 64) == 64
+    pieces = _judged(shard, masks)
+    assert (pieces.mismatches, pieces.near_ties, pieces.max_ratio) == (
+        whole.mismatches,
+        whole.near_ties,
+        whole.max_ratio,
+    )
+    assert pieces.mismatches == 1 and pieces.first_violation["index"] == 4_321
+    assert pieces.first_violation == whole.first_violation
+
+
+def test_checks_run_in_bounded_pieces_of_whole_groups_on_every_device():
+    for device in ("cpu", "cuda", "meta"):
+        for group_size in (1, 64, 8192, 1 << 23):
+            piece = observers.piece_numel(torch.device(device), group_size)
+            assert piece % group_size == 0 and piece >= group_size
+            assert piece <= max(group_size, observers.DEVICE_PIECE_NUMEL)
+    assert observers.piece_numel(torch.device("cpu")) == observers.CPU_PIECE_NUMEL

@@ -1,0 +1,134 @@
+"""The spec every implementation is judged by, stated by the harness itself.
+
+DESIGN.md ("The spec") is written out here a second time, independently of
+qwz's own code: the judge must never take its rules from the code it judges,
+or a commit that changes the rules everywhere at once (``absmax/100`` in
+``qwz.quant``, say) would pass as faithfully as the correct code does.
+(DESIGN's target for this file is ``qualify/evidence/spec.py``; it is a flat
+file until the harness is split into folders.)
+
+[Note: the judge's independence]
+This module imports nothing from ``qwz`` (only ``math`` and ``torch``): no
+``qwz.quant``, ``qwz.tolerance``, ``qwz.layout``, ``qwz.shards`` or anything that
+imports them. ``tests/unit/test_spec.py`` inspects its imports and fails if one
+appears. The harness's other rules that depend on the spec (the own-shard
+judgement in observers.py, the calibration noise in runner.py, the exactness
+threshold) take their constants and formulas from here.
+
+[Note: the spec's decode]
+Per group of ``G`` consecutive elements of a flat shard (the grid starts at the
+shard's first element; the last group may be partial; elements that travel
+exactly count as zeros), in fp32 whatever the working dtype::
+
+    scale = absmax / 127            fp32, correctly rounded; 0 for an all-zero group,
+                                    at least 2**-126 otherwise
+    code  = round-to-nearest(x / scale)     clamped to [-127, 127]; 0 where scale is 0
+    x_hat = code * scale            fp32, then cast to the working dtype
+
+One edge of fp32: where ``127 * scale`` would round to infinity (absmax within
+an ulp of the fp32 maximum), the scale is the next float32 below, so that a
+finite group never decodes to infinity. A NaN or infinite element makes its
+group's scale non-finite.
+
+What the judge allows beyond the letter of the spec, and why: qwz's kernels
+(and any fast kernel) multiply by the fp32 reciprocal of the scale instead of
+dividing, which moves ``x / scale`` by at most ``127 * 2**-23`` of a code; DESIGN
+grants them ``2**-15 * scale``. So where ``x / scale`` lies within
+:data:`TIE_ALLOWANCE` of a half-integer ``k + 1/2``, either neighbouring code
+(``k`` or ``k + 1``) is accepted; everywhere else the code must be the spec's
+nearest one. Round-to-nearest does not say how to break an exact tie, and
+exact ties lie inside the allowance, so half-to-even and half-away-from-zero
+both conform. The scale itself has no allowance: it is one fp32 value.
+
+:func:`decode_alternatives` computes both candidates in float32 with one
+correctly rounded division: ``fl(x / scale)`` differs from the exact quotient
+by at most ``127 * 2**-24`` (below the allowance's margin over the kernels'
+``127 * 2**-23``), so every code a reciprocal kernel may produce is accepted.
+
+Wire bytes: a quantized element costs ``1 + 4 / G`` bytes (its int8 code and
+its share of the group's fp32 scale), against the working dtype's size when
+it travels exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CODE_MAX = 127
+"""Largest code magnitude: codes lie in [-127, 127], and absmax maps to 127 (not 128)."""
+
+MIN_SCALE = 2.0**-126
+"""Smallest nonzero scale: the smallest normal float32."""
+
+EXACT_MAX_NUMEL = 65_536
+"""Parameters of at most this many elements travel exactly (in the working dtype)."""
+
+SCALE_BYTES = 4
+"""Bytes of one group's fp32 scale on the wire."""
+
+CODE_BYTES = 1
+"""Bytes of one element's int8 code on the wire."""
+
+TIE_ALLOWANCE = 2.0**-15
+"""Distance of ``x / scale`` from a half-integer, in codes, within which either
+neighbouring code is accepted (DESIGN's ``2**-15 * scale``); see the module docstring."""
+
+
+def wire_bytes_per_element(group_size: int) -> float:
+    """Bytes on the wire per quantized element at `group_size`: ``1 + 4 / G``."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size: {group_size!r} is invalid: must be a positive integer")
+    return CODE_BYTES + SCALE_BYTES / group_size
+
+
+def travels_exactly(param_numel: int) -> bool:
+    """Whether a parameter of `param_numel` elements travels exactly."""
+    return param_numel <= EXACT_MAX_NUMEL
+
+
+def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An upper bound on half the spacing of `dtype` at |values| (fp32): the most one
+    round-to-nearest cast to `dtype` moves a value."""
+    info = torch.finfo(dtype)
+    return torch.clamp(values.abs(), min=info.tiny) * (info.eps / 2)
+
+
+def scales(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The spec's fp32 scale of each group of `group_size` consecutive elements of flat
+    `values` (the last group zero-padded): float32 (ceil(n / G),)."""
+    flat = values.detach().reshape(-1).to(torch.float32)
+    num_groups = -(-flat.numel() // group_size)
+    padded = torch.zeros(num_groups * group_size, dtype=torch.float32, device=flat.device)
+    padded[: flat.numel()] = flat
+    absmax = padded.view(num_groups, group_size).abs().amax(dim=1)  # (num_groups,)
+    scale = absmax / CODE_MAX
+    scale = torch.where(absmax == 0, absmax, torch.clamp(scale, min=MIN_SCALE))
+    finite_group = torch.isfinite(absmax)
+    too_large = finite_group & torch.isinf(scale * CODE_MAX)
+    return torch.where(too_large, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+
+
+def decode_alternatives(
+    values: torch.Tensor, element_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_hat, x_hat_other)``: fp32 (n,) decodes of fp32 `values` (n,) with each element's
+    group scale `element_scales` (n,): the spec's nearest code, and the code on the other side
+    of a half-integer where ``x / scale`` lies within :data:`TIE_ALLOWANCE` of one (equal to
+    ``x_hat`` elsewhere). Non-finite groups decode to NaN in both."""
+    zero = element_scales == 0
+    quotient = values / torch.where(zero, torch.ones_like(element_scales), element_scales)
+    nearest = torch.round(quotient)  # half to even; any tie rule is accepted (see above)
+    below = torch.floor(quotient)
+    near_tie = (quotient - below - 0.5).abs() <= TIE_ALLOWANCE
+    other = torch.where(near_tie, 2 * below + 1 - nearest, nearest)
+    nearest = torch.where(zero, torch.zeros_like(nearest), nearest).clamp(-CODE_MAX, CODE_MAX)
+    other = torch.where(zero, torch.zeros_like(other), other).clamp(-CODE_MAX, CODE_MAX)
+    return nearest * element_scales, other * element_scales
+
+
+def decode(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The spec's x_hat of flat `values` (fp32 (n,)) in groups of `group_size`: fp32 (n,),
+    the nearest code everywhere (no allowance)."""
+    flat = values.detach().reshape(-1).to(torch.float32)
+    element_scales = scales(flat, group_size).repeat_interleave(group_size)[: flat.numel()]
+    return decode_alternatives(flat, element_scales)[0]
