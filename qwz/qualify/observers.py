@@ -92,6 +92,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from qwz import kernels
 from qwz import shards as seam
 from qwz.qualify import spec
 
@@ -590,16 +591,6 @@ def _handed_squares(shards: Sequence[seam.OwnShard]) -> torch.Tensor:
     return total
 
 
-def _kernel_choice():
-    """qwz's public kernel-choice functions (``native_kernels``, ``kernel_fallbacks``).
-
-    They live in ``qwz.quant`` today and move to ``qwz.kernels`` when kernel choice gets its
-    own module: this import is the one line to change."""
-    from qwz import quant as kernel_choice
-
-    return kernel_choice
-
-
 def kernels_used(engine: Any, rank: int) -> dict[str, Any]:
     """What wire kernels this rank's arm ran, and every implementation dropped on the way
     (the record's ``KernelUse``). Reads the optimizer's public ``kernels`` /
@@ -614,12 +605,11 @@ def kernels_used(engine: Any, rank: int) -> dict[str, Any]:
     fallbacks = [f"fused kernels unusable, eager instead: {fallback}"] if fallback else []
     native = False
     if name == "compiled":  # the fused kernels' probes ran: asking costs nothing now
-        choice = _kernel_choice()
-        native_kernels, native_reason = choice.native_kernels()
+        native_kernels, native_reason = kernels.native_kernels()
         native = native_kernels is not None
         if native_reason:
             fallbacks.append(f"native kernels dropped, torch.compile instead: {native_reason}")
-        fallbacks += [f"fused kernel dropped: {reason}" for reason in choice.kernel_fallbacks()]
+        fallbacks += [f"fused kernel dropped: {reason}" for reason in kernels.kernel_fallbacks()]
     return {"rank": rank, "kernels": name, "native": native, "fallbacks": fallbacks}
 
 

@@ -252,10 +252,9 @@ _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
 
 def _clear_kernel_choice() -> None:
-    from qwz import quant
+    from qwz import kernels
 
-    for cached in (quant.native_kernels, quant.inductor_probe, quant.compiled_kernels,
-                   quant.compile_probe):  # fmt: skip
+    for cached in (kernels.native_kernels, kernels.self_test_on, kernels.compiled_kernels):
         cached.cache_clear()
 
 
