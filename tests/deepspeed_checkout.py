@@ -58,9 +58,7 @@ def _git(root: pathlib.Path, *args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def make_checkout(
-    tmp_path: pathlib.Path, patch: str | Sequence[str] | None = None
-) -> pathlib.Path:
+def make_checkout(tmp_path: pathlib.Path, patch: str | Sequence[str] | None = None) -> pathlib.Path:
     """A git checkout of the installed DeepSpeed under ``tmp_path/"DeepSpeed"``, with `patch`
     (one diff's text, or several applied in order, one commit each) committed on top of the
     stock commit; returns the checkout root (the directory that holds ``deepspeed/``)."""

@@ -43,11 +43,18 @@ WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 EXACT_PARAM_NUMEL = 65536
 """The proposal's rule: parameters of at most this many elements travel exactly."""
 STEPS = 3
-BROKEN = ("broken_scale_128", "broken_group_size_64", "broken_owner_exact", "broken_small_quantized")
+BROKEN = (
+    "broken_scale_128",
+    "broken_group_size_64",
+    "broken_owner_exact",
+    "broken_small_quantized",
+)
 
 
 # ---------------------------------------------------------------- the spec, written out here
-def spec_partition(master: torch.Tensor, exact: torch.Tensor, group_size: int, dtype) -> torch.Tensor:
+def spec_partition(
+    master: torch.Tensor, exact: torch.Tensor, group_size: int, dtype
+) -> torch.Tensor:
     """The owner's partition as the proposal leaves it: `master` (fp32, (P,)) zero-padded to
     whole groups with its exact elements zeroed, quantized per group (scale absmax/127 in fp32,
     at least 2**-126; codes round-to-nearest clamped to [-127, 127]), decoded, cast to `dtype`;
@@ -137,7 +144,9 @@ def native_steps(checkout: str, stage: int, group_size: int, steps: int = STEPS)
         observed["own_exact_is_master"].append(exact_is_master)
         flats = b"".join(f.view(torch.uint8).numpy().tobytes() for f in optimizer.bit16_groups_flat)
         observed["digest"].append(hashlib.sha256(flats).hexdigest())
-    observed["stock_bytes"] = sum(2 * p[rank].numel() for p in optimizer.parallel_partitioned_bit16_groups)
+    observed["stock_bytes"] = sum(
+        2 * p[rank].numel() for p in optimizer.parallel_partitioned_bit16_groups
+    )
     observed["reported_group_size"] = engine.zero_quantized_weights_group_size()
     return observed
 
@@ -250,3 +259,67 @@ def test_quantized_small_parameters_are_not_exact(broken):
     for result in broken["broken_small_quantized"]["2-64"]:
         assert not any(result["own_exact_is_master"])
         assert result["bytes"] != result["spec_bytes"]
+
+
+# ---------------------------------------------------------------- through the harness
+def _subject_choices_missing() -> str | None:
+    """Why the harness cannot run the native subject yet, or None when it can."""
+    done = subprocess.run(
+        [sys.executable, "-m", "qwz.qualify", "run", "--help"],
+        capture_output=True, text=True, cwd=WORKTREE, check=False,
+    )  # fmt: skip
+    if "deepspeed-native" not in done.stdout:
+        return "qwz-qualify run --subject does not offer deepspeed-native yet (issue 20 item 1)"
+    return None
+
+
+NATIVE_RUN = [
+    "--subject", "deepspeed-native", "--workload", "mlp", "--steps", "6", "--blocks", "2",
+    "--block-steps", "2", "--warmup-steps", "1", "--world-size", "2", "--no-compile",
+]  # fmt: skip
+EXPECTED_FAILURE = {
+    "broken_scale_128": {"own-shard"},
+    "broken_group_size_64": {"probe"},
+    "broken_owner_exact": {"own-shard", "replicas"},
+    "broken_small_quantized": {"own-shard"},
+}
+"""The check(s) that must name each broken variant (any one of them suffices)."""
+
+_HARNESS_MISSING = _subject_choices_missing()
+harness = pytest.mark.skipif(_HARNESS_MISSING is not None, reason=str(_HARNESS_MISSING))
+
+
+def _qualify(root: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out),
+         "--deepspeed-src", str(root), *NATIVE_RUN, *extra],
+        capture_output=True, text=True, cwd=WORKTREE, timeout=1800, check=False,
+        env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
+    )  # fmt: skip
+
+
+@harness
+def test_harness_passes_the_proposal_and_binds_its_commit(tmp_path):
+    from qwz.qualify import record
+
+    root = make_checkout(tmp_path, read_patch("proposal"))
+    done = _qualify(root, tmp_path / "out")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    loaded = record.load(tmp_path / "out" / "record.json")
+    assert loaded.verdict.status == "PASS", loaded.verdict
+    assert loaded.head.sha == head(root)
+    assert loaded.head.dirty is False
+
+
+@harness
+@pytest.mark.parametrize("variant", BROKEN)
+def test_harness_fails_each_broken_variant_naming_the_check(tmp_path, variant):
+    from qwz.qualify import record
+
+    root = make_checkout(tmp_path, [read_patch("proposal"), read_patch(variant)])
+    extra = ["--group-size", "64", "--group-size", "8192"] if "group_size" in variant else []
+    done = _qualify(root, tmp_path / "out", *extra)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    loaded = record.load(tmp_path / "out" / "record.json")
+    assert loaded.verdict.status == "FAIL"
+    assert EXPECTED_FAILURE[variant] & set(loaded.verdict.failed), loaded.verdict.failed
