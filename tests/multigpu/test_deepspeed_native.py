@@ -256,9 +256,13 @@ def test_owner_keeping_its_exact_shard_breaks_replicas(broken):
 
 
 def test_quantized_small_parameters_are_not_exact(broken):
-    for result in broken["broken_small_quantized"]["2-64"]:
-        assert not any(result["own_exact_is_master"])
-        assert result["bytes"] != result["spec_bytes"]
+    results = broken["broken_small_quantized"]["2-64"]
+    for result in results:
+        assert result["bytes"] != result["spec_bytes"]  # no exact elements on the wire
+    # Where a rank's small elements sit in groups of similar values their int8 decode can
+    # round to their bf16 value (seen on rank 0 here), so only some rank must show it.
+    assert any(not any(result["own_exact_is_master"]) for result in results)
+    assert any(not any(result["own_is_spec"]) for result in results)
 
 
 # ---------------------------------------------------------------- through the harness
