@@ -18,14 +18,15 @@ tests/multigpu/test_deepspeed_moe.py; a group of one rank is copied exactly).
 
 The package is split by job: :mod:`.config` (where the config comes from, version and
 feature refusals), :mod:`.takeover` (:func:`initialize` and the replaced methods),
-:mod:`.gather` (qwz's gather over DeepSpeed's flat groups), :mod:`.detector` (the
+:mod:`.gather` (qwz's gather over DeepSpeed's flat groups), :mod:`.resume` (the fp32
+masters from the checkpoint on a weights-only load, or a refusal), :mod:`.detector` (the
 silent-no-op detector) and :mod:`.shards` ([Note: own shards] over DeepSpeed's layout, for
 stock and taken-over optimizers alike).
 """
 
 from __future__ import annotations
 
-from qwz.integrations.deepspeed import config, detector, gather, takeover
+from qwz.integrations.deepspeed import config, detector, gather, resume, takeover
 from qwz.integrations.deepspeed.config import GATHER_ENV, SUPPORTED_DEEPSPEED, version_tuple
 from qwz.integrations.deepspeed.detector import (
     WeightGatherCheck,
@@ -39,7 +40,8 @@ from qwz.integrations.deepspeed.gather import (
     gather_optimizer_weights,
     plan_flat_group,
 )
-from qwz.integrations.deepspeed.takeover import LossyResumeError, initialize
+from qwz.integrations.deepspeed.resume import LossyResumeError
+from qwz.integrations.deepspeed.takeover import initialize
 
 _version_tuple = version_tuple  # the name the tests have always used
 
@@ -58,6 +60,7 @@ __all__ = [
     "measure_weight_gather",
     "plan_flat_group",
     "require_quantized_weights",
+    "resume",
     "takeover",
     "unquantized_gather_bytes",
 ]

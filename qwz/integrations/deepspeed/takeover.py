@@ -23,7 +23,10 @@ qwz replaces exactly that gather and nothing else:
   the duration of one ``step``: two engines stepping in two threads at once
   are not supported, and DeepSpeed does not support that either.)
 * Two more bound methods, ``_restore_from_bit16_weights`` and
-  ``refresh_fp32_params``, are replaced by refusals; see [Note: lossy resume].
+  ``refresh_fp32_params``, restore the masters from the checkpoint's fp32
+  partitions or refuse, and the engine's ``load_checkpoint`` and
+  ``_load_checkpoint`` tell them which checkpoint is loading; see
+  [Note: lossy resume] and [Note: lossless resume] (resume.py).
 * A step that should have gathered but did not reach the dispatcher (a
   DeepSpeed change) raises instead of silently training stock.
 * ``quantization_group_size`` (the group size in force: G, or None when qwz
@@ -46,16 +49,18 @@ reached from ``engine.load_checkpoint`` with ``load_optimizer_states=False``,
 with ``load_module_only=True``, with ``zero_optimization.load_from_fp32_weights:
 false`` (in ``_load_legacy_checkpoint``), or when the ZeRO checkpoint is
 missing. Done here it would make the quantization error permanent (measured:
-0.43% median relative master error, and small elements become exactly 0). It
-cannot be done exactly from inside the method (it is not told which checkpoint
-holds the fp32 masters), so on a taken-over optimizer both methods raise
-:class:`LossyResumeError` naming the full load, which restores the masters from
-the checkpoint's fp32 copies bit for bit. DeepSpeed has already loaded the
-module's weights when it gets there, so the engine is then half-loaded: the
-message says to load again. To accept the int8 error deliberately, call the
-class method, ``DeepSpeedZeroOptimizer._restore_from_bit16_weights(optimizer)``.
-Every other master write in DeepSpeed 0.19's stage 1/2 (the fp32 checkpoint
-restores, the universal checkpoint) reads fp32 values.
+0.43% median relative master error, and small elements become exactly 0). On a
+taken-over optimizer both methods are :func:`resume.restore_masters`: within a
+``load_checkpoint`` whose directory holds every rank's fp32 master partition
+(the first two ways) it copies those, bit for bit; everywhere else (the last two
+ways, a direct call, a changed dp world size) it raises :class:`LossyResumeError`
+naming the full load, which restores the masters from the checkpoint's fp32
+copies bit for bit. DeepSpeed has already loaded the module's weights when it
+gets there, so the engine is then half-loaded: the message says to load again.
+To accept the int8 error deliberately, call the class method,
+``DeepSpeedZeroOptimizer._restore_from_bit16_weights(optimizer)``. Every other
+master write in DeepSpeed 0.19's stage 1/2 (the fp32 checkpoint restores, the
+universal checkpoint) reads fp32 values.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ from qwz.config import (
     QuantizedWeights,
     parse_stage,
 )
-from qwz.integrations.deepspeed import shards
+from qwz.integrations.deepspeed import resume, shards
 from qwz.integrations.deepspeed.config import check_supported, gather_enabled, take_config
 from qwz.integrations.deepspeed.gather import gather_optimizer_weights, plan_optimizer
 from qwz.kernels import choose_kernels
@@ -96,17 +101,6 @@ _OPTIMIZER_ATTRIBUTES = (
     "overflow",
 )
 """What the gather reads from DeepSpeedZeroOptimizer; a build without one of them is refused."""
-
-_FULL_LOAD = (
-    "engine.load_checkpoint(load_dir) with load_optimizer_states=True, load_module_only=False, "
-    "zero_optimization.load_from_fp32_weights=true (the default) and every rank's "
-    "zero_pp_rank_* file present"
-)
-
-
-class LossyResumeError(RuntimeError):
-    """DeepSpeed was about to rebuild the fp32 masters from int8-quantized working weights
-    ([Note: lossy resume])."""
 
 
 def initialize(
@@ -159,6 +153,7 @@ def initialize(
         shards.attach(optimizer)
     if take_over:
         _take_over(optimizer, requested, compile_kernels=compile_kernels)
+        resume.attach(result[0])
     elif stage in (1, 2) and _is_zero_optimizer(optimizer):
         optimizer.quantization_group_size = None
         optimizer.qwz_gather_stats = None
@@ -208,8 +203,8 @@ def _take_over(
     _check_same_kernels_on_every_rank(optimizer)
     optimizer.step = types.MethodType(_step, optimizer)
     optimizer.update_lp_params = types.MethodType(_update_lp_params, optimizer)
-    optimizer._restore_from_bit16_weights = types.MethodType(_refuse_lossy_restore, optimizer)
-    optimizer.refresh_fp32_params = types.MethodType(_refuse_lossy_restore, optimizer)
+    optimizer._restore_from_bit16_weights = types.MethodType(resume.restore_masters, optimizer)
+    optimizer.refresh_fp32_params = types.MethodType(resume.restore_masters, optimizer)
 
 
 def _check_same_kernels_on_every_rank(optimizer: Any) -> None:
@@ -247,20 +242,6 @@ def _update_lp_params(self: Any) -> Any:
     """DeepSpeedZeroOptimizer.update_lp_params with its weight gather done by qwz."""
     with _gather_redirected(self):
         return type(self).update_lp_params(self)
-
-
-def _refuse_lossy_restore(self: Any) -> None:
-    """Replaces ``_restore_from_bit16_weights`` and ``refresh_fp32_params``; see
-    [Note: lossy resume]."""
-    raise LossyResumeError(
-        "qwz.integrations.deepspeed: refusing to rebuild the fp32 master weights from the "
-        f"int8-quantized working weights (group size {self.quantization_group_size}): that "
-        "would make the quantization error permanent. DeepSpeed does this when "
-        "load_checkpoint runs with load_optimizer_states=False, with load_module_only=True, "
-        "with zero_optimization.load_from_fp32_weights=false, or without the ZeRO "
-        f"checkpoint files. Load fully instead: {_FULL_LOAD}. This engine may already hold "
-        "the checkpoint's module weights with other masters: load again before training."
-    )
 
 
 @contextlib.contextmanager

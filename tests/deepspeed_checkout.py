@@ -1,0 +1,87 @@
+"""A DeepSpeed source checkout for tests: the installed package in a fresh git repository.
+
+``make_checkout(tmp_path, patch)`` copies the installed ``deepspeed`` package (without
+``__pycache__``) to ``tmp_path/"DeepSpeed"/"deepspeed"``, commits it as "stock", then applies
+each patch (unified diffs against that tree, e.g. ``tests/deepspeed_native/proposal.patch``)
+with ``git apply`` and commits it. Put the returned root first on ``PYTHONPATH`` (or pass it as
+``--deepspeed-src``) and ``import deepspeed`` loads the copy. Author, committer and dates are
+fixed, so the same package and patches give the same commit SHA on every run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+PATCH_DIR = pathlib.Path(__file__).resolve().parent / "deepspeed_native"
+"""Where the proposal's patch and its broken variants live."""
+
+_GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "qwz tests",
+    "GIT_AUTHOR_EMAIL": "tests@qwz.invalid",
+    "GIT_COMMITTER_NAME": "qwz tests",
+    "GIT_COMMITTER_EMAIL": "tests@qwz.invalid",
+    "GIT_AUTHOR_DATE": "2025-01-01T00:00:00+00:00",
+    "GIT_COMMITTER_DATE": "2025-01-01T00:00:00+00:00",
+}
+
+
+def installed_package() -> pathlib.Path:
+    """The directory of the installed ``deepspeed`` package, found without importing it."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("deepspeed is not installed: the checkout fixture copies its package")
+    return pathlib.Path(spec.origin).resolve().parent
+
+
+def read_patch(name: str) -> str:
+    """The text of ``tests/deepspeed_native/<name>.patch``."""
+    return (PATCH_DIR / f"{name}.patch").read_text()
+
+
+def _git(root: pathlib.Path, *args: str, stdin: str | None = None) -> str:
+    env = {**os.environ, **_GIT_IDENTITY, "GIT_CONFIG_GLOBAL": os.devnull}
+    done = subprocess.run(
+        ["git", "-c", "init.defaultBranch=main", "-c", "commit.gpgsign=false", *args],
+        cwd=root,
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} in {root} failed:\n{done.stderr}")
+    return done.stdout
+
+
+def make_checkout(tmp_path: pathlib.Path, patch: str | Sequence[str] | None = None) -> pathlib.Path:
+    """A git checkout of the installed DeepSpeed under ``tmp_path/"DeepSpeed"``, with `patch`
+    (one diff's text, or several applied in order, one commit each) committed on top of the
+    stock commit; returns the checkout root (the directory that holds ``deepspeed/``)."""
+    root = pathlib.Path(tmp_path) / "DeepSpeed"
+    if root.exists():
+        raise FileExistsError(f"{root} exists: make_checkout needs a fresh directory")
+    root.mkdir(parents=True)
+    shutil.copytree(
+        installed_package(),
+        root / "deepspeed",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "stock DeepSpeed (the installed package)")
+    patches = [patch] if isinstance(patch, str) else list(patch or ())
+    for number, text in enumerate(patches, start=1):
+        _git(root, "apply", "--whitespace=nowarn", "-", stdin=text)
+        _git(root, "add", "-A")
+        _git(root, "commit", "-q", "-m", f"patch {number} of {len(patches)}")
+    return root
+
+
+def head(root: pathlib.Path) -> str:
+    """The checkout's commit SHA."""
+    return _git(root, "rev-parse", "HEAD").strip()
