@@ -48,10 +48,12 @@ padding elements in a rank's shard over the group, and ``c`` gather calls, the b
 must lie in ``[q + 4*ceil(q/G) + e*b, n + c*(G-1) + 4*(ceil(n/G) + c - 1) + (e+p)*b +
 3c]`` (``n = q + e + p``, ``b`` the working element size): the fewest is the spec's
 encoding; the most allows an implementation to send codes for every shard position,
-pad each call to whole groups and send the padding exactly. The detail shows the G the
-bytes imply (``4q`` over the bytes beyond codes and exact elements). A group size the
-subject reports ([Note: reported group size], qualify/subjects.py) is shown and must
-equal the requested one; it never stands in for the wire.
+pad each call to whole groups and send the padding exactly. A gather's rows have one
+size on every rank of its group, so each bound is the largest over the group's ranks.
+The detail shows the G the bytes imply (``4q`` over the bytes beyond codes and exact
+elements). A group size the subject reports ([Note: reported group size],
+qualify/subjects.py) is shown and must equal the requested one; it never stands in for
+the wire.
 """
 
 from __future__ import annotations
@@ -334,6 +336,15 @@ def wire_bounds(group: WireGroup, group_size: int) -> tuple[int, int]:
     return fewest, most
 
 
+def group_bounds(groups: list[WireGroup], group: WireGroup, group_size: int) -> tuple[int, int]:
+    """:func:`wire_bounds` for `group` given every rank's entry in `groups`: a gather sends
+    rows of one size on every rank of the process group, so each rank's row is sized for
+    the rank with the most to send -- the largest of the ranks' fewest and most bytes."""
+    peers = [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+    bounds = [wire_bounds(item, group_size) for item in peers]
+    return max(fewest for fewest, _ in bounds), max(most for _, most in bounds)
+
+
 def wire_group_size(group: WireGroup) -> float | None:
     """The group size the bytes imply by the spec's ``1 + 4/G`` bytes per quantized
     element (every byte beyond the codes and the exact elements taken for scales); None
@@ -367,7 +378,7 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
         return _check(name, "fail", f"no quantized elements on the wire were measured{said}")
     lines, outside = [], []
     for group in measured:
-        fewest, most = wire_bounds(group, requested)
+        fewest, most = group_bounds(probe.wire, group, requested)
         implied = wire_group_size(group)
         where = f"rank {group.rank} over ranks {group.group_ranks}"
         lines.append(

@@ -744,13 +744,13 @@ def _probe_section(record: Record) -> list[str]:
 def _wire_table(record: Record) -> list[str]:
     """Per arm, rank and process group: the group size the bytes imply and the bytes that
     groups of the requested size allow ([Note: group size from the wire])."""
-    from .checks import wire_bounds, wire_group_size
+    from .checks import group_bounds, wire_group_size
 
     rows = []
     for probe in record.probes:
         for group in probe.wire:
             implied = wire_group_size(group)
-            fewest, most = wire_bounds(group, probe.requested_group_size or 1)
+            fewest, most = group_bounds(probe.wire, group, probe.requested_group_size or 1)
             rows.append(
                 (
                     f"`{probe.arm}`",

@@ -91,3 +91,22 @@ def test_the_allowance_covers_codes_for_every_position_and_one_padded_group():
     assert sent_64 > checks.wire_bounds(group, 8192)[1]
     sent_8192 = 33 * 8192 + 4 * 33 + 2 * 2_062
     assert sent_8192 < checks.wire_bounds(group, 64)[0]
+
+
+def test_rows_sized_for_the_fullest_rank_pass_and_are_still_judged():
+    """All-gather rows have one size on every rank: rank 0 (no exact elements) sends a row
+    sized for rank 1's exact elements, as qwz's drop-in does (measured: 290,064 B each)."""
+    payload = make_payload()
+    probe = payload["probes"][0]
+    rank_0 = wire_group(0, 290_064, quantized_numel=269_092)
+    rank_1 = wire_group(1, 290_064, quantized_numel=267_028) | {
+        "exact_numel": 2_062, "padding_numel": 2,
+    }  # fmt: skip
+    probe["wire"] = [rank_0, rank_1]
+    checked = {check.name: check for check in make_record(**payload).checks}
+    assert checked[f"probe[{CANDIDATE}]"].status == "pass", checked[f"probe[{CANDIDATE}]"]
+    alone = checks.wire_bounds(WireGroup(**rank_0), 64)
+    assert not alone[0] <= 290_064 <= alone[1]  # judged alone, rank 0's row is too long
+    probe["wire"] = [rank_0 | {"bytes_per_step": 274_592}, rank_1 | {"bytes_per_step": 274_592}]
+    checked = {check.name: check for check in make_record(**payload).checks}
+    assert checked[f"probe[{CANDIDATE}]"].status == "fail"  # groups of 8192 on that wire
