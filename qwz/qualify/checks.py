@@ -345,18 +345,18 @@ def group_bounds(groups: list[WireGroup], group: WireGroup, group_size: int) -> 
     return max(fewest for fewest, _ in bounds), max(most for _, most in bounds)
 
 
-def wire_group_size(group: WireGroup) -> float | None:
-    """The group size the bytes imply by the spec's ``1 + 4/G`` bytes per quantized
-    element (every byte beyond the codes and the exact elements taken for scales); None
-    where they leave nothing for scales (an unquantized or a scale-less wire)."""
-    overhead = (
-        group.bytes_per_step
-        - group.quantized_numel
-        - (group.exact_numel + group.padding_numel) * group.element_bytes
-    )
-    if group.quantized_numel == 0 or overhead <= 0:
+def wire_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
+    """The group size `group`'s bytes imply by the spec's ``1 + 4/G`` bytes per quantized
+    element -- every byte beyond the codes and the exact elements taken for scales -- with
+    the counts of the fullest rank of its process group in `groups` (the one its row is
+    sized for); None where they leave nothing for scales (an unquantized wire)."""
+    peers = [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+    fullest = max(peers, key=lambda item: wire_bounds(item, 1 << 30)[0])
+    exact_bytes = (fullest.exact_numel + fullest.padding_numel) * fullest.element_bytes
+    overhead = group.bytes_per_step - fullest.quantized_numel - exact_bytes
+    if fullest.quantized_numel == 0 or overhead <= 0:
         return None
-    return SCALE_BYTES * group.quantized_numel / overhead
+    return SCALE_BYTES * fullest.quantized_numel / overhead
 
 
 def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
@@ -379,7 +379,7 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     lines, outside = [], []
     for group in measured:
         fewest, most = group_bounds(probe.wire, group, requested)
-        implied = wire_group_size(group)
+        implied = wire_group_size(probe.wire, group)
         where = f"rank {group.rank} over ranks {group.group_ranks}"
         lines.append(
             f"{where}: {group.bytes_per_step:,} B for {group.quantized_numel:,} quantized + "
@@ -402,7 +402,7 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
         f"requested group size {requested}: {verdict} ({'; '.join(lines[:4])}){said}",
         requested=requested,
         reported=reported,
-        wire_group_sizes=[wire_group_size(group) for group in measured],
+        wire_group_sizes=[wire_group_size(probe.wire, group) for group in measured],
     )
 
 

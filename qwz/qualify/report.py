@@ -749,7 +749,7 @@ def _wire_table(record: Record) -> list[str]:
     rows = []
     for probe in record.probes:
         for group in probe.wire:
-            implied = wire_group_size(group)
+            implied = wire_group_size(probe.wire, group)
             fewest, most = group_bounds(probe.wire, group, probe.requested_group_size or 1)
             rows.append(
                 (
