@@ -65,8 +65,8 @@ def _delayed_all_gather(side_stream: Any):
 
 def _gather_once(device: torch.device, delayed: bool) -> torch.Tensor:
     from qwz import collectives
-    from qwz.layout import plan_gather
     from qwz.kernels import choose_kernels
+    from qwz.layout import plan_gather
 
     group_size, shard_numel = 64, 64 * 4096
     source = torch.randn(shard_numel, generator=torch.Generator().manual_seed(7)).to(device)

@@ -16,11 +16,42 @@
 # QWZ_NIGHTLY_DIR (default runs/nightly), QWZ_WORLD_SIZE (default: GPU count if >= 2, else 2),
 # QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_RECORD_KEY or
 # QWZ_RECORD_KEY_FILE (sign the records; the gate then requires verified signatures).
+#
+# DeepSpeed's own implementation instead of qwz's (README "Requalify a DeepSpeed pull
+# request"): QWZ_DEEPSPEED_SRC=PATH (a DeepSpeed checkout) or QWZ_DEEPSPEED_REF=REF (a
+# branch, tag, commit or pull/N/head of QWZ_DEEPSPEED_REPO, default DeepSpeed's GitHub
+# repository, checked out under <dir>/deepspeed-src/) runs --subject deepspeed-native
+# --deepspeed-src on it, into <dir>/history/<date>/deepspeed-native/stage<N>/ against the
+# baselines in <dir>/baseline/deepspeed-native/stage<N>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
 workload="${QWZ_NIGHTLY_WORKLOAD:-qwen3-tiny}"
 root="${QWZ_NIGHTLY_DIR:-runs/nightly}"
+subject_args=()
+subject_dir=""
+if [ -n "${QWZ_DEEPSPEED_SRC:-}" ] && [ -n "${QWZ_DEEPSPEED_REF:-}" ]; then
+  echo "nightly: set QWZ_DEEPSPEED_SRC or QWZ_DEEPSPEED_REF, not both" >&2
+  exit 2
+fi
+if [ -n "${QWZ_DEEPSPEED_REF:-}" ]; then
+  repo="${QWZ_DEEPSPEED_REPO:-https://github.com/deepspeedai/DeepSpeed.git}"
+  QWZ_DEEPSPEED_SRC="$root/deepspeed-src/$(printf '%s' "$QWZ_DEEPSPEED_REF" | tr -c 'A-Za-z0-9._-' '_')"
+  if [ ! -d "$QWZ_DEEPSPEED_SRC/.git" ]; then
+    git clone --quiet "$repo" "$QWZ_DEEPSPEED_SRC"
+  fi
+  git -C "$QWZ_DEEPSPEED_SRC" fetch --quiet origin "$QWZ_DEEPSPEED_REF"
+  git -C "$QWZ_DEEPSPEED_SRC" checkout --quiet --detach FETCH_HEAD
+fi
+if [ -n "${QWZ_DEEPSPEED_SRC:-}" ]; then
+  if [ ! -f "$QWZ_DEEPSPEED_SRC/deepspeed/__init__.py" ]; then
+    echo "nightly: QWZ_DEEPSPEED_SRC=$QWZ_DEEPSPEED_SRC holds no deepspeed/ package" >&2
+    exit 2
+  fi
+  echo "nightly: DeepSpeed's own code at $(git -C "$QWZ_DEEPSPEED_SRC" rev-parse HEAD) ($QWZ_DEEPSPEED_SRC)" >&2
+  subject_args=(--subject deepspeed-native --deepspeed-src "$QWZ_DEEPSPEED_SRC")
+  subject_dir="deepspeed-native/"
+fi
 today="$(date -u +%Y-%m-%dT%H%M%SZ)"
 gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
 if [ -z "${QWZ_WORLD_SIZE:-}" ]; then
@@ -40,9 +71,9 @@ failed=0
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
 for stage in 1 2; do
-  out="$root/history/$today/stage$stage"
+  out="$root/history/$today/${subject_dir}stage$stage"
   args=(run --out "$out" --stage "$stage" --group-size 64 --group-size 8192
-        --workload "$workload" --ledger "$root/ledger" "${extra[@]}")
+        --workload "$workload" --ledger "$root/ledger" "${subject_args[@]}" "${extra[@]}")
   status=0
   if [ "$gpus" -ge "$world" ] && [ "$gpus" -ge 2 ]; then
     # python -m torch.distributed.run: the workers use this venv's interpreter.
@@ -56,7 +87,7 @@ for stage in 1 2; do
     failed=1
     continue
   fi
-  baseline_dir="$root/baseline/stage$stage"
+  baseline_dir="$root/baseline/${subject_dir}stage$stage"
   if [ -f "$baseline_dir/record.json" ]; then
     status=0
     qwz-qualify compare "${gate[@]}" "$baseline_dir/record.json" "$out/record.json" || status=$?

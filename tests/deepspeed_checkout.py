@@ -1,7 +1,8 @@
 """A DeepSpeed source checkout for tests: the installed package in a fresh git repository.
 
 ``make_checkout(tmp_path, patch)`` copies the installed ``deepspeed`` package (without
-``__pycache__``) to ``tmp_path/"DeepSpeed"/"deepspeed"``, commits it as "stock", then applies
+``__pycache__``) to ``tmp_path/"DeepSpeed"/"deepspeed"`` beside a ``.gitignore`` for byte
+code and builds (as a real checkout has), commits it as "stock", then applies
 each patch (unified diffs against that tree, e.g. ``tests/deepspeed_native/proposal.patch``)
 with ``git apply`` and commits it. Put the returned root first on ``PYTHONPATH`` (or pass it as
 ``--deepspeed-src``) and ``import deepspeed`` loads the copy. Author, committer and dates are
@@ -19,6 +20,9 @@ from collections.abc import Sequence
 
 PATCH_DIR = pathlib.Path(__file__).resolve().parent / "deepspeed_native"
 """Where the proposal's patch and its broken variants live."""
+
+GITIGNORE = "__pycache__/\n*.pyc\n*.so\nbuild/\n*.egg-info/\n"
+"""What a DeepSpeed checkout ignores (byte code, builds), so importing it leaves it clean."""
 
 _GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "qwz tests",
@@ -43,7 +47,7 @@ def read_patch(name: str) -> str:
     return (PATCH_DIR / f"{name}.patch").read_text()
 
 
-def _git(root: pathlib.Path, *args: str, stdin: str | None = None) -> str:
+def git(root: pathlib.Path, *args: str, stdin: str | None = None) -> str:
     env = {**os.environ, **_GIT_IDENTITY, "GIT_CONFIG_GLOBAL": os.devnull}
     done = subprocess.run(
         ["git", "-c", "init.defaultBranch=main", "-c", "commit.gpgsign=false", *args],
@@ -71,17 +75,18 @@ def make_checkout(tmp_path: pathlib.Path, patch: str | Sequence[str] | None = No
         root / "deepspeed",
         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
     )
-    _git(root, "init", "-q")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "stock DeepSpeed (the installed package)")
+    (root / ".gitignore").write_text(GITIGNORE)
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "stock DeepSpeed (the installed package)")
     patches = [patch] if isinstance(patch, str) else list(patch or ())
     for number, text in enumerate(patches, start=1):
-        _git(root, "apply", "--whitespace=nowarn", "-", stdin=text)
-        _git(root, "add", "-A")
-        _git(root, "commit", "-q", "-m", f"patch {number} of {len(patches)}")
+        git(root, "apply", "--whitespace=nowarn", "-", stdin=text)
+        git(root, "add", "-A")
+        git(root, "commit", "-q", "-m", f"patch {number} of {len(patches)}")
     return root
 
 
 def head(root: pathlib.Path) -> str:
     """The checkout's commit SHA."""
-    return _git(root, "rev-parse", "HEAD").strip()
+    return git(root, "rev-parse", "HEAD").strip()

@@ -37,6 +37,23 @@ ascent, a lost shard) does not learn, or un-learns: its gap is a large share
 of ``reference_drop``. If the reference's held-out loss did not fall by at
 least ``MIN_REFERENCE_DROP`` of its start, the run cannot tell learning from
 not learning: ``learning[reference]`` is inconclusive, and so is the verdict.
+
+[Note: group size from the wire]
+``probe`` judges the group size from the bytes each rank sent in its weight gather
+over each process group (qwz/probe.py counts them per group), by the spec's wire:
+every quantized element is one int8 code, every group of G elements one fp32 scale
+(``1 + 4/G`` bytes per quantized element), and the elements of parameters of at most
+65,536 travel exactly in the working dtype. With ``q`` quantized, ``e`` exact and ``p``
+padding elements in a rank's shard over the group, and ``c`` gather calls, the bytes
+must lie in ``[q + 4*ceil(q/G) + e*b, n + c*(G-1) + 4*(ceil(n/G) + c - 1) + (e+p)*b +
+3c]`` (``n = q + e + p``, ``b`` the working element size): the fewest is the spec's
+encoding; the most allows an implementation to send codes for every shard position,
+pad each call to whole groups and send the padding exactly. A gather's rows have one
+size on every rank of its group, so each bound is the largest over the group's ranks.
+The detail shows the G the bytes imply (``4q`` over the bytes beyond codes and exact
+elements). A group size the subject reports ([Note: reported group size],
+qualify/subjects.py) is shown and must equal the requested one; it never stands in for
+the wire.
 """
 
 from __future__ import annotations
@@ -46,7 +63,8 @@ import statistics
 from typing import Any
 
 from qwz.qualify import stats
-from qwz.qualify.record import Check, Record
+from qwz.qualify.record import Check, Probe, Record, WireGroup
+from qwz.qualify.spec import SCALE_BYTES
 
 MIN_REFERENCE_DROP = 0.02
 """The reference's held-out loss must fall by this fraction of its start to be a baseline."""
@@ -199,57 +217,10 @@ def derive(record: Record) -> list[Check]:
             )
         checks.append(_reproduced(hashes))
 
-    # --- the group size in force, and the bytes on the wire
+    # --- the group size on the wire (and as reported), and whether quantization is in effect
     for probe in record.probes:
-        reported = probe.reported_group_sizes
-        if failures.get(probe.arm) is not None and set(reported) == {None}:
-            why = "the arm failed before its engine reported a group size; see finite"
-            checks.append(_check(f"probe[{probe.arm}]", "n/a", why))
-            checks.append(_check(f"in-effect[{probe.arm}]", "n/a", why))
-            continue
-        # A one-rank group is gathered exactly (nothing to save on the wire), by qwz's engine
-        # and by the drop-in, and no group size is reported there.
-        one_rank_exact = world_size == 1
-        expected = None if one_rank_exact else probe.requested_group_size
-        why = " (one rank: the gather is exact and reports none)" if one_rank_exact else ""
-        checks.append(
-            _check(
-                f"probe[{probe.arm}]",
-                "pass" if all(size == expected for size in reported) else "fail",
-                f"requested group size {probe.requested_group_size}, ranks report {reported}{why}",
-                requested=probe.requested_group_size,
-                expected=expected,
-                reported=reported,
-            )
-        )
-        sent, reference_bytes = probe.gather_bytes_per_step, probe.reference_gather_bytes_per_step
-        name = f"in-effect[{probe.arm}]"
-        if world_size == 1:
-            checks.append(_check(name, "n/a", "one rank: the weight gather sends nothing"))
-        elif failures.get(probe.arm) is not None and sent == 0:
-            checks.append(_check(name, "n/a", "the arm failed before a gather was measured"))
-        elif 0 < sent < reference_bytes:
-            checks.append(
-                _check(
-                    name,
-                    "pass",
-                    f"weight gather sends {sent} bytes per step vs {reference_bytes} "
-                    f"unquantized ({sent / reference_bytes:.4f}x)",
-                    bytes=sent,
-                    reference_bytes=reference_bytes,
-                )
-            )
-        else:
-            checks.append(
-                _check(
-                    name,
-                    "fail",
-                    "quantized weights requested but not in effect: the weight gather sent "
-                    f"{sent} bytes per step, the unquantized reference {reference_bytes}",
-                    bytes=sent,
-                    reference_bytes=reference_bytes,
-                )
-            )
+        checks.append(_probe(probe, world_size, failures.get(probe.arm)))
+        checks.append(_in_effect(probe, world_size, failures.get(probe.arm)))
 
     checks += _learning(record, reference.name if reference else None, candidates)
 
@@ -370,6 +341,126 @@ def _own_shard(own, quantized: bool, failure) -> Check:
         checked=own.checked,
         near_ties=own.near_ties,
         max_ratio=own.max_ratio,
+    )
+
+
+ALIGNMENT_BYTES = 3
+"""Padding a gather call's row may add to keep the next row's scales aligned."""
+
+
+def wire_bounds(group: WireGroup, group_size: int) -> tuple[int, int]:
+    """[Note: group size from the wire]: the fewest and the most bytes a rank may send per
+    step over one process group when its quantized elements travel in groups of
+    `group_size`."""
+    quantized, exact = group.quantized_numel, group.exact_numel
+    numel = quantized + exact + group.padding_numel
+    calls = max(1, group.calls_per_step)
+    fewest = quantized + SCALE_BYTES * -(-quantized // group_size) + exact * group.element_bytes
+    most = (
+        numel
+        + calls * (group_size - 1)
+        + SCALE_BYTES * (-(-numel // group_size) + calls - 1)
+        + (exact + group.padding_numel) * group.element_bytes
+        + calls * ALIGNMENT_BYTES
+    )
+    return fewest, most
+
+
+def group_bounds(groups: list[WireGroup], group: WireGroup, group_size: int) -> tuple[int, int]:
+    """:func:`wire_bounds` for `group` given every rank's entry in `groups`: a gather sends
+    rows of one size on every rank of the process group, so each rank's row is sized for
+    the rank with the most to send -- the largest of the ranks' fewest and most bytes."""
+    peers = [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+    bounds = [wire_bounds(item, group_size) for item in peers]
+    return max(fewest for fewest, _ in bounds), max(most for _, most in bounds)
+
+
+def wire_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
+    """The group size `group`'s bytes imply by the spec's ``1 + 4/G`` bytes per quantized
+    element -- every byte beyond the codes and the exact elements taken for scales -- with
+    the counts of the fullest rank of its process group in `groups` (the one its row is
+    sized for); None where they leave nothing for scales (an unquantized wire)."""
+    peers = [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+    fullest = max(peers, key=lambda item: wire_bounds(item, 1 << 30)[0])
+    exact_bytes = (fullest.exact_numel + fullest.padding_numel) * fullest.element_bytes
+    overhead = group.bytes_per_step - fullest.quantized_numel - exact_bytes
+    if fullest.quantized_numel == 0 or overhead <= 0:
+        return None
+    return SCALE_BYTES * fullest.quantized_numel / overhead
+
+
+def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
+    """[Note: group size from the wire]."""
+    name = f"probe[{probe.arm}]"
+    requested = probe.requested_group_size
+    reported = probe.reported_group_sizes
+    sources = sorted({source for source in probe.reported_by if source})
+    said = f"; the subject reports {reported}" + (f" ({', '.join(sources)})" if sources else "")
+    if world_size == 1:
+        # One rank gathers exactly (nothing to save on the wire), so no group size is used.
+        wrong = [size for size in reported if size is not None]
+        status = "fail" if wrong else "pass"
+        return _check(name, status, f"one rank: the gather is exact{said}", reported=reported)
+    measured = [group for group in probe.wire if group.quantized_numel > 0]
+    if not measured and failure is not None:
+        return _check(name, "n/a", "the arm failed before a gather was measured")
+    if not measured:
+        return _check(name, "fail", f"no quantized elements on the wire were measured{said}")
+    lines, outside = [], []
+    for group in measured:
+        fewest, most = group_bounds(probe.wire, group, requested)
+        implied = wire_group_size(probe.wire, group)
+        where = f"rank {group.rank} over ranks {group.group_ranks}"
+        lines.append(
+            f"{where}: {group.bytes_per_step:,} B for {group.quantized_numel:,} quantized + "
+            f"{group.exact_numel:,} exact elements, G ~ "
+            + ("none (no bytes for scales)" if implied is None else f"{implied:.0f}")
+        )
+        if not fewest <= group.bytes_per_step <= most:
+            outside.append(f"{where}: {group.bytes_per_step:,} B outside [{fewest:,}, {most:,}]")
+    disagree = [size for size in reported if size is not None and size != requested]
+    status = "fail" if outside or disagree else "pass"
+    if outside:
+        verdict = f"the wire does not carry groups of {requested}: {'; '.join(outside)}"
+    elif disagree:
+        verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
+    else:
+        verdict = f"the wire's bytes fit groups of {requested} on every rank"
+    return _check(
+        name,
+        status,
+        f"requested group size {requested}: {verdict} ({'; '.join(lines[:4])}){said}",
+        requested=requested,
+        reported=reported,
+        wire_group_sizes=[wire_group_size(probe.wire, group) for group in measured],
+    )
+
+
+def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
+    """Quantized weights requested and in effect: the candidate's weight gather sends fewer
+    bytes than the unquantized reference's."""
+    sent, reference_bytes = probe.gather_bytes_per_step, probe.reference_gather_bytes_per_step
+    name = f"in-effect[{probe.arm}]"
+    if world_size == 1:
+        return _check(name, "n/a", "one rank: the weight gather sends nothing")
+    if failure is not None and sent == 0:
+        return _check(name, "n/a", "the arm failed before a gather was measured")
+    if 0 < sent < reference_bytes:
+        return _check(
+            name,
+            "pass",
+            f"weight gather sends {sent} bytes per step vs {reference_bytes} "
+            f"unquantized ({sent / reference_bytes:.4f}x)",
+            bytes=sent,
+            reference_bytes=reference_bytes,
+        )
+    return _check(
+        name,
+        "fail",
+        "quantized weights requested but not in effect: the weight gather sent "
+        f"{sent} bytes per step, the unquantized reference {reference_bytes}",
+        bytes=sent,
+        reference_bytes=reference_bytes,
     )
 
 

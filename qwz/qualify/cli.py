@@ -144,7 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     run.add_argument("--workload", choices=WORKLOAD_NAMES, default="qwen3-tiny")
-    run.add_argument("--subject", choices=SUBJECTS, default="qwz")
+    run.add_argument(
+        "--subject",
+        choices=SUBJECTS,
+        default="qwz",
+        help="qwz: qwz's engine; deepspeed: stock DeepSpeed reference, DeepSpeed + qwz's "
+        "gather candidates; deepspeed-native: DeepSpeed's own code for every arm, the config "
+        "passed through untouched",
+    )
+    run.add_argument(
+        "--deepspeed-src",
+        type=_path,
+        default=None,
+        metavar="PATH",
+        help="DeepSpeed subjects: import deepspeed from the source checkout at PATH on every "
+        "rank (checked); an editable install needs no flag",
+    )
     run.add_argument("--blocks", type=_positive, default=4, help="order-balanced speed blocks")
     run.add_argument("--block-steps", type=_positive, default=5, help="timed steps per arm")
     run.add_argument(
@@ -257,6 +272,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     problems = []
     if args.no_integration and args.subject != "deepspeed":
         problems.append("--no-integration applies to --subject deepspeed only")
+    problems += _deepspeed_problems(args)
     out_problem = writable_directory_problem(args.out, "--out")
     if out_problem:
         problems.append(out_problem)
@@ -299,6 +315,24 @@ def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) 
         one_arm_at_a_time=args.one_arm_at_a_time,
         indices=gpu_memory.indices_for_run(world_size, _under_torchrun()),
     )
+
+
+def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
+    """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject; for
+    ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
+    subprocess with the ranks' import path, qualify/subjects.py)."""
+    from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, deepspeed_native_problems
+
+    source = args.deepspeed_src
+    if source is not None and args.subject not in DEEPSPEED_SUBJECTS:
+        return [f"--deepspeed-src applies to --subject {' or '.join(DEEPSPEED_SUBJECTS)} only"]
+    if source is not None and not (source / "deepspeed" / "__init__.py").is_file():
+        return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
+    if args.subject != "deepspeed-native":
+        return []
+    plan = _plan(args)
+    configs = {arm.name: plan.arm_config(arm) for arm in plan.arms}
+    return deepspeed_native_problems(str(source) if source else None, configs)
 
 
 def _workload_numel(name: str, seed: int) -> int:
@@ -377,6 +411,7 @@ def _plan(args: argparse.Namespace):
         allgather_bucket_size=args.bucket_size,
         compile_kernels=args.compile,
         integration_enabled=not args.no_integration,
+        deepspeed_src=str(args.deepspeed_src.resolve()) if args.deepspeed_src else None,
     )
 
 
@@ -419,6 +454,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
     from qwz.qualify import evidence, record, report, signing
     from qwz.qualify.runner import qualify_rank
+    from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, use_deepspeed_source
 
     problems = check_run_request(args)
     if problems:
@@ -438,6 +474,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 2
     plan = _plan(args)
+    if args.subject in DEEPSPEED_SUBJECTS:
+        # Here too: spawned ranks start from this sys.path, and the failure record's
+        # identity is read in this process.
+        use_deepspeed_source(plan.deepspeed_src)
     world_size = args.world_size or 2
     try:
         if _under_torchrun():

@@ -7,8 +7,12 @@ produces noise, not evidence). ``lines`` say why, regressions first.
 Not comparable:
   - schema versions differ;
   - environment fingerprints differ (python, torch, deepspeed, transformers,
-    backend, devices, world size, nodes: what hashes depend on);
-  - the subject differs (qwz against DeepSpeed);
+    backend, devices, world size, nodes: what hashes depend on) -- for two
+    ``deepspeed-native`` records the DeepSpeed version is the subject's, not the
+    environment's, so ``compare BASE HEAD`` of two DeepSpeed commits (even two
+    versions) is allowed and reports the change;
+  - the subject differs (qwz against DeepSpeed, DeepSpeed's own code against
+    DeepSpeed with qwz's gather);
   - the workload differs (name, params, steps, seed) or the arms differ (names,
     order, quantization, group size, stage, dtype, config).
 
@@ -18,17 +22,19 @@ Regression:
     passes the gate just because its check is new); a check that passed and
     is n/a now is reported;
   - an arm's final parameter hash changed although the code and environment
-    are the same: both heads clean at the same known SHA, same subject
-    version. A different head (or a dirty one) is expected to change hashes:
-    that is reported, not judged;
+    are the same: both heads clean at the same known SHA, the same subject
+    identity (version, commit, dirty flag, diff digest) and the same harness
+    commit. Different code (or a dirty checkout) is expected to change hashes:
+    that is reported as "numerics changed", not judged;
   - a candidate arm's speed-up interval lies entirely below the baseline's
     (candidate ``ci_high`` < baseline ``ci_low``): the intervals, not the
     medians, so block noise alone does not trip the gate;
   - an arm's peak memory (the largest peak allocation over ranks) grew by
     more than ``memory_growth_pct`` percent.
 
-Everything else that changed (improvements, loss, tolerance margins, wire
-bytes, versions) is listed for information.
+Everything else that changed (the subject's identity, improvements, loss,
+tolerance margins, wire bytes, versions) is listed for information, under
+"what changed", after the regressions.
 """
 
 from __future__ import annotations
@@ -109,12 +115,14 @@ def _incomparability(baseline: Record, candidate: Record) -> list[str]:
             f"schema versions differ: {baseline.schema_version} -> {candidate.schema_version}"
         )
         return reasons  # the rest of the comparison assumes one schema
-    if baseline.environment.fingerprint() != candidate.environment.fingerprint():
-        changed = _differences(
-            baseline.environment.model_dump(exclude={"platform"}),
-            candidate.environment.model_dump(exclude={"platform"}),
-            "environment",
-        )
+    native = baseline.subject.name == candidate.subject.name == "deepspeed-native"
+    ignored = {"platform", "deepspeed"} if native else {"platform"}
+    changed = _differences(
+        baseline.environment.model_dump(exclude=ignored),
+        candidate.environment.model_dump(exclude=ignored),
+        "environment",
+    )
+    if changed:
         reasons.append(
             f"environment fingerprints differ ({baseline.environment.fingerprint()} -> "
             f"{candidate.environment.fingerprint()}): {'; '.join(changed)}"
@@ -147,12 +155,34 @@ def _incomparability(baseline: Record, candidate: Record) -> list[str]:
 # --------------------------------------------------------------------------- #
 
 
+def describe_subject(record: Record) -> str:
+    """ "deepspeed-native: deepspeed 0.19.8 at 360672f3a9b1 (dirty, diff 4e1f0c2a9d3b)"."""
+    subject = record.subject
+    package = "qwz" if subject.name == "qwz" else "deepspeed"
+    text = f"{subject.name}: {package} {subject.version}"
+    if subject.sha:
+        text += f" at {short_hash(subject.sha)}"
+        if subject.dirty:
+            text += f" (dirty, diff {short_hash(subject.diff_sha256)})"
+    elif subject.direct_url:
+        text += f" from {subject.direct_url.get('url', '?')}"
+    else:
+        text += " (no checkout: the version alone names it)"
+    return text
+
+
 def _context(baseline: Record, candidate: Record) -> list[Finding]:
     findings = []
     verdicts = [r.verdict.status for r in (baseline, candidate)]
     findings.append(_note(f"verdict: {verdicts[0]} -> {verdicts[1]}"))
+    if baseline.subject.identity() != candidate.subject.identity():
+        findings.append(
+            _note(f"subject changed: {describe_subject(baseline)} -> {describe_subject(candidate)}")
+        )
+    harness = [record.harness.sha if record.harness else None for record in (baseline, candidate)]
     for label, before, after in (
         ("head", baseline.head.sha, candidate.head.sha),
+        ("harness (qwz) head", *harness),
         ("subject version", baseline.subject.version, candidate.subject.version),
         ("platform", baseline.environment.platform, candidate.environment.platform),
         ("parameters", baseline.workload.num_parameters, candidate.workload.num_parameters),
@@ -215,11 +245,11 @@ def _same_code(baseline: Record, candidate: Record) -> tuple[bool, str]:
         return False, "head SHA unknown: the code cannot be identified"
     if baseline.head.dirty or candidate.head.dirty:
         return False, "head dirty: uncommitted changes may differ"
-    if (baseline.subject.version, baseline.subject.sha) != (
-        candidate.subject.version,
-        candidate.subject.sha,
-    ):
-        return False, "subject version changed"
+    if baseline.subject.identity() != candidate.subject.identity():
+        return False, "subject changed"
+    harness = [record.harness.sha if record.harness else None for record in (baseline, candidate)]
+    if harness[0] != harness[1]:
+        return False, "harness (qwz) head changed"
     return True, ""
 
 
@@ -245,8 +275,8 @@ def _hashes(baseline: Record, candidate: Record) -> list[Finding]:
         else:
             findings.append(
                 _note(
-                    f"final parameter hash of {hashes.arm!r} changed, as expected ({why}): "
-                    f"{old} -> {new}"
+                    f"numerics changed: final parameter hash of {hashes.arm!r} changed, as "
+                    f"expected ({why}): {old} -> {new}"
                 )
             )
     return findings
@@ -406,10 +436,9 @@ def compare(baseline: Record, candidate: Record, *, memory_growth_pct: float = 1
     if not memory_growth_pct >= 0.0:
         raise ValueError(f"memory_growth_pct: {memory_growth_pct!r} is invalid: it must be >= 0")
     header = [
-        f"baseline: head {short_hash(baseline.head.sha)}, {baseline.created_at}, "
-        f"digest {short_hash(baseline.digest)}",
-        f"candidate: head {short_hash(candidate.head.sha)}, {candidate.created_at}, "
-        f"digest {short_hash(candidate.digest)}",
+        f"{role}: head {short_hash(item.head.sha)}{' (dirty)' if item.head.dirty else ''}, "
+        f"{describe_subject(item)}, {item.created_at}, digest {short_hash(item.digest)}"
+        for role, item in (("baseline", baseline), ("candidate", candidate))
     ]
     reasons = _incomparability(baseline, candidate)
     if reasons:
@@ -430,7 +459,8 @@ def compare(baseline: Record, candidate: Record, *, memory_growth_pct: float = 1
         *_numbers(baseline, candidate),
     ]
     regressions = [f"REGRESSION: {f.text}" for f in findings if f.regression]
-    notes = [f.text for f in findings if not f.regression]
+    notes = ["what changed (reported, not judged):"]
+    notes += [f.text for f in findings if not f.regression]
     if regressions:
         count = len(regressions)
         result = f"result: {count} regression{'s' if count != 1 else ''}"

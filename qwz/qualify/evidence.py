@@ -18,7 +18,7 @@ import torch
 
 from qwz.qualify import checks as derived
 from qwz.qualify import ledger, provenance
-from qwz.qualify.record import Environment, Record, seal
+from qwz.qualify.record import Environment, Head, Record, Subject, seal
 from qwz.qualify.runner import CALIBRATION, REFERENCE, RunPlan, empty_observation, plan_dict
 from qwz.rank_reports import RankEnd
 from qwz.tolerance import master_drift_bound
@@ -82,7 +82,7 @@ def _plan_data(plan: RunPlan, min_speedup: float | None) -> dict[str, Any]:
 def _ledger_fields(
     plan: RunPlan,
     ledger_dir: pathlib.Path | None,
-    head: dict[str, Any],
+    code: dict[str, Any],
     environment: Environment,
     arm: dict[str, Any],
     per_rank: list[str | None],
@@ -91,7 +91,7 @@ def _ledger_fields(
         return {"ledger_status": "not-checked", "ledger_previous": None, "ledger_siblings": {}}
     result = ledger.check_and_record(
         ledger_dir,
-        head_sha=head["sha"],
+        code=code,
         fingerprint=environment.fingerprint(),
         workload={
             "name": plan.workload.name,
@@ -108,6 +108,13 @@ def _ledger_fields(
         "ledger_previous": result.previous,
         "ledger_siblings": dict(result.siblings),
     }
+
+
+def _code_identity(first: dict[str, Any]) -> dict[str, Any]:
+    """What the ledger keys hashes on besides the environment ([Note: ledger key],
+    qualify/ledger.py): the subject's identity, the record's head and the harness's."""
+    head, harness = Head(**first["head"]), Head(**first["harness"])
+    return ledger.code_identity(Subject(**first["subject"]), head, harness)
 
 
 def build_record(
@@ -206,7 +213,9 @@ def build_record(
                 "arm": name,
                 "per_rank": per_rank,
                 "divergence": lead["replica_divergence"],
-                **_ledger_fields(plan, ledger_dir, first["head"], environment, arm, per_rank),
+                **_ledger_fields(
+                    plan, ledger_dir, _code_identity(first), environment, arm, per_rank
+                ),
             }
         )
         if arm["quantized"]:
@@ -215,6 +224,8 @@ def build_record(
                     "arm": name,
                     "requested_group_size": arm["group_size"],
                     "reported_group_sizes": [item["group_size"] for item in ranks],
+                    "reported_by": [item["reported_by"] for item in ranks],
+                    "wire": [entry for item in ranks for entry in item["wire"]],
                     "gather_bytes_per_step": lead["gather_bytes"],
                     "reference_gather_bytes_per_step": reference_bytes,
                 }
@@ -251,6 +262,7 @@ def build_record(
         "schema_version": 2,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "head": first["head"],
+        "harness": first["harness"],
         "subject": first["subject"],
         "environment": environment.model_dump(),
         "workload": {
@@ -357,8 +369,7 @@ def build_failure_record(
             "device_name": environment.device_names[rank],
             "arms": {name: arm_observation(name, rank) for name in names},
             "timings": {},
-            "head": provenance.git_head().model_dump(),
-            "subject": provenance.subject(plan.subject).model_dump(),
+            **provenance.code_under_test(plan.subject),
             "environment": environment.model_dump(),
         }
         for rank in range(world_size)

@@ -1,8 +1,17 @@
-"""The hash ledger: final parameter hashes stored under (head SHA, environment, workload, arm).
+"""The hash ledger: final parameter hashes stored under (code, environment, workload, arm).
 
-A later run of the same head in the same environment must reproduce the stored
+A later run of the same code in the same environment must reproduce the stored
 hashes exactly. A mismatch never overwrites the stored entry, so the failure
 stays visible until someone removes the entry on purpose.
+
+[Note: ledger key]
+"The same code" is :func:`code_identity`: the subject's identity (name, version, the
+live commit, dirty flag and diff digest of the checkout its package was imported from,
+a wheel's ``direct_url.json``), the record's head and the harness's (qwz's) head, each
+with its SHA, dirty flag and diff digest -- never the directory it ran in. So two
+DeepSpeed commits of one version, or one commit with and without an uncommitted edit,
+are different keys, and the same commit in the same environment finds its own entry.
+The entry's ``head`` field holds that identity.
 """
 
 from __future__ import annotations
@@ -22,8 +31,22 @@ class LedgerResult(NamedTuple):
     of the arm (quantization and group size) -> its final hash."""
 
 
-def _key(head_sha: str, fingerprint: str, workload: dict[str, Any], arm: dict[str, Any]) -> str:
-    payload = {"head": head_sha, "environment": fingerprint, "workload": workload, "arm": arm}
+def code_identity(subject: Any, head: Any, harness: Any | None) -> dict[str, Any]:
+    """[Note: ledger key]: what identifies the code that produced a hash. `subject` is a
+    record Subject, `head` and `harness` record Heads."""
+
+    def checkout(item: Any) -> dict[str, Any] | None:
+        if item is None:
+            return None
+        return {"sha": item.sha, "dirty": item.dirty, "diff_sha256": item.diff_sha256}
+
+    return {"subject": subject.identity(), "head": checkout(head), "harness": checkout(harness)}
+
+
+def _key(
+    code: dict[str, Any], fingerprint: str, workload: dict[str, Any], arm: dict[str, Any]
+) -> str:
+    payload = {"head": code, "environment": fingerprint, "workload": workload, "arm": arm}
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -31,16 +54,17 @@ def _key(head_sha: str, fingerprint: str, workload: dict[str, Any], arm: dict[st
 def check_and_record(
     directory: pathlib.Path,
     *,
-    head_sha: str,
+    code: dict[str, Any],
     fingerprint: str,
     workload: dict[str, Any],
     arm: dict[str, Any],
     final_hash: str,
 ) -> LedgerResult:
-    """Compare `final_hash` with the stored one for this key, storing it if there is none."""
+    """Compare `final_hash` with the stored one for this key ([Note: ledger key]: `code`
+    from :func:`code_identity`), storing it if there is none."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{_key(head_sha, fingerprint, workload, arm)}.json"
-    siblings = _siblings(directory, path, head_sha, fingerprint, workload)
+    path = directory / f"{_key(code, fingerprint, workload, arm)}.json"
+    siblings = _siblings(directory, path, code, fingerprint, workload)
     if path.exists():
         try:
             stored = json.loads(path.read_text())["final_hash"]
@@ -52,7 +76,7 @@ def check_and_record(
             return LedgerResult("reproduced", stored, siblings)
         return LedgerResult("mismatch", stored, siblings)
     entry = {
-        "head": head_sha,
+        "head": code,
         "environment": fingerprint,
         "workload": workload,
         "arm": arm,
@@ -73,7 +97,7 @@ def describe_arm(arm: dict[str, Any]) -> str:
 def _siblings(
     directory: pathlib.Path,
     own_path: pathlib.Path,
-    head_sha: str,
+    code: dict[str, Any],
     fingerprint: str,
     workload: dict[str, Any],
 ) -> dict[str, str]:
@@ -84,7 +108,7 @@ def _siblings(
         try:
             entry = json.loads(path.read_text())
             same = (entry["head"], entry["environment"], entry["workload"]) == (
-                head_sha,
+                code,
                 fingerprint,
                 workload,
             )

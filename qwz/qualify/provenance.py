@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
+import json
 import os
 import pathlib
 import platform
@@ -34,15 +36,51 @@ def _git(directory: pathlib.Path, *args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def _diff_digest(top: pathlib.Path) -> str | None:
+    """sha256 of the uncommitted changes of the checkout at `top` (``git diff HEAD --binary``,
+    then each untracked, not ignored file's path and bytes); None when there are none."""
+    try:
+        diff = subprocess.run(
+            ["git", "-C", str(top), "diff", "HEAD", "--binary", "--no-ext-diff"],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        untracked = subprocess.run(
+            ["git", "-C", str(top), "ls-files", "--others", "--exclude-standard", "-z"],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = sorted(name for name in untracked.decode(errors="surrogateescape").split("\0") if name)
+    if not diff and not names:
+        return None
+    digest = hashlib.sha256(diff)
+    for name in names:
+        digest.update(b"\0untracked\0" + name.encode(errors="surrogateescape") + b"\0")
+        with contextlib.suppress(OSError):
+            digest.update((top / name).read_bytes())
+    return digest.hexdigest()
+
+
 def git_head(directory: pathlib.Path = PACKAGE_DIR) -> Head:
-    """Repository, SHA and dirty flag of the checkout holding `directory`."""
+    """Repository, SHA, dirty flag and diff digest of the checkout holding `directory`
+    (default: qwz's own, the harness's)."""
     sha = _git(directory, "rev-parse", "HEAD")
     if sha is None:
         return Head(repository=str(directory), sha="unknown", dirty=False)
-    top = _git(directory, "rev-parse", "--show-toplevel") or str(directory)
+    top = pathlib.Path(_git(directory, "rev-parse", "--show-toplevel") or directory)
     remote = _git(directory, "config", "--get", "remote.origin.url")
-    status = _git(directory, "status", "--porcelain", "--untracked-files=no")
-    return Head(repository=remote or top, sha=sha, dirty=bool(status))
+    diff = _diff_digest(top)
+    return Head(
+        repository=remote or str(top),
+        sha=sha,
+        dirty=diff is not None,
+        path=str(top),
+        diff_sha256=diff,
+    )
 
 
 def _version(package: str) -> str | None:
@@ -52,30 +90,99 @@ def _version(package: str) -> str | None:
         return None
 
 
+def package_checkout(package: pathlib.Path) -> Head | None:
+    """The git checkout `package` (an imported package's directory) was imported from, or
+    None. Only the package's own source checkout counts -- the package directory sits at the
+    checkout's top, as ``deepspeed/`` in DeepSpeed's repository: an installed copy inside
+    another repository (a virtualenv in qwz's checkout) would report that repository."""
+    top = _git(package, "rev-parse", "--show-toplevel")
+    if top is None or (pathlib.Path(top) / package.name).resolve() != package.resolve():
+        return None
+    return git_head(package)
+
+
+def _direct_url(distribution: str, package: pathlib.Path) -> dict | None:
+    """The PEP 610 ``direct_url.json`` of the installed `distribution`, when that
+    distribution is the one `package` was imported from (an editable install's url names
+    the checkout; a wheel's names where it came from)."""
+    try:
+        found = importlib.metadata.distribution(distribution)
+        text = found.read_text("direct_url.json")
+        installed_here = pathlib.Path(str(found.locate_file(package.name))).resolve() == package
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return None
+    if text is None:
+        return None
+    try:
+        loaded = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(loaded, dict):
+        return None
+    url = str(loaded.get("url", ""))
+    editable_here = url.removeprefix("file://") == str(package.parent)
+    return loaded if installed_here or editable_here else None
+
+
 def subject(name: str) -> Subject:
-    """The implementation under test: qwz itself, or DeepSpeed (with its git SHA if known)."""
+    """The implementation under test ([Note: subject identity] in qwz/qualify/subjects.py):
+    its version, where its package was imported from, and the live commit, dirty flag and
+    diff digest of the checkout it lies in -- never a commit written at install time."""
     if name == "qwz":
         import qwz
 
-        return Subject(name="qwz", version=qwz.__version__, sha=git_head().sha)
+        head = git_head()
+        return Subject(
+            name="qwz",
+            version=qwz.__version__,
+            sha=None if head.sha == "unknown" else head.sha,
+            dirty=head.dirty if head.sha != "unknown" else None,
+            diff_sha256=head.diff_sha256,
+            import_path=str(PACKAGE_DIR),
+        )
     import deepspeed
 
-    sha = None
-    try:
+    package = pathlib.Path(deepspeed.__file__).resolve().parent
+    checkout = package_checkout(package)
+    installed = None
+    with contextlib.suppress(ImportError):
         from deepspeed import git_version_info
 
-        sha = getattr(git_version_info, "git_hash", None)
-    except ImportError:
-        pass
-    if sha in (None, "", "unknown", "[none]"):
-        sha = None
-        package = pathlib.Path(deepspeed.__file__).resolve().parent
-        top = _git(package, "rev-parse", "--show-toplevel")
-        # Only DeepSpeed's own source checkout counts: an installed copy inside another
-        # repository (say, a virtualenv in qwz's checkout) would report that repository's SHA.
-        if top is not None and (pathlib.Path(top) / "deepspeed").resolve() == package:
-            sha = _git(package, "rev-parse", "HEAD")
-    return Subject(name="deepspeed", version=deepspeed.__version__, sha=sha)
+        installed = getattr(git_version_info, "git_hash", None)
+    return Subject(
+        name=name,
+        version=deepspeed.__version__,
+        sha=checkout.sha if checkout else None,
+        dirty=checkout.dirty if checkout else None,
+        diff_sha256=checkout.diff_sha256 if checkout else None,
+        import_path=str(package),
+        installed_commit=installed if installed not in (None, "", "unknown", "[none]") else None,
+        direct_url=_direct_url("deepspeed", package),
+    )
+
+
+def subject_head(name: str, identity: Subject) -> Head:
+    """The record's head: the checkout of the code under test. For ``deepspeed-native``
+    DeepSpeed's (a wheel without a checkout: its origin, SHA 'unknown'); otherwise qwz's,
+    whose code (its engine, or its gather inside DeepSpeed) is what the candidates run."""
+    if name != "deepspeed-native":
+        return git_head()
+    package = pathlib.Path(identity.import_path or ".")
+    checkout = package_checkout(package)
+    if checkout is not None:
+        return checkout
+    origin = (identity.direct_url or {}).get("url") or f"deepspeed {identity.version} at {package}"
+    return Head(repository=str(origin), sha="unknown", dirty=False, path=str(package))
+
+
+def code_under_test(name: str) -> dict[str, dict]:
+    """The record's ``head`` (the subject's checkout), ``harness`` (qwz's) and ``subject``."""
+    identity = subject(name)
+    return {
+        "head": subject_head(name, identity).model_dump(),
+        "harness": git_head().model_dump(),
+        "subject": identity.model_dump(),
+    }
 
 
 NUMERIC_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")

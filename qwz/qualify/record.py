@@ -48,19 +48,53 @@ class _Model(BaseModel):
 
 
 class Head(_Model):
-    """The code under test."""
+    """A git checkout: the code under test (``Record.head``: qwz's for the ``qwz`` and
+    ``deepspeed`` subjects, DeepSpeed's for ``deepspeed-native``) or the harness that judged
+    it (``Record.harness``: always qwz's)."""
 
-    repository: str
+    repository: str = Field(description="remote.origin.url, else the checkout's directory")
     sha: str = Field(description="Full git SHA of HEAD, or 'unknown' outside a git checkout")
-    dirty: bool = Field(description="Uncommitted changes to tracked files")
+    dirty: bool = Field(
+        description="Uncommitted changes: tracked files edited, or untracked files git does "
+        "not ignore"
+    )
+    path: str | None = Field(None, description="The checkout's top directory where it ran")
+    diff_sha256: str | None = Field(
+        None,
+        description="sha256 of the uncommitted changes (git diff HEAD --binary, then each "
+        "untracked file's path and bytes); null when clean",
+    )
+
+
+SUBJECT_NAMES = ("qwz", "deepspeed", "deepspeed-native")
 
 
 class Subject(_Model):
-    """Which implementation ran the arms."""
+    """Which implementation ran the arms, and where its package was imported from."""
 
-    name: Literal["qwz", "deepspeed"]
+    name: Literal["qwz", "deepspeed", "deepspeed-native"]
     version: str
-    sha: str | None = Field(None, description="Git SHA when installed from a checkout")
+    sha: str | None = Field(
+        None,
+        description="Live git HEAD of the checkout the package was imported from; null "
+        "when it was not imported from one (an installed wheel)",
+    )
+    dirty: bool | None = Field(None, description="That checkout's uncommitted changes")
+    diff_sha256: str | None = Field(None, description="Head.diff_sha256 of that checkout")
+    import_path: str | None = Field(None, description="Directory of the imported package")
+    installed_commit: str | None = Field(
+        None,
+        description="The commit the package recorded about itself when it was installed "
+        "(DeepSpeed's git_version_info); context only, never its identity",
+    )
+    direct_url: dict[str, Any] | None = Field(
+        None, description="The installed distribution's direct_url.json (PEP 610), if any"
+    )
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies the subject's code, for the ledger and ``compare``: the path
+        where it ran is left out (the same commit on two machines is the same code)."""
+        return self.model_dump(exclude={"import_path"})
 
 
 class Determinism(_Model):
@@ -311,10 +345,33 @@ class Hashes(_Model):
     ledger_siblings: dict[str, str] = Field(default_factory=dict)
 
 
+class WireGroup(_Model):
+    """What one rank sent in the weight gather over one process group in the arm's last
+    step, and the spec's counts of the elements it holds there (qualify/checks.py,
+    [Note: group size from the wire])."""
+
+    rank: int
+    group_ranks: list[int] = Field(description="Global ranks of the process group")
+    bytes_per_step: int = Field(ge=0)
+    calls_per_step: int = Field(ge=0, description="Gather collectives over the group")
+    quantized_numel: int = Field(ge=0, description="Elements of parameters above 65,536")
+    exact_numel: int = Field(ge=0, description="Elements of parameters of at most 65,536")
+    padding_numel: int = Field(ge=0, description="Shard positions no parameter covers")
+    element_bytes: int = Field(ge=1, description="Bytes of one working-dtype element")
+
+
 class Probe(_Model):
     arm: str
     requested_group_size: int | None
     reported_group_sizes: list[int | None]
+    reported_by: list[str | None] = Field(
+        default_factory=list,
+        description="Per rank, where the subject reported its group size (an engine config "
+        "accessor, the optimizer's attribute); null: it reports none",
+    )
+    wire: list[WireGroup] = Field(
+        default_factory=list, description="Every rank's gather bytes per process group"
+    )
     gather_bytes_per_step: int = Field(description="Bytes rank 0 sent in the weight gather")
     reference_gather_bytes_per_step: int
 
@@ -403,6 +460,9 @@ class Record(_Model):
     schema_version: Literal[2] = SCHEMA_VERSION
     created_at: str
     head: Head
+    harness: Head | None = Field(
+        None, description="qwz's own checkout, which ran the harness (equal to head for qwz)"
+    )
     subject: Subject
     environment: Environment
     workload: Workload

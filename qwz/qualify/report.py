@@ -261,7 +261,7 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     environment = record.environment
     arm_names = [arm.name for arm in record.arms]
     lines = [
-        f"# qwz qualification: {verdict.status}",
+        f"# {title(record)}: {verdict.status}",
         "",
         f"**{record.workload.name}**, arms {', '.join(f'`{name}`' for name in arm_names)}, "
         f"{_devices(environment.device_names)} ({environment.backend}), "
@@ -313,6 +313,38 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     return "\n".join(lines)
 
 
+SUBJECT_TITLES = {
+    "qwz": "qwz qualification",
+    "deepspeed": "DeepSpeed + qwz's gather qualification",
+    "deepspeed-native": "DeepSpeed qualification (DeepSpeed's own code)",
+}
+
+
+def title(record: Record) -> str:
+    """Which subject ran, and in which mode: the drop-in with the takeover disabled runs
+    stock DeepSpeed for every arm."""
+    subject = record.subject
+    if subject.name == "deepspeed" and not any(arm.integration_enabled for arm in record.arms):
+        return "Stock DeepSpeed qualification (qwz's gather disabled)"
+    text = SUBJECT_TITLES[subject.name]
+    if subject.name != "qwz":
+        text += f", deepspeed {subject.version}"
+        if subject.sha:
+            text += f" at {short_hash(subject.sha)}{' (dirty)' if subject.dirty else ''}"
+    return text
+
+
+def _quantized(record: Record, arm: Arm) -> str:
+    """ "yes" where qwz's code quantizes; "requested" where the subject's own code decides
+    (stock DeepSpeed, DeepSpeed's own implementation) -- the probe says what it did."""
+    if not arm.quantized:
+        return "no"
+    qwz_decides = record.subject.name == "qwz" or (
+        record.subject.name == "deepspeed" and arm.integration_enabled
+    )
+    return "yes" if qwz_decides else "requested"
+
+
 def _failures_section(record: Record) -> list[str]:
     ended = [t for t in record.trajectories if t.failure is not None]
     failed = [t for t in ended if t.failure.kind != "not-run"]
@@ -359,24 +391,28 @@ def _crash_lines(arm: str, failure) -> list[str]:
 
 
 def _code_section(record: Record) -> list[str]:
-    head, subject = record.head, record.subject
+    head, subject, harness = record.head, record.subject, record.harness
     dirty = "**yes**: the SHA alone does not identify the code" if head.dirty else "no"
-    subject_text = f"{subject.name} {subject.version}"
-    if subject.sha:
-        subject_text += f" at `{short_hash(subject.sha)}`"
-    return [
-        "## Code under test",
-        "",
-        *_table(
-            ["", ""],
-            [
-                ("repository", head.repository),
-                ("head SHA", f"`{head.sha}`"),
-                ("uncommitted changes", dirty),
-                ("subject", subject_text),
-            ],
-        ),
+    if head.dirty and head.diff_sha256:
+        dirty += f" (diff sha256 `{short_hash(head.diff_sha256)}`)"
+    package = "qwz" if subject.name == "qwz" else "deepspeed"
+    rows = [
+        ("subject", f"`{subject.name}`: {package} {subject.version}"),
+        ("repository", head.repository),
+        ("head SHA", f"`{head.sha}`"),
+        ("uncommitted changes", dirty),
+        ("imported from", subject.import_path or "—"),
     ]
+    if subject.name != "qwz":
+        rows.append(("deepspeed commit", f"`{subject.sha}`" if subject.sha else "no checkout"))
+    if subject.installed_commit:
+        rows.append(("commit recorded at install (context)", f"`{subject.installed_commit}`"))
+    if subject.direct_url:
+        rows.append(("direct_url.json", f"`{json.dumps(subject.direct_url, sort_keys=True)}`"))
+    if harness is not None:
+        harness_dirty = " (dirty)" if harness.dirty else ""
+        rows.append(("harness (qwz)", f"`{short_hash(harness.sha)}`{harness_dirty}"))
+    return ["## Code under test", "", *_table(["", ""], rows)]
 
 
 def _environment_section(record: Record) -> list[str]:
@@ -421,11 +457,11 @@ def _workload_section(record: Record) -> list[str]:
 
 
 def _arms_section(record: Record) -> list[str]:
-    lines = ["## Arms", ""]
+    lines = ["## Arms", "", f"Subject `{record.subject.name}`: {_mode(record)}.", ""]
     lines += _table(
         ["arm", "quantized", "group size", "ZeRO stage", "dtype"],
         [
-            (f"`{arm.name}`", _yes_no(arm.quantized), _group_size(arm.group_size), arm.stage,
+            (f"`{arm.name}`", _quantized(record, arm), _group_size(arm.group_size), arm.stage,
              arm.dtype)
             for arm in record.arms
         ],
@@ -442,6 +478,21 @@ def _arms_section(record: Record) -> list[str]:
             "",
         ]
     return lines
+
+
+def _mode(record: Record) -> str:
+    name = record.subject.name
+    if name == "qwz":
+        return "every arm is qwz's engine; candidates quantize with qwz's gather"
+    if name == "deepspeed-native":
+        return (
+            "every arm is DeepSpeed's own ZeRO-1/2 (a plain deepspeed.initialize, nothing of qwz "
+            "inside), each config passed through untouched; whether a candidate quantizes is "
+            "DeepSpeed's code's to decide, and the probe reads it off the wire"
+        )
+    if any(arm.integration_enabled for arm in record.arms):
+        return "stock DeepSpeed is the reference; candidates are DeepSpeed with qwz's gather"
+    return "stock DeepSpeed for every arm (qwz's gather disabled): candidates only request it"
 
 
 def _trajectory_section(record: Record) -> list[str]:
@@ -695,6 +746,9 @@ def _probe_section(record: Record) -> list[str]:
             f"rank {rank}: {_group_size(size)}"
             for rank, size in enumerate(probe.reported_group_sizes)
         )
+        sources = sorted({source for source in probe.reported_by if source})
+        if sources:
+            reported += f" ({', '.join(f'`{source}`' for source in sources)})"
         reference_bytes = probe.reference_gather_bytes_per_step
         ratio = f"{probe.gather_bytes_per_step / reference_bytes:.3f}x" if reference_bytes else "—"
         rows.append(
@@ -710,8 +764,8 @@ def _probe_section(record: Record) -> list[str]:
     return [
         "## Config probe",
         "",
-        "The group size each rank's optimizer reports, and the bytes rank 0 sends in the "
-        "weight gather per step.",
+        "The group size each rank's subject reports (where it reports one), and the bytes "
+        "rank 0 sends in the weight gather per step.",
         "",
         *_table(
             [
@@ -721,6 +775,52 @@ def _probe_section(record: Record) -> list[str]:
                 "gather bytes/step (rank 0)",
                 "reference gather bytes/step",
                 "ratio",
+            ],
+            rows,
+        ),
+        *_wire_table(record),
+    ]
+
+
+def _wire_table(record: Record) -> list[str]:
+    """Per arm, rank and process group: the group size the bytes imply and the bytes that
+    groups of the requested size allow ([Note: group size from the wire])."""
+    from .checks import group_bounds, wire_group_size
+
+    rows = []
+    for probe in record.probes:
+        for group in probe.wire:
+            implied = wire_group_size(probe.wire, group)
+            fewest, most = group_bounds(probe.wire, group, probe.requested_group_size or 1)
+            rows.append(
+                (
+                    f"`{probe.arm}`",
+                    group.rank,
+                    ", ".join(map(str, group.group_ranks)),
+                    f"{group.quantized_numel:,} / {group.exact_numel:,}",
+                    f"{group.bytes_per_step:,}",
+                    "—" if implied is None else f"{implied:.1f}",
+                    _group_size(probe.requested_group_size),
+                    f"{fewest:,} – {most:,}",
+                )
+            )
+    if not rows:
+        return []
+    return [
+        "The group size the wire's bytes imply (the spec's 1 + 4/G bytes per quantized "
+        "element), per rank and process group, and the bytes groups of the requested size "
+        "allow (qualify/checks.py, [Note: group size from the wire]).",
+        "",
+        *_table(
+            [
+                "arm",
+                "rank",
+                "process group",
+                "quantized / exact elements",
+                "gather bytes/step",
+                "G from the wire",
+                "requested G",
+                "bytes allowed",
             ],
             rows,
         ),

@@ -74,7 +74,7 @@ from qwz.hashing import param_hash
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
 from qwz.qualify import determinism, observers, provenance, spec, stats
-from qwz.qualify.subjects import ArmEngine, make_arm
+from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, ArmEngine, make_arm, use_deepspeed_source
 from qwz.qualify.workloads import Workload
 
 REFERENCE = "reference"
@@ -125,6 +125,9 @@ class RunPlan:
     one_arm_resident: bool = False
     compile_kernels: bool = False
     integration_enabled: bool = True
+    deepspeed_src: str | None = None
+    """``--deepspeed-src``: the DeepSpeed checkout every rank imports ([Note: subject
+    identity], qualify/subjects.py); None: the installed deepspeed."""
     arm_hook: str | None = None
     """Test seam: ``"module:function"`` called as ``function(arm_spec, arm_engine, plan)``
     after each candidate arm is built, in every rank; it may change the engine or return a
@@ -150,14 +153,22 @@ class RunPlan:
         return observers.AdamWSettings(self.lr, BETAS, EPS, self.weight_decay)
 
     def arm_config(self, arm: ArmSpec) -> dict[str, Any]:
-        """The DeepSpeed-style config of one arm."""
+        """The DeepSpeed-style config of one arm.
+
+        A candidate carries the request as a user writes it: ``zero_quantized_weights:
+        true`` and ``zero_quantized_weights_group_size: G``. For ``deepspeed-native`` the
+        group size key is left out at the proposal's default, G = 64 -- what a user who
+        wants the default writes, and what DeepSpeed 0.19's strict config accepts (so stock
+        0.19 trains and FAILs ``in-effect``); any other G is written, and a DeepSpeed whose
+        config refuses the key is refused before training."""
         zero: dict[str, Any] = {
             "stage": self.stage,
             "zero_quantized_weights": arm.quantized,
             "allgather_bucket_size": self.allgather_bucket_size,
             "reduce_bucket_size": self.allgather_bucket_size,
         }
-        if arm.quantized:
+        native_default = self.subject == "deepspeed-native" and arm.group_size == 64
+        if arm.quantized and not native_default:
             zero["zero_quantized_weights_group_size"] = arm.group_size
         optimizer_params: dict[str, Any] = {
             "lr": self.lr,
@@ -165,7 +176,7 @@ class RunPlan:
             "eps": EPS,
             "weight_decay": self.weight_decay,
         }
-        if self.subject == "deepspeed":
+        if self.subject in DEEPSPEED_SUBJECTS:
             # torch's AdamW in both subjects: the same update rule, and no fused-op build.
             optimizer_params["torch_adam"] = True
         return {
@@ -414,10 +425,48 @@ def empty_observation(failure: dict[str, Any] | None = None) -> dict[str, Any]:
         "gather_bytes": 0,
         "final_hash": None,
         "group_size": None,
+        "reported_by": None,
+        "wire": [],
         "failure": failure,
         "steps_completed": 0,
         "memory": {"kind": "rss", "peak_allocated_bytes": 0, "peak_reserved_bytes": None},
     }
+
+
+def _wire_layout(
+    shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int]
+) -> dict[tuple[int, ...], dict[str, int]]:
+    """Per process group, the spec's counts of this rank's own-shard elements there
+    ([Note: group size from the wire], qualify/checks.py): quantized (parameters above
+    spec.EXACT_MAX_NUMEL), exact (at most), padding (no parameter) and the working element size."""
+    layout: dict[tuple[int, ...], dict[str, int]] = {}
+    for shard, ranks in zip(shards, group_ranks, strict=True):
+        counts = layout.setdefault(
+            ranks,
+            {"quantized_numel": 0, "exact_numel": 0, "padding_numel": 0, "element_bytes": 0},
+        )
+        covered = 0
+        for slot in shard.slots:
+            kind = "exact_numel" if spec.travels_exactly(numel[slot.name]) else "quantized_numel"
+            counts[kind] += slot.end - slot.start
+            covered += slot.end - slot.start
+        counts["padding_numel"] += shard.master.numel() - covered
+        counts["element_bytes"] = shard.working.element_size()
+    return layout
+
+
+def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
+    """This step's gather bytes and calls per process group, with the group's counts."""
+    return [
+        {
+            "rank": rank,
+            "group_ranks": list(ranks),
+            "bytes_per_step": int(probe.gather_bytes_by_group[ranks]),
+            "calls_per_step": int(probe.gather_calls_by_group[ranks]),
+            **counts,
+        }
+        for ranks, counts in layout.items()
+    ]
 
 
 def _train_arm(
@@ -441,13 +490,14 @@ def _train_arm(
     # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
     try:
         engine = _build(plan, arm)
-        obs["group_size"] = engine.group_size
+        obs["group_size"], obs["reported_by"] = engine.group_size, engine.reported_by
         module = engine.module
         names = [name for name, _ in module.named_parameters()]
         numel = {name: param.numel() for name, param in module.named_parameters()}
         # The shards' tensors are live views, so one call serves every step; which of their
         # elements must travel exactly never changes either.
         shards = engine.own_shards()
+        wire_layout = _wire_layout(shards, engine.shard_group_ranks(), numel)
         exact_masks = observers.exact_masks(shards, arm.group_size, numel)
         update_check = observers.UpdateCheck(
             shards,
@@ -489,6 +539,7 @@ def _train_arm(
             obs["losses"].append(loss_value)
             obs["grad_norms"].append(grad_norm)
             obs["gather_bytes"] = int(probe.bytes["gather"])
+            obs["wire"] = _wire(probe, wire_layout, rank)
             if arm.noise_group_size is not None:
                 _perturb(engine, arm.noise_group_size, plan.seed, step)
             if check_own:
@@ -585,6 +636,8 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
     gets every rank's observations. A failure only this rank sees ends the run through
     rank_reports.crash ([Note: failures])."""
     rank, world_size = _rank_and_world()
+    if plan.subject in DEEPSPEED_SUBJECTS:
+        use_deepspeed_source(plan.deepspeed_src)
     progress = _Progress(rank == 0)
     if dist.is_initialized():
         devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
@@ -639,8 +692,7 @@ def _qualify(
         "timings": timings,
     }
     if rank == 0:
-        observation["head"] = provenance.git_head().model_dump()
-        observation["subject"] = provenance.subject(plan.subject).model_dump()
+        observation.update(provenance.code_under_test(plan.subject))
     progress.at(phase="gather observations")
     gathered = _agree(observation)
     if rank == 0:

@@ -180,6 +180,21 @@ ARMS = (
 )
 
 
+def wire_group(rank: int, bytes_per_step: int, quantized_numel: int = 579_264) -> dict[str, Any]:
+    """One rank's gather over the two-rank world: its half of the parameters, all quantized
+    (the spec's bytes at G = 64 are 579,264 * (1 + 4/64) = 615,468)."""
+    return {
+        "rank": rank,
+        "group_ranks": [0, 1],
+        "bytes_per_step": bytes_per_step,
+        "calls_per_step": 1,
+        "quantized_numel": quantized_numel,
+        "exact_numel": 0,
+        "padding_numel": 0,
+        "element_bytes": 2,
+    }
+
+
 def make_payload(**overrides: Any) -> dict[str, Any]:
     """The raw observations of a passing two-rank qualification, with ``overrides`` applied
     (checks and verdict are derived by ``record.seal``)."""
@@ -187,7 +202,8 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
         "schema_version": record.SCHEMA_VERSION,
         "created_at": "2025-06-02T14:31:07+00:00",
         "head": {"repository": "https://example.org/qwz.git", "sha": HEAD_SHA, "dirty": False},
-        "subject": {"name": "qwz", "version": "0.1.0", "sha": HEAD_SHA},
+        "harness": {"repository": "https://example.org/qwz.git", "sha": HEAD_SHA, "dirty": False},
+        "subject": {"name": "qwz", "version": "0.1.0", "sha": HEAD_SHA, "dirty": False},
         "environment": {
             "python": "3.11.9",
             "torch": "2.7.1+cu128",
@@ -262,6 +278,8 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
                 # 1 + 4/64 bytes quantized.
                 "gather_bytes_per_step": 615_468,
                 "reference_gather_bytes_per_step": 1_158_528,
+                "reported_by": ["optimizer.quantization_group_size"] * 2,
+                "wire": [wire_group(rank, 615_468) for rank in (0, 1)],
             }
         ],
         "memory": [item for name, _, _ in ARMS for item in _memory(name)],

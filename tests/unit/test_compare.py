@@ -314,3 +314,76 @@ def test_the_reference_arm_hash_is_judged_too():
     comparison = compare(BASELINE, candidate_with(change_reference))
     assert comparison.status == Status.REGRESSION
     assert REFERENCE in regressions(comparison)[0]
+
+
+def native(sha: str, version: str = "0.19.8", dirty: bool = False, **edit) -> dict[str, Any]:
+    """Overrides making a deepspeed-native record of DeepSpeed `version` at commit `sha`."""
+    diff = "d" * 64 if dirty else None
+    return {
+        "head": {"repository": "/src/DeepSpeed", "sha": sha, "dirty": dirty, "diff_sha256": diff},
+        "harness": {"repository": "qwz", "sha": "c" * 40, "dirty": False},
+        "subject": {
+            "name": "deepspeed-native", "version": version, "sha": sha, "dirty": dirty,
+            "diff_sha256": diff, "import_path": "/src/DeepSpeed/deepspeed",
+        },
+        "environment": {"deepspeed": version},
+        **edit,
+    }  # fmt: skip
+
+
+BASE_SHA, PR_SHA = "1" * 40, "2" * 40
+
+
+def test_two_deepspeed_commits_compare_and_what_changed_is_apart_from_what_regressed():
+    """`compare BASE HEAD` of two DeepSpeed commits of one version: comparable; the subject
+    change and the hashes ("numerics changed") are reported, a failing check regresses."""
+    baseline = make_record(**native(BASE_SHA))
+    head = candidate_with(lambda p: (change_hash(p), fail_updates(p)), **native(PR_SHA))
+    comparison = compare(baseline, head)
+    assert comparison.status == Status.REGRESSION
+    lines = comparison.lines
+    assert "deepspeed-native: deepspeed 0.19.8 at 111111111111" in lines[0]
+    assert "at 222222222222" in lines[1]
+    [regression] = regressions(comparison)
+    assert "'update[candidate-g64]' was pass in the baseline and is fail now" in regression
+    heading = lines.index("what changed (reported, not judged):")
+    assert lines.index(regression) < heading
+    changed = lines[heading + 1 :]
+    assert any(line.startswith("subject changed: deepspeed-native") for line in changed)
+    [numerics] = [line for line in changed if "hash of 'candidate-g64'" in line]
+    assert numerics.startswith("numerics changed:") and "head changed 111111111111" in numerics
+
+
+def test_the_same_deepspeed_commit_must_reproduce_its_hashes():
+    """Same commit, same environment, same harness: a changed hash is a regression; the
+    same commit with an uncommitted edit is other code (reported only)."""
+    baseline = make_record(**native(BASE_SHA))
+    same = compare(baseline, candidate_with(change_hash, **native(BASE_SHA)))
+    assert same.status == Status.REGRESSION
+    assert "although head, subject and environment are the same" in regressions(same)[0]
+    edited = compare(baseline, candidate_with(change_hash, **native(BASE_SHA, dirty=True)))
+    assert edited.status == Status.NO_REGRESSION
+
+
+def test_a_deepspeed_version_change_is_the_subject_for_native_records_only():
+    """For deepspeed-native the version is the subject's: comparable, reported. For the qwz
+    subject DeepSpeed's version is environment: not comparable."""
+    comparison = compare(
+        make_record(**native(BASE_SHA)), make_record(**native(PR_SHA, version="0.19.9"))
+    )
+    assert comparison.status == Status.NO_REGRESSION
+    assert any("subject version changed: 0.19.8 -> 0.19.9" in line for line in comparison.lines)
+    qwz = compare(
+        make_record(environment={"deepspeed": "0.19.8"}),
+        make_record(environment={"deepspeed": "0.19.9"}),
+    )
+    assert qwz.status == Status.NOT_COMPARABLE
+    assert "environment.deepspeed: '0.19.8' -> '0.19.9'" in text(qwz)
+
+
+def test_a_native_record_and_a_drop_in_record_are_not_comparable():
+    drop_in = native(BASE_SHA)
+    drop_in["subject"] = dict(drop_in["subject"], name="deepspeed")
+    comparison = compare(make_record(**native(BASE_SHA)), make_record(**drop_in))
+    assert comparison.status == Status.NOT_COMPARABLE
+    assert "subjects differ: deepspeed-native -> deepspeed" in text(comparison)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from qwz.qualify import ledger
+from qwz.qualify.record import Head, Subject
 
 WORKLOAD = {"name": "mlp", "params": {}, "steps": 8, "seed": 0, "subject": "qwz"}
 ARMS = {
@@ -12,10 +13,30 @@ ARMS = {
 }
 
 
-def record(directory, arm: str, final_hash: str, head: str = "a" * 40):
+HARNESS = Head(repository="qwz", sha="c" * 40, dirty=False)
+
+
+def deepspeed_code(sha: str, diff: str | None = None, where: str = "/somewhere") -> dict:
+    """The code identity of a deepspeed-native run of DeepSpeed 0.19.8 at `sha` (with an
+    uncommitted change whose digest is `diff`)."""
+    dirty = diff is not None
+    subject = Subject(
+        name="deepspeed-native", version="0.19.8", sha=sha, dirty=dirty, diff_sha256=diff,
+        import_path=f"{where}/DeepSpeed/deepspeed", installed_commit="1111111",
+    )  # fmt: skip
+    head = Head(repository="/somewhere/DeepSpeed", sha=sha, dirty=dirty, diff_sha256=diff)
+    return ledger.code_identity(subject, head, HARNESS)
+
+
+def qwz_code(sha: str) -> dict:
+    head = Head(repository="qwz", sha=sha, dirty=False)
+    return ledger.code_identity(Subject(name="qwz", version="0.1.0", sha=sha), head, head)
+
+
+def record(directory, arm: str, final_hash: str, head: str = "a" * 40, code=None):
     return ledger.check_and_record(
         directory,
-        head_sha=head,
+        code=code if code is not None else qwz_code(head),
         fingerprint="env",
         workload=WORKLOAD,
         arm=ARMS[arm],
@@ -42,3 +63,32 @@ def test_a_second_run_reproduces_or_reports_the_mismatch(tmp_path):
     mismatch = record(tmp_path, "candidate-g64", "4" * 64)
     assert mismatch.status == "mismatch" and mismatch.previous == "3" * 64
     assert record(tmp_path, "candidate-g64", "3" * 64, head="b" * 40).status == "recorded"
+
+
+def test_two_deepspeed_commits_of_one_version_are_kept_apart(tmp_path):
+    """Same version string, same install-time commit, same environment: the live commits
+    differ, so each has its own entry and neither reports the other's hash as a mismatch."""
+    base, pull_request = deepspeed_code("1" * 40), deepspeed_code("2" * 40)
+    assert record(tmp_path, "candidate-g64", "3" * 64, code=base).status == "recorded"
+    assert record(tmp_path, "candidate-g64", "4" * 64, code=pull_request).status == "recorded"
+    assert record(tmp_path, "candidate-g64", "3" * 64, code=base).status == "reproduced"
+    assert record(tmp_path, "candidate-g64", "4" * 64, code=pull_request).status == "reproduced"
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_an_uncommitted_edit_is_other_code(tmp_path):
+    """A dirty checkout of the same commit is a different key, and so is a different edit;
+    the same edit again reproduces."""
+    clean, edited = deepspeed_code("1" * 40), deepspeed_code("1" * 40, diff="d" * 64)
+    other_edit = deepspeed_code("1" * 40, diff="e" * 64)
+    assert record(tmp_path, "candidate-g64", "3" * 64, code=clean).status == "recorded"
+    assert record(tmp_path, "candidate-g64", "4" * 64, code=edited).status == "recorded"
+    assert record(tmp_path, "candidate-g64", "5" * 64, code=other_edit).status == "recorded"
+    assert record(tmp_path, "candidate-g64", "4" * 64, code=edited).status == "reproduced"
+
+
+def test_where_the_checkout_lies_is_not_part_of_the_key(tmp_path):
+    """The same commit imported from two directories (two machines) is the same code."""
+    here, there = deepspeed_code("1" * 40), deepspeed_code("1" * 40, where="/elsewhere")
+    assert record(tmp_path, "candidate-g64", "3" * 64, code=here).status == "recorded"
+    assert record(tmp_path, "candidate-g64", "3" * 64, code=there).status == "reproduced"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwz.qualify import report
+from qwz.qualify import record, report
 from qwz.qualify.stats import METHOD_NOTE
 
 from .records import (
@@ -158,3 +158,42 @@ def test_format_bytes():
     assert report.format_bytes(512) == "512 B"
     assert report.format_bytes(61_341_696) == "58.5 MiB"
     assert report.format_bytes(30_980_000_000) == "28.85 GiB"
+
+
+def native_record(**edit):
+    subject = {
+        "name": "deepspeed-native", "version": "0.19.8", "sha": "2" * 40, "dirty": True,
+        "diff_sha256": "d" * 64, "import_path": "/src/DeepSpeed/deepspeed",
+        "installed_commit": "1111111",
+    }  # fmt: skip
+    head = {"repository": "/src/DeepSpeed", "sha": "2" * 40, "dirty": True, "diff_sha256": "d" * 64}
+    return make_record(subject=subject, head=head, **edit)
+
+
+def test_a_native_deepspeed_report_names_its_subject_and_what_it_only_requested():
+    """Not "qwz qualification", not "quantized yes": DeepSpeed's own code decides."""
+    markdown = report.render_markdown(native_record())
+    assert markdown.startswith(
+        "# DeepSpeed qualification (DeepSpeed's own code), deepspeed 0.19.8 at 222222222222 "
+        "(dirty): "
+    )
+    assert "| `candidate-g64` | requested | 64 | 2 | bf16 |" in markdown
+    assert "| `reference` | no | off | 2 | bf16 |" in markdown
+    assert "Subject `deepspeed-native`: every arm is DeepSpeed's own ZeRO-1/2" in markdown
+    assert f"| deepspeed commit | `{'2' * 40}` |" in markdown
+    assert "| commit recorded at install (context) | `1111111` |" in markdown
+    assert "| imported from | /src/DeepSpeed/deepspeed |" in markdown
+    assert "(diff sha256 `dddddddddddd`)" in markdown
+
+
+def test_stock_deepspeed_through_the_drop_in_says_so():
+    payload = make_payload(subject={"name": "deepspeed", "version": "0.19.8", "sha": None})
+    for arm in payload["arms"]:
+        arm["integration_enabled"] = False
+    markdown = report.render_markdown(record.seal(payload))
+    assert markdown.startswith("# Stock DeepSpeed qualification (qwz's gather disabled): ")
+    assert "| `candidate-g64` | requested | 64 |" in markdown
+    payload["arms"][2]["integration_enabled"] = True
+    markdown = report.render_markdown(record.seal(payload))
+    assert markdown.startswith("# DeepSpeed + qwz's gather qualification, deepspeed 0.19.8: ")
+    assert "| `candidate-g64` | yes | 64 |" in markdown
