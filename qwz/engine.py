@@ -43,6 +43,7 @@ class Engine:
         *,
         process_group: dist.ProcessGroup | None = None,
         compile_kernels: bool | None = None,
+        shard_alignment: int | None = None,
     ):
         _check_supported(config)
         distributed = dist.is_available() and dist.is_initialized()
@@ -78,6 +79,7 @@ class Engine:
             # dtype: the same bytes for the same config.
             reduce_dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
             accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
+            shard_alignment=shard_alignment,
         )
         self.micro_steps = 0
         """step() calls so far (micro-batches), as DeepSpeed counts them."""
@@ -258,6 +260,7 @@ def initialize(
     *,
     process_group: dist.ProcessGroup | None = None,
     compile_kernels: bool | None = None,
+    shard_alignment: int | None = None,
 ) -> Engine:
     """Build an :class:`Engine` from a DeepSpeed-style config (dict, JSON path or JSON text).
 
@@ -268,6 +271,18 @@ def initialize(
     probe shows they work here and write the eager kernels' bytes, else uses the eager
     kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
     the fused kernels; False keeps eager.
+    `shard_alignment`: None (default) pads the quantized region's shards to whole groups;
+    a positive multiple of the group size pads them to whole multiples of it instead, so
+    that engines of different group sizes share one layout and reduce their gradients in
+    the same order ([Note: padding rule], layout.py). It is not a config key: it changes no
+    training setting, only which rank owns which element, and DeepSpeed's strict config
+    would refuse it.
     """
     parsed = config if isinstance(config, QwzConfig) else QwzConfig.from_deepspeed(config)
-    return Engine(model, parsed, process_group=process_group, compile_kernels=compile_kernels)
+    return Engine(
+        model,
+        parsed,
+        process_group=process_group,
+        compile_kernels=compile_kernels,
+        shard_alignment=shard_alignment,
+    )
