@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwz import checkpoint
+from qwz import checkpoint, layout
 from qwz.config import ConfigError, QwzConfig
 from qwz.loss_scale import LossScaler
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError, ZeroOptimizer
@@ -49,6 +49,13 @@ class Engine:
         distributed = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size(process_group) if distributed else 1
         _check_batch_sizes(config, world_size)
+        # Checked against the config, not against what this world size quantizes, so an
+        # alignment that one rank accepts is accepted by every world size.
+        layout.shard_alignment(
+            shard_alignment,
+            group_size=config.zero.quantized_weights.group_size,
+            quantize=config.zero.quantized_weights.enabled,
+        )
         self.config = config
         self.world_size = world_size
         if distributed and dist.get_backend(process_group) == "nccl":
