@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwz import checkpoint
+from qwz import checkpoint, layout
 from qwz.config import ConfigError, QwzConfig
 from qwz.devices import group_device
 from qwz.loss_scale import LossScaler
@@ -44,11 +44,19 @@ class Engine:
         *,
         process_group: dist.ProcessGroup | None = None,
         compile_kernels: bool | None = None,
+        shard_alignment: int | None = None,
     ):
         _check_supported(config)
         distributed = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size(process_group) if distributed else 1
         _check_batch_sizes(config, world_size)
+        # Checked against the config, not against what this world size quantizes, so an
+        # alignment that one rank accepts is accepted by every world size.
+        layout.shard_alignment(
+            shard_alignment,
+            group_size=config.zero.quantized_weights.group_size,
+            quantize=config.zero.quantized_weights.enabled,
+        )
         self.config = config
         self.world_size = world_size
         # [Note: collectives on the group's device] (devices.py): cuda:LOCAL_RANK for an NCCL
@@ -83,6 +91,7 @@ class Engine:
             # dtype: the same bytes for the same config.
             reduce_dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
             accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
+            shard_alignment=shard_alignment,
         )
         self.micro_steps = 0
         """step() calls so far (micro-batches), as DeepSpeed counts them."""
@@ -263,6 +272,7 @@ def initialize(
     *,
     process_group: dist.ProcessGroup | None = None,
     compile_kernels: bool | None = None,
+    shard_alignment: int | None = None,
 ) -> Engine:
     """Build an :class:`Engine` from a DeepSpeed-style config (dict, JSON path or JSON text).
 
@@ -273,6 +283,18 @@ def initialize(
     probe shows they work here and write the eager kernels' bytes, else uses the eager
     kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
     the fused kernels; False keeps eager.
+    `shard_alignment`: None (default) pads the quantized region's shards to whole groups;
+    a positive multiple of the group size pads them to whole multiples of it instead, so
+    that engines of different group sizes share one layout and reduce their gradients in
+    the same order ([Note: padding rule], layout.py). It is not a config key: it changes no
+    training setting, only which rank owns which element, and DeepSpeed's strict config
+    would refuse it.
     """
     parsed = config if isinstance(config, QwzConfig) else QwzConfig.from_deepspeed(config)
-    return Engine(model, parsed, process_group=process_group, compile_kernels=compile_kernels)
+    return Engine(
+        model,
+        parsed,
+        process_group=process_group,
+        compile_kernels=compile_kernels,
+        shard_alignment=shard_alignment,
+    )

@@ -5,11 +5,24 @@ Pure arithmetic on sizes; no tensors are allocated here.
 [Note: padding rule]
 A flat buffer holds its parameters back to back and is padded with zeros at the
 end until its length is ``world_size * shard_numel`` where ``shard_numel`` is a
-whole number of ``alignment`` elements. For a quantized buffer the alignment is
-the quantization group size, so every rank's shard is a whole number of groups
-and no group ever spans two ranks; for an exact buffer it is 1. The padding is
-zero in the working copy, in the gradients and in the master shard, so it
-quantizes to zero codes and never moves.
+whole number of ``alignment`` elements. For an exact buffer the alignment is 1.
+For a quantized buffer it is the *shard alignment*: the quantization group size
+unless the caller asks for a positive multiple of it (``shard_alignment``,
+checked by :func:`shard_alignment`), so every rank's shard is a whole number of
+groups and no group ever spans two ranks. The padding is zero in the working
+copy, in the gradients and in the master shard, so it quantizes to zero codes
+and never moves.
+
+The layout alone decides an element's owner, its offset in the owner's shard
+and so its gradient-reduction bucket and its position in every reduce-scatter
+or all-reduce. A floating-point sum of three or more terms depends on its order,
+and the collectives order the W ranks' terms by that position (a ring starts
+each chunk at a different rank), so two engines whose layouts differ can reduce
+identical gradients to different bits once W >= 3 (with W = 2, a + b == b + a).
+Engines that must agree bit for bit -- the arms of a qualification, which differ
+in group size -- are therefore given one shard alignment, a common multiple of
+every group size among them (the harness uses their least common multiple).
+The unused padding costs at most ``world_size * alignment`` zero elements.
 
 [Note: staging bound]
 The weight gather moves each rank's shard in chunks. A chunk carries the same
@@ -108,6 +121,23 @@ def build_layout(
         slots.append(ParamSlot(name=name, shape=torch.Size(shape), offset=offset))
         offset += torch.Size(shape).numel()
     return FlatLayout(slots=tuple(slots), world_size=world_size, alignment=alignment)
+
+
+def shard_alignment(requested: int | None, *, group_size: int, quantize: bool) -> int:
+    """The alignment of a quantized buffer's shards ([Note: padding rule]): `requested`, or
+    `group_size` when it is None. Raises ValueError naming the value and the rule unless it
+    is a positive integer and, when quantizing, a multiple of `group_size` (a shard must be
+    whole groups). An unquantized buffer (the reference arm) takes any positive alignment."""
+    if requested is None:
+        return group_size
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"shard_alignment: {requested!r} is invalid: must be a positive integer")
+    if quantize and requested % group_size:
+        raise ValueError(
+            f"shard_alignment: {requested} is invalid: must be a positive multiple of the "
+            f"quantization group size {group_size}, so that every shard holds whole groups"
+        )
+    return requested
 
 
 def split_by_size(

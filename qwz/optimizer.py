@@ -22,8 +22,10 @@ gathered values without copies). There are two buffers, called regions:
 
 Each region is padded per [Note: padding rule] (layout.py): rank ``r`` owns the
 slice ``[r * shard_numel, (r + 1) * shard_numel)`` of it, and in the quantized
-region that slice is a whole number of quantization groups, so a group never
-spans two owners.
+region that slice is a whole number of ``shard_alignment`` elements (the group
+size by default, or a multiple of it), so a group never spans two owners.
+Optimizers that must reduce to the same bits -- a qualification's arms at
+different group sizes -- are built with one ``shard_alignment``.
 
 One optimizer step, in communication phases
 -------------------------------------------
@@ -213,6 +215,7 @@ class ZeroOptimizer:
         compile_kernels: bool | None = None,
         reduce_dtype: torch.dtype | None = None,
         accumulate_dtype: torch.dtype = torch.float32,
+        shard_alignment: int | None = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage: {stage} is invalid: ZeroOptimizer implements stages 1 and 2")
@@ -220,6 +223,10 @@ class ZeroOptimizer:
             raise ValueError("named_params: empty; there is nothing to optimize")
         self.stage = stage
         self.group_size = group_size
+        self.shard_alignment = layout.shard_alignment(
+            shard_alignment, group_size=group_size, quantize=quantize_weights
+        )
+        """Quantized-region shards are whole multiples of this ([Note: padding rule])."""
         self.quantize_weights = quantize_weights
         self.gradient_clipping = gradient_clipping
         self.reduce_bucket_size = reduce_bucket_size
@@ -254,7 +261,7 @@ class ZeroOptimizer:
         self.regions: list[Region] = []
         for region_name, members, alignment, quantize in (
             ("exact", exact, 1, False),
-            ("quantized", large, group_size, quantize_weights),
+            ("quantized", large, self.shard_alignment, quantize_weights),
         ):
             if members:
                 self.regions.append(
@@ -320,7 +327,9 @@ class ZeroOptimizer:
             source_numel=main.layout.shard_numel,
             quantize=main.quantize,
             group_size=self.group_size,
-            unit_numel=main.layout.alignment,
+            # A chunk of the quantized region is whole groups (its shard, a multiple of the
+            # shard alignment, is too); the exact region alone moves element by element.
+            unit_numel=self.group_size if main.name == "quantized" else 1,
             element_size=main.working.element_size(),
             budget_bytes=budget_bytes,
             exact_numel=0 if exact is None else exact.layout.shard_numel,

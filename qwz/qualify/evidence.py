@@ -100,7 +100,10 @@ def _ledger_fields(
             "seed": plan.seed,
             "subject": plan.subject,
         },
-        arm={key: value for key, value in arm.items() if key != "role"},
+        # The layout is part of the computation: at W >= 3 an arm's hash depends on the
+        # run's shard alignment ([Note: padding rule], qwz/layout.py), so it keys the entry.
+        arm={key: value for key, value in arm.items() if key != "role"}
+        | {"shard_alignment": plan.shard_alignment},
         final_hash=per_rank[0],
     )
     return {

@@ -88,9 +88,12 @@ def check_and_record(
 
 def describe_arm(arm: dict[str, Any]) -> str:
     """The arm's name and what it sends: "reference (unquantized)", "candidate-g64 (group
-    size 64)". The name tells apart arms that send alike (the reference and the calibration
-    arm are both unquantized), which would otherwise overwrite each other as siblings."""
+    size 64)", and the shard alignment where the engine took one. The name tells apart arms
+    that send alike (the reference and the calibration arm are both unquantized), which
+    would otherwise overwrite each other as siblings."""
     kind = "unquantized" if not arm.get("quantized") else f"group size {arm.get('group_size')}"
+    if arm.get("shard_alignment"):  # [Note: padding rule], qwz/layout.py
+        kind += f", shards aligned to {arm['shard_alignment']}"
     return f"{arm['name']} ({kind})" if arm.get("name") else kind
 
 

@@ -152,6 +152,17 @@ class RunPlan:
     def adamw(self) -> observers.AdamWSettings:
         return observers.AdamWSettings(self.lr, BETAS, EPS, self.weight_decay)
 
+    @property
+    def shard_alignment(self) -> int | None:
+        """The shard alignment every arm's engine is built with: the least common multiple
+        of the run's group sizes, so the reference, the calibration arm and every candidate
+        share one layout and reduce gradients in one order ([Note: padding rule],
+        qwz/layout.py). None for the deepspeed subject, whose arms keep DeepSpeed's own
+        partitioning, the same in every arm (qwz's gather reads it, never changes it)."""
+        if self.subject != "qwz":
+            return None
+        return math.lcm(*self.group_sizes)
+
     def arm_config(self, arm: ArmSpec) -> dict[str, Any]:
         """The DeepSpeed-style config of one arm.
 
@@ -358,6 +369,7 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         quantized=arm.quantized,
         compile_kernels=plan.compile_kernels,
         integration_enabled=plan.integration_enabled,
+        shard_alignment=plan.shard_alignment,
     )
     return _call_hook(plan, arm, engine)
 

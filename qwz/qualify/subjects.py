@@ -84,8 +84,16 @@ class ArmEngine:
 
 
 class QwzArm(ArmEngine):
-    def __init__(self, model: torch.nn.Module, config: dict[str, Any], compile_kernels: bool):
-        self.engine = qwz.initialize(model, config=config, compile_kernels=compile_kernels)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: dict[str, Any],
+        compile_kernels: bool,
+        shard_alignment: int | None = None,
+    ):
+        self.engine = qwz.initialize(
+            model, config=config, compile_kernels=compile_kernels, shard_alignment=shard_alignment
+        )
         self.module = self.engine.module
         self.optimizer = self.engine.optimizer
         self.group_size = self.optimizer.quantization_group_size
@@ -192,9 +200,17 @@ def make_arm(
     quantized: bool,
     compile_kernels: bool = False,
     integration_enabled: bool = True,
+    shard_alignment: int | None = None,
 ) -> ArmEngine:
+    """`shard_alignment`: qwz only ([Note: padding rule], qwz/layout.py); DeepSpeed
+    partitions its own buffers and refuses the argument."""
     if subject == "qwz":
-        return QwzArm(model, config, compile_kernels)
+        return QwzArm(model, config, compile_kernels, shard_alignment)
+    if shard_alignment is not None:
+        raise ValueError(
+            f"shard_alignment: {shard_alignment} is invalid for subject {subject!r}: only "
+            "qwz's engine takes one (DeepSpeed partitions its own buffers)"
+        )
     if subject == "deepspeed":
         return DeepSpeedArm(
             model,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qwz.layout import build_layout, plan_gather
+from qwz.layout import build_layout, plan_gather, shard_alignment
 
 from .single_rank import named_shapes
 
@@ -234,3 +235,67 @@ def test_staging_bound_is_caught_by_the_two_buffer_rule():
     plan = problem.plan()
     assert plan.num_buffers == 2 and plan.staging_bytes <= problem.budget_bytes
     assert len(plan.chunks) == 2
+
+
+# --------------------------------------------------------------------------- #
+# layout.shard_alignment: one layout for engines of different group sizes
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("requested", "rule"),
+    [
+        (0, "must be a positive integer"),
+        (-64, "must be a positive integer"),
+        (64.0, "must be a positive integer"),
+        (True, "must be a positive integer"),
+        ("8192", "must be a positive integer"),
+        (96, "must be a positive multiple of the quantization group size 64"),
+        (32, "must be a positive multiple of the quantization group size 64"),
+    ],
+)
+def test_bad_shard_alignment_is_refused_naming_the_value_and_the_rule(requested, rule):
+    with pytest.raises(ValueError) as raised:
+        shard_alignment(requested, group_size=64, quantize=True)
+    message = str(raised.value)
+    assert message.startswith(f"shard_alignment: {requested!r} is invalid: "), message
+    assert rule in message
+
+
+def test_shard_alignment_defaults_to_the_group_size_and_keeps_a_multiple():
+    assert shard_alignment(None, group_size=64, quantize=True) == 64
+    assert shard_alignment(8192, group_size=64, quantize=True) == 8192
+    # An unquantized buffer (the reference arm) holds no groups: any positive alignment.
+    assert shard_alignment(96, group_size=64, quantize=False) == 96
+
+
+@st.composite
+def qualification_arms(draw) -> tuple[list[tuple[str, torch.Size]], int, list[int]]:
+    """Shapes, a world size and the group sizes of a qualification's candidate arms."""
+    sizes = draw(st.lists(st.integers(1, 1024).map(lambda k: 8 * k), min_size=1, max_size=3))
+    return draw(named_shapes()), draw(st.integers(1, 8)), sizes
+
+
+@given(case=qualification_arms())
+def test_one_shard_alignment_gives_every_arm_the_same_layout(case):
+    """With the lcm of the group sizes as alignment, the reference (unquantized, the default
+    group size) and every candidate place every parameter at the same offset and give every
+    rank the same shard range, and each candidate's shards are whole groups of its own."""
+    shapes, world_size, group_sizes = case
+    common = math.lcm(*group_sizes)
+    arms = [(64, False)] + [(size, True) for size in group_sizes]
+    layouts = [
+        build_layout(
+            shapes, world_size, shard_alignment(common, group_size=size, quantize=quantize)
+        )
+        for size, quantize in arms
+    ]
+    first = layouts[0]
+    for flat in layouts[1:]:
+        assert flat.slots == first.slots
+        assert flat.padded_numel == first.padded_numel
+        assert [flat.shard_range(r) for r in range(world_size)] == [
+            first.shard_range(r) for r in range(world_size)
+        ]
+    for flat, (size, _) in zip(layouts[1:], arms[1:], strict=True):
+        assert flat.shard_numel % size == 0
