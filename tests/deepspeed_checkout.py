@@ -90,3 +90,25 @@ def make_checkout(tmp_path: pathlib.Path, patch: str | Sequence[str] | None = No
 def head(root: pathlib.Path) -> str:
     """The checkout's commit SHA."""
     return git(root, "rev-parse", "HEAD").strip()
+
+
+def make_variants(tmp_path: pathlib.Path, variants: dict[str, Sequence[str]]) -> pathlib.Path:
+    """One checkout (:func:`make_checkout`, stock) with a branch per entry of `variants`,
+    named by its key, holding that entry's patches committed in order on top of stock;
+    :func:`use_variant` switches between them. One checkout path for every variant, so
+    DeepSpeed builds its ops once (their sources are the same in every variant)."""
+    root = make_checkout(tmp_path)
+    for name, patches in variants.items():
+        git(root, "checkout", "-q", "-b", name, "main")
+        for number, text in enumerate(patches, start=1):
+            git(root, "apply", "--whitespace=nowarn", "-", stdin=text)
+            git(root, "add", "-A")
+            git(root, "commit", "-q", "-m", f"{name}: patch {number} of {len(patches)}")
+    git(root, "checkout", "-q", "main")
+    return root
+
+
+def use_variant(root: pathlib.Path, name: str) -> str:
+    """Check out the branch `name` of a :func:`make_variants` checkout; its commit SHA."""
+    git(root, "checkout", "-q", name)
+    return head(root)

@@ -34,6 +34,7 @@ group size); a reported value is only shown and compared, the wire's bytes decid
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -234,6 +235,22 @@ def _under(path: pathlib.Path, root: pathlib.Path) -> bool:
     return path.resolve().is_relative_to(root.resolve())
 
 
+def extensions_dir(root: pathlib.Path) -> pathlib.Path:
+    """Where the DeepSpeed at `root` JIT-builds its ops ([Note: ops of a checkout]).
+
+    [Note: ops of a checkout]
+    DeepSpeed builds its C++ ops on first use (on CPU the shared-memory comm op, at
+    ``deepspeed.init_distributed``) into ``$TORCH_EXTENSIONS_DIR/<op name>``; the build
+    command names the source's absolute path, so two DeepSpeed sources (the installed one,
+    a base checkout, a pull request's) sharing one directory rebuild each other's op on
+    every run, and a build killed half-way leaves a lock every later run waits on. Unless
+    the user set ``TORCH_EXTENSIONS_DIR``, ``--deepspeed-src PATH`` builds into a directory
+    of its own, keyed by PATH."""
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    return cache / "qwz" / "torch_extensions" / key
+
+
 def use_deepspeed_source(source: str | None) -> None:
     """[Note: subject identity]: import ``deepspeed`` from the checkout at `source` (None:
     wherever it is installed) in this process and, through ``PYTHONPATH``, in every process
@@ -242,6 +259,7 @@ def use_deepspeed_source(source: str | None) -> None:
     if source is None:
         return
     root = pathlib.Path(source).resolve()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(root)))
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)

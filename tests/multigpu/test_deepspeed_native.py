@@ -33,10 +33,12 @@ pytest.importorskip(
 import torch
 import torch.distributed as dist
 
-from tests.deepspeed_checkout import head, make_checkout, read_patch
+from qwz.qualify.subjects import extensions_dir
+from tests.deepspeed_checkout import head, make_checkout, make_variants, read_patch, use_variant
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp
 
-pytestmark = [pytest.mark.multigpu]
+pytestmark = [pytest.mark.multigpu, pytest.mark.xdist_group("deepspeed-variants")]
+"""One worker runs this module's tests one after another: they switch one checkout."""
 
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 EXACT_PARAM_NUMEL = 65536
@@ -162,6 +164,7 @@ def _run_checkout(root: pathlib.Path, runs: list[tuple[int, int]]) -> dict[str, 
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(root), str(WORKTREE)]),
+        TORCH_EXTENSIONS_DIR=str(extensions_dir(root)),
         DS_ACCELERATOR="cpu",
         QWZ_BACKEND="gloo",
     )
@@ -182,9 +185,17 @@ def _run_checkout(root: pathlib.Path, runs: list[tuple[int, int]]) -> dict[str, 
 
 # ---------------------------------------------------------------- direct tests
 @pytest.fixture(scope="module")
-def proposal(tmp_path_factory) -> dict[str, list[dict]]:
-    root = make_checkout(tmp_path_factory.mktemp("proposal"), read_patch("proposal"))
-    return _run_checkout(root, [(1, 64), (2, 64), (2, 8192)])
+def checkout(tmp_path_factory) -> pathlib.Path:
+    """The proposal and each broken variant (on top of it) as branches of one checkout."""
+    variants = {"proposal": [read_patch("proposal")]}
+    variants |= {name: [read_patch("proposal"), read_patch(name)] for name in BROKEN}
+    return make_variants(tmp_path_factory.mktemp("deepspeed"), variants)
+
+
+@pytest.fixture(scope="module")
+def proposal(checkout) -> dict[str, list[dict]]:
+    use_variant(checkout, "proposal")
+    return _run_checkout(checkout, [(1, 64), (2, 64), (2, 8192)])
 
 
 def test_the_patch_stands_alone_without_qwz():
@@ -225,13 +236,12 @@ def test_group_size_8192_changes_the_bytes_on_the_wire(proposal):
 
 
 @pytest.fixture(scope="module")
-def broken(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+def broken(checkout) -> dict[str, dict[str, list[dict]]]:
     results = {}
     for name in BROKEN:
-        root = make_checkout(
-            tmp_path_factory.mktemp(name), [read_patch("proposal"), read_patch(name)]
-        )
-        results[name] = _run_checkout(root, [(2, 8192 if name == "broken_group_size_64" else 64)])
+        use_variant(checkout, name)
+        group_size = 8192 if name == "broken_group_size_64" else 64
+        results[name] = _run_checkout(checkout, [(2, group_size)])
     return results
 
 
@@ -287,10 +297,11 @@ def _qualify(root: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.C
     )  # fmt: skip
 
 
-def test_harness_passes_the_proposal_and_binds_its_commit(tmp_path):
+def test_harness_passes_the_proposal_and_binds_its_commit(checkout, tmp_path):
     from qwz.qualify import record
 
-    root = make_checkout(tmp_path, read_patch("proposal"))
+    root = checkout
+    use_variant(root, "proposal")
     done = _qualify(root, tmp_path / "out")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     loaded = record.load(tmp_path / "out" / "record.json")
@@ -300,10 +311,11 @@ def test_harness_passes_the_proposal_and_binds_its_commit(tmp_path):
 
 
 @pytest.mark.parametrize("variant", BROKEN)
-def test_harness_fails_each_broken_variant_naming_the_check(tmp_path, variant):
+def test_harness_fails_each_broken_variant_naming_the_check(checkout, tmp_path, variant):
     from qwz.qualify import record
 
-    root = make_checkout(tmp_path, [read_patch("proposal"), read_patch(variant)])
+    root = checkout
+    use_variant(root, variant)
     extra = ["--group-size", "64", "--group-size", "8192"] if "group_size" in variant else []
     done = _qualify(root, tmp_path / "out", *extra)
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
