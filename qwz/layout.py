@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 
 from qwz.quant import SCALE_BYTES, WireRow
+from qwz.sizes import ceil_div
 
 __all__ = ["SCALE_BYTES"]
 
@@ -95,7 +96,7 @@ class FlatLayout:
     @property
     def shard_numel(self) -> int:
         unit = self.world_size * self.alignment
-        return -(-self.numel // unit) * self.alignment
+        return ceil_div(self.numel, unit) * self.alignment
 
     @property
     def padded_numel(self) -> int:
@@ -223,7 +224,7 @@ def _pieces_by_quota(
 ) -> list[tuple[ExactPiece, ...]]:
     """Exact streams of `exact_numel` elements per rank (every rank the same, in a buffer of
     their own) spread evenly over the chunks, each rank's run to its own row."""
-    quota = -(-exact_numel // num_chunks)
+    quota = ceil_div(exact_numel, num_chunks)
     result = []
     for index in range(num_chunks):
         first = min(index * quota, exact_numel)
@@ -295,10 +296,10 @@ def plan_gather(
     :data:`PIPELINE_CHUNK_NUMEL`) source elements ([Note: chunks to overlap])."""
     if exact_numel and exact_runs is not None:
         raise ValueError("exact_numel and exact_runs: give one exact stream, not both")
-    units = -(-source_numel // unit_numel)
+    units = ceil_div(source_numel, unit_numel)
 
     def chunks_of(num_chunks: int) -> tuple[GatherChunk, ...]:
-        step = -(-units // num_chunks) * unit_numel
+        step = ceil_div(units, num_chunks) * unit_numel
         starts = range(0, source_numel, step) if source_numel else range(0)
         ranges = [(start, min(start + step, source_numel)) for start in starts]
         if exact_runs is not None:
@@ -315,7 +316,7 @@ def plan_gather(
             if end == start and not exact:
                 continue
             if quantize:
-                groups = -(-(end - start) // group_size)
+                groups = ceil_div(end - start, group_size)
                 row = WireRow(groups, group_size, exact, element_size)
             else:
                 row = WireRow(0, group_size, exact, element_size, raw_numel=end - start)
@@ -324,7 +325,7 @@ def plan_gather(
 
     most_chunks = max(units, exact_numel, 1)
     pipeline_numel = PIPELINE_CHUNK_NUMEL if pipeline_numel is None else pipeline_numel
-    fewest_chunks = min(most_chunks, max(1, -(-source_numel // max(1, pipeline_numel))))
+    fewest_chunks = min(most_chunks, max(1, ceil_div(source_numel, max(1, pipeline_numel))))
     for num_buffers in (2, 1):
         buffer_budget = budget_bytes // num_buffers
         num_chunks = fewest_chunks
@@ -333,7 +334,7 @@ def plan_gather(
             needed = world_size * max((chunk.row.row_bytes for chunk in chunks), default=0)
             if needed <= buffer_budget or num_chunks >= most_chunks:
                 break
-            grown = -(-num_chunks * needed // max(buffer_budget, 1))
+            grown = ceil_div(num_chunks * needed, max(buffer_budget, 1))
             num_chunks = min(most_chunks, max(num_chunks + 1, grown))
         if needed <= buffer_budget:
             return GatherPlan(world_size, quantize, group_size, source_numel, chunks, num_buffers)
