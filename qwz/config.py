@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from qwz.jsonio import JsonInputError, bounded_repr, parse_json_text, read_json_file
+from qwz.policies import OPTIMIZER_TYPES
 from qwz.quant import DEFAULT_GROUP_SIZE
 
 GROUP_SIZE_MULTIPLE = 8
@@ -189,7 +190,6 @@ _FP16_KNOWN = (
     "fp16_master_weights_and_grads",
 )
 
-OPTIMIZER_TYPES = ("adamw", "adam", "sgd")
 _OPTIMIZER_PARAMS = {
     "adamw": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
     "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),

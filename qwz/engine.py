@@ -10,7 +10,7 @@ to the working dtype, and wraps its trainable parameters in a
         engine.backward(loss)
         engine.step()          # steps on every gradient_accumulation_steps-th call
 
-The engine reads the config; the optimizer below it receives plain arguments.
+The engine reads the config; the optimizer below it receives policies (qwz/policies.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from qwz.devices import group_device
 from qwz.hashing import param_hash, tensors_hash
 from qwz.loss_scale import LossScaler
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError, ZeroOptimizer
+from qwz.policies import GatherPolicy, OptimizerSpec, ReducePolicy
 
 _log = logging.getLogger(__name__)
 
@@ -69,30 +70,21 @@ class Engine:
         self.module = model.to(device=device, dtype=WORKING_DTYPES[config.dtype])
         if distributed and world_size > 1:
             broadcast_module_state(self.module, process_group)
-        zero = config.zero
         assert config.optimizer is not None  # _check_supported
         self.optimizer = ZeroOptimizer(
             [(name, p) for name, p in self.module.named_parameters() if p.requires_grad],
-            stage=zero.stage,
-            optimizer_type=config.optimizer.type,
-            optimizer_params=dict(config.optimizer.params),
-            # [Note: one rank gathers exactly] With one rank in the group there is nothing to
-            # send, so quantizing would only add int8 error where no byte is saved (stock
-            # DeepSpeed gathers nothing there either): the working copy is the master cast to
-            # the working dtype, and quantization_group_size reports None.
-            quantize_weights=zero.quantized_weights.enabled and world_size > 1,
-            group_size=zero.quantized_weights.group_size,
-            preserve_numel=zero.quantized_weights.preserve_numel,
-            allgather_bucket_size=zero.allgather_bucket_size,
-            reduce_bucket_size=zero.reduce_bucket_size,
+            stage=config.zero.stage,
+            optimizer=OptimizerSpec(config.optimizer.type, config.optimizer.params),
+            gather=_gather_policy(config, world_size, shard_alignment, compile_kernels),
+            reduce=ReducePolicy(
+                bucket_size=config.zero.reduce_bucket_size,
+                # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
+                # dtype: the same bytes for the same config.
+                dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
+                accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
+            ),
             gradient_clipping=config.gradient_clipping,
             process_group=process_group,
-            compile_kernels=compile_kernels,
-            # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
-            # dtype: the same bytes for the same config.
-            reduce_dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
-            accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
-            shard_alignment=shard_alignment,
         )
         self.micro_steps = 0
         """step() calls so far (micro-batches), as DeepSpeed counts them."""
@@ -333,6 +325,26 @@ def broadcast_module_state(
             staged = tensor.contiguous()
             dist.broadcast(staged, src=source, group=process_group)
             tensor.copy_(staged)
+
+
+def _gather_policy(
+    config: QwzConfig, world_size: int, shard_alignment: int | None, compile_kernels: bool | None
+) -> GatherPolicy:
+    """The weight gather `config` asks for at `world_size`.
+
+    [Note: one rank gathers exactly]
+    With one rank in the group there is nothing to send, so quantizing would only add int8
+    error where no byte is saved (stock DeepSpeed gathers nothing there either): the working
+    copy is the master cast to the working dtype, and quantization_group_size reports None."""
+    weights = config.zero.quantized_weights
+    return GatherPolicy(
+        quantize=weights.enabled and world_size > 1,
+        group_size=weights.group_size,
+        preserve_numel=weights.preserve_numel,
+        bucket_size=config.zero.allgather_bucket_size,
+        shard_alignment=shard_alignment,
+        compile_kernels=compile_kernels,
+    )
 
 
 def _to_half(value: Any) -> Any:

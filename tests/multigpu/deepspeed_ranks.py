@@ -20,6 +20,7 @@ from qwz.integrations import deepspeed as qwz_deepspeed
 from qwz.tolerance import element_bound, half_ulp
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp, device_of
 from tests.multigpu.ranks import BETAS, LR
+from tests.multigpu.scales import element_scales
 
 WEIGHT_DECAY = 0.01
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -355,7 +356,8 @@ def parity_with_qwz_engine(
             ours, theirs = param.detach().float(), reference[name].detach().float()
             scales = torch.zeros_like(ours)
             if quantized:  # each side decodes within half its own group's scale
-                scales = own_engine.optimizer.element_scales(name).float() + deepspeed_scales[name]
+                own_scales = element_scales(own_engine.optimizer, name).float()
+                scales = own_scales + deepspeed_scales[name]
             bound = element_bound(step, LR, BETAS, scales, theirs, ours, working_dtype)
             error = (ours - theirs).abs()
             violations += int((error > bound).sum())
