@@ -236,9 +236,10 @@ def plan_optimizer(optimizer: Any, requested: QuantizedWeights) -> list[FlatGrou
 @torch.no_grad()
 def gather_optimizer_weights(optimizer: Any) -> GatherStats:
     """Write every rank's master partition into every rank's flat bit16 buffer (all groups)."""
+    state = optimizer.qwz  # [Note: drop-in state] (state.py)
     total = GatherStats(0, 0, 0)
     for plan, flat, master in zip(
-        optimizer.qwz_plans,
+        state.plans,
         optimizer.bit16_groups_flat,
         optimizer.single_partition_of_fp32_groups,
         strict=True,
@@ -247,8 +248,8 @@ def gather_optimizer_weights(optimizer: Any) -> GatherStats:
             plan,
             master.detach(),
             flat,
-            kernels=optimizer.qwz_kernels,
-            staging=optimizer.qwz_staging,
+            kernels=state.kernels,
+            staging=state.staging,
         )
         total = GatherStats(
             total.collectives + stats.collectives,
