@@ -68,7 +68,7 @@ class Engine:
         if device is not None and device.type != "cuda":
             device = None  # a gloo group: the model stays where the caller put it
         self.module = model.to(device=device, dtype=WORKING_DTYPES[config.dtype])
-        if distributed and world_size > 1:
+        if distributed and world_size > 1:  # [Note: replicas start identical]
             broadcast_module_state(self.module, process_group)
         assert config.optimizer is not None  # _check_supported
         self.optimizer = ZeroOptimizer(

@@ -212,7 +212,7 @@ class _FusedKernel:
         import torch._dynamo
 
         # Only inputs not seen before can make dynamo compile again: they alone pay for the
-        # config patch (a few microseconds, as much as the call itself on small chunks).
+        # config patch, whose cost is comparable to the call itself on small chunks.
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 result = self.fused(*args)

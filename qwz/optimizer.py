@@ -143,10 +143,9 @@ def _build_torch_optimizer(
 
     Adam and AdamW run torch's ``foreach`` implementation: bit for bit the default
     single-tensor loop's update (same operations, same order, whatever the shard layout),
-    without its full-size temporaries (4.4x faster on one CPU thread for a 5M-element shard,
-    48 ms against 11). torch's ``fused=True`` kernel would be faster still (3.5 ms) but rounds
-    differently depending on where an element sits in a vector lane, so the same model
-    sharded another way would train differently; it is not used."""
+    without its full-size temporaries. torch's ``fused=True`` kernel rounds differently
+    depending on where an element sits in a vector lane, so the same model sharded another
+    way would train differently; it is not used, however fast."""
     params = dict(params)
     torch_adam = params.pop("torch_adam", False)
     adam_w_mode = params.pop("adam_w_mode", True)
@@ -172,8 +171,8 @@ def _sum_of_squares(values: torch.Tensor, fused: bool) -> torch.Tensor:
     depend on how the gradient is sharded (the world size, the group size's padding), except
     in the rare case where the float64 value sits on a float32 rounding boundary. The
     qualification relies on this for its step-1 exactness check across group sizes.
-    `fused`: one pass fused by torch.compile (about as fast as a float32 dot); else eager, a
-    bounded chunk at a time (an order of magnitude slower on CPU)."""
+    `fused`: one pass fused by torch.compile; else eager, widening a bounded chunk at a time
+    (:data:`NORM_CHUNK_NUMEL`), so the float64 copy never holds the whole shard."""
     if fused:
         return _fused_sum_of_squares()(values)
     total = torch.zeros((), dtype=torch.float64, device=values.device)
@@ -297,7 +296,7 @@ class ZeroOptimizer:
             for slot, param in zip(flat.slots, params, strict=True):
                 working[slot.offset : slot.end].copy_(param.reshape(-1))
                 param.data = working[slot.offset : slot.end].view(slot.shape)
-            # Replicas start identical: rank 0's initial weights win, exactly.
+            # [Note: replicas start identical] (engine.py): rank 0's initial weights win.
             if self.world_size > 1:
                 dist.broadcast(working, src=self._global_rank(0), group=self.process_group)
         start, end = flat.shard_range(self.rank)
@@ -417,7 +416,8 @@ class ZeroOptimizer:
         shard_grads = [self._reduced_shard_grad(region, loss_scale) for region in self.regions]
         fused = self.kernels.name == "compiled"
         squares = torch.stack([_sum_of_squares(grad, fused) for grad in shard_grads]).sum()
-        # Reduced and rooted in float64, then rounded once to float32: see _sum_of_squares.
+        # Reduced and rooted in float64, then rounded once to float32:
+        # [Note: sharding-independent norm].
         total = collectives.all_reduce_sum(squares, self.world_size, self.process_group)
         grad_norm = total.sqrt().to(torch.float32)
         # Every rank takes this branch together: they all hold the same reduced norm.

@@ -18,7 +18,7 @@ For each group of ``G`` consecutive elements, in fp32 whatever the input dtype
 
 ``absmax`` maps to 127 (not 128 clamped to 127), and an all-zero group has scale 0 and
 decodes to exact zeros. The code multiplies by the fp32 reciprocal of the scale instead of
-dividing (a division costs 2.3x a multiply on CPU): ``fl(x * fl(1 / scale))`` differs from
+dividing (a division costs several multiplies on CPU): ``fl(x * fl(1 / scale))`` differs from
 ``x / scale`` by at most ``|x / scale| * (2 * 2**-24 + 2**-48) <= 127 * 2**-23`` of a code,
 so the code can round the other way when ``x / scale`` lies that close to a half-integer;
 the product ``code * scale`` adds at most ``127 * 2**-24`` of a scale. Hence, for every

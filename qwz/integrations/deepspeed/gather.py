@@ -190,7 +190,8 @@ def plan_flat_group(
 
 
 def plan_optimizer(optimizer: Any, requested: QuantizedWeights) -> list[FlatGroupPlan]:
-    """One :class:`FlatGroupPlan` per param group of DeepSpeed's ZeRO-1/2 optimizer."""
+    """One :class:`FlatGroupPlan` per param group of DeepSpeed's ZeRO-1/2 optimizer; see
+    [Note: gathering DeepSpeed's flat groups]."""
     plans = []
     for i, flat in enumerate(optimizer.bit16_groups_flat):
         partitions = optimizer.parallel_partitioned_bit16_groups[i]

@@ -49,8 +49,9 @@ one method, ``_restore_from_bit16_weights`` (``refresh_fp32_params`` calls it),
 reached from ``engine.load_checkpoint`` with ``load_optimizer_states=False``,
 with ``load_module_only=True``, with ``zero_optimization.load_from_fp32_weights:
 false`` (in ``_load_legacy_checkpoint``), or when the ZeRO checkpoint is
-missing. Done here it would make the quantization error permanent (measured:
-0.43% median relative master error, and small elements become exactly 0). On a
+missing. Done here it would make the quantization error permanent (every master
+becomes its int8 decode, and elements below half their group's scale become exactly
+0). On a
 taken-over optimizer both methods are :func:`resume.restore_masters`: within a
 ``load_checkpoint`` whose directory holds every rank's fp32 master partition
 (the first two ways) it copies those, bit for bit; everywhere else (the last two
