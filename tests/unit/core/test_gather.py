@@ -15,8 +15,8 @@ import qwz
 from qwz.collectives import Staging, gather
 from qwz.layout import plan_gather
 
+from ..strategies import tensors
 from .single_rank import fewer_examples
-from .strategies import tensors
 
 
 def test_no_process_group():
