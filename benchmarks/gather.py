@@ -84,7 +84,6 @@ def _gather_rank(numel: int, group_size: int, repeats: int) -> dict[str, float]:
         source_numel=shard_numel,
         quantize=True,
         group_size=group_size,
-        unit_numel=group_size,
         element_size=2,
         budget_bytes=BUCKET_ELEMENTS * 2,
     )

@@ -76,7 +76,6 @@ def _gather_once(device: torch.device, delayed: bool) -> torch.Tensor:
         source_numel=shard_numel,
         quantize=True,
         group_size=group_size,
-        unit_numel=group_size,
         element_size=2,
         budget_bytes=1 << 40,
         pipeline_numel=shard_numel // 8,

@@ -5,6 +5,7 @@ from qwz.config import DEFAULT_GROUP_SIZE, ConfigError, QwzConfig
 from qwz.engine import Engine, initialize
 from qwz.hashing import param_hash
 from qwz.optimizer import NonFiniteError, ZeroOptimizer
+from qwz.policies import GatherPolicy, OptimizerSpec, ReducePolicy
 from qwz.quant import QuantizedTensor, dequantize, quantize
 
 __all__ = [
@@ -12,9 +13,12 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "Engine",
+    "GatherPolicy",
     "NonFiniteError",
+    "OptimizerSpec",
     "QuantizedTensor",
     "QwzConfig",
+    "ReducePolicy",
     "ZeroOptimizer",
     "dequantize",
     "initialize",

@@ -6,10 +6,11 @@ A checkpoint is a directory::
     rank00000.pt ... rankNNNNN.pt   one per rank of the data-parallel group (torch.save)
     manifest.json                   written last, by group rank 0
 
-A rank file holds what only that rank has: its fp32 master shards and the torch
-optimizer state of those shards (``ZeroOptimizer.state_dict``), the module state the
-optimizer does not own (frozen parameters and buffers: BatchNorm statistics may differ
-per rank, as in DeepSpeed), and the engine's counters and loss-scale state.
+A rank file holds what only that rank has: the state its target returns from
+``state_dict()`` (for qwz's engine, ``Engine.state_dict``: its fp32 master shards and the
+torch optimizer state of those shards, the module state the optimizer does not own --
+frozen parameters and buffers: BatchNorm statistics may differ per rank, as in DeepSpeed
+-- and the engine's counters and loss-scale state) and the layout it belongs to.
 
 The manifest names the layout the shards belong to (world size, stage, dtype, group
 size, whether the gather quantizes), the step counters, the size and sha256 of every
@@ -30,11 +31,19 @@ has none and is refused as incomplete. Every file is written to a temporary name
 flushed to disk and renamed into place (``os.replace``); the manifest is written only
 after every rank has written its file, and every rank returns only after it exists.
 
-Loading is all or nothing: every rank checks the manifest against its engine, its own
-file against the manifest's sha256, and the decoded state against its optimizer's
-layout; the ranks then exchange verdicts, and only when every rank can load does any
-rank change anything. Otherwise every rank raises the same :class:`CheckpointError`,
-naming each rank's reason.
+Loading is all or nothing: every rank checks the manifest against its target's layout, its
+own file against the manifest's sha256, and the decoded state with the target's
+``check_state_dict``; the ranks then exchange verdicts, and only when every rank can load
+does any rank call ``load_state_dict``. Otherwise every rank raises the same
+:class:`CheckpointError`, naming each rank's reason.
+
+[Note: checkpoint target]
+This module owns the files, the manifest and the vote, and nothing else: it never imports
+the engine. What it saves and restores is a *target* in the ``Stateful`` shape of torch's
+distributed checkpoint (``state_dict()`` / ``load_state_dict()``, plus
+``check_state_dict()`` that raises ValueError without changing anything), described by a
+:class:`Target`: the state's owner, the layout fields loading requires to match and the
+rank's group; :func:`save` also takes the manifest's summary fields.
 """
 
 from __future__ import annotations
@@ -44,16 +53,14 @@ import io
 import json
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from qwz.hashing import param_hash, tensors_hash
 from qwz.jsonio import JsonInputError, read_json_file
-
-if TYPE_CHECKING:
-    from qwz.engine import Engine
 
 FORMAT = "qwz-checkpoint/2"
 MANIFEST = "manifest.json"
@@ -62,6 +69,48 @@ MANIFEST = "manifest.json"
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; nothing was loaded. The message names the
     directory and what was wrong (on which rank)."""
+
+
+class Stateful(Protocol):
+    """What a checkpoint saves and restores ([Note: checkpoint target])."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def check_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Group:
+    """The target's data-parallel group, with the collectives skipped on one rank."""
+
+    process_group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.process_group)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.process_group)
+        return gathered
+
+
+@dataclass(frozen=True)
+class Target:
+    """One rank's side of a checkpoint ([Note: checkpoint target])."""
+
+    state: Stateful
+    """Saved with ``state_dict()``; restored with ``load_state_dict()`` after every rank's
+    ``check_state_dict()`` accepted its file."""
+    layout: Mapping[str, Any]
+    """What the shards depend on (JSON values); loading requires every field to match."""
+    group: Group
 
 
 def rank_file_name(rank: int) -> str:
@@ -82,90 +131,27 @@ def _write_atomically(path: pathlib.Path, data: bytes) -> None:
     os.replace(temporary, path)
 
 
-class _Group:
-    """The engine's data-parallel group, with the collectives skipped on one rank."""
-
-    def __init__(self, engine: Engine):
-        self.process_group = engine.optimizer.process_group
-        self.world_size = engine.optimizer.world_size
-        self.rank = engine.optimizer.rank
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.process_group)
-
-    def all_gather(self, value: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [value]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.process_group)
-        return gathered
-
-
-def _layout_fields(engine: Engine) -> dict[str, Any]:
-    """What a checkpoint's shards depend on; loading requires every field to match."""
-    config = engine.config
-    return {
-        "world_size": engine.world_size,
-        "stage": config.stage,
-        "dtype": config.dtype,
-        "group_size": config.group_size,
-        "quantized_weights": config.quantized_weights,
-        "preserve_numel": config.zero.quantized_weights.preserve_numel,
-    }
-
-
-def _module_extras(engine: Engine) -> dict[str, torch.Tensor]:
-    """The module state the optimizer does not own: frozen parameters and buffers."""
-    extras = {
-        f"param:{name}": param.detach().clone()
-        for name, param in engine.module.named_parameters()
-        if not param.requires_grad
-    }
-    extras.update(
-        {
-            f"buffer:{name}": buffer.detach().clone()
-            for name, buffer in engine.module.named_buffers()
-        }
-    )
-    return extras
-
-
-def _engine_state(engine: Engine) -> dict[str, Any]:
-    return {
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
-        "global_grad_norm": engine.global_grad_norm,
-        "loss_scale": engine.loss_scaler.state_dict(),
-    }
-
-
-def save(engine: Engine, directory: str | os.PathLike[str]) -> pathlib.Path:
-    """Write `engine`'s checkpoint into `directory` (created if needed); every rank of the
-    engine's group must call this. Returns the manifest's path. See [Note: checkpoint layout]."""
-    group = _Group(engine)
+def save(
+    target: Target,
+    directory: str | os.PathLike[str],
+    *,
+    summary: Mapping[str, Any],
+    rank_summary: Mapping[str, Any],
+) -> pathlib.Path:
+    """Write `target`'s checkpoint into `directory` (created if needed); every rank of the
+    target's group must call this. Returns the manifest's path. See [Note: checkpoint layout].
+    `summary`: manifest fields written by group rank 0 after the layout; `rank_summary`: this
+    rank's fields of its manifest entry, beside the file's name, size and sha256 (JSON
+    values). A RuntimeError from ``state_dict()`` (state that cannot be saved now) is a
+    CheckpointError."""
+    group = target.group
     root = pathlib.Path(directory)
     manifest_path = root / MANIFEST
-    if engine.micro_steps % engine.config.gradient_accumulation_steps:
-        raise CheckpointError(
-            f"checkpoint {root}: save_checkpoint called after micro-batch "
-            f"{engine.micro_steps % engine.config.gradient_accumulation_steps} of "
-            f"{engine.config.gradient_accumulation_steps} of an accumulation window; the "
-            "pending gradients are not part of a checkpoint: save after the window's step()"
-        )
     try:
-        optimizer_state = engine.optimizer.state_dict()
-    except RuntimeError as error:  # gradients of a backward without its step()
+        state = target.state.state_dict()
+    except RuntimeError as error:
         raise CheckpointError(f"checkpoint {root}: {error}") from None
-    payload = {
-        "format": FORMAT,
-        "rank": group.rank,
-        "layout": _layout_fields(engine),
-        "optimizer": optimizer_state,
-        "module_extras": _module_extras(engine),
-        "engine": _engine_state(engine),
-    }
+    payload = {"format": FORMAT, "rank": group.rank, "layout": dict(target.layout), **state}
     root.mkdir(parents=True, exist_ok=True)
     if group.rank == 0:
         manifest_path.unlink(missing_ok=True)
@@ -176,26 +162,17 @@ def save(engine: Engine, directory: str | os.PathLike[str]) -> pathlib.Path:
     data = buffer.getvalue()
     name = rank_file_name(group.rank)
     _write_atomically(root / name, data)
-    masters_hash = tensors_hash(engine.optimizer.master_shards().items())
     files = group.all_gather(
         {
             "rank": group.rank,
             "name": name,
             "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
-            "masters_hash": masters_hash,
+            **rank_summary,
         }
     )
     if group.rank == 0:
-        fields = {
-            "format": FORMAT,
-            **_layout_fields(engine),
-            "quantization_group_size": engine.optimizer.quantization_group_size,
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "param_hash": param_hash(engine.module),
-            "files": files,
-        }
+        fields = {"format": FORMAT, **target.layout, **summary, "files": files}
         manifest = {**fields, "digest": _digest(fields)}
         _write_atomically(manifest_path, (json.dumps(manifest, indent=1) + "\n").encode())
     group.barrier()
@@ -226,8 +203,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def _check_layout(root: pathlib.Path, manifest: dict[str, Any], engine: Engine) -> None:
-    for key, here in _layout_fields(engine).items():
+def _check_layout(root: pathlib.Path, manifest: dict[str, Any], layout: Mapping[str, Any]) -> None:
+    for key, here in layout.items():
         saved = manifest.get(key)
         if saved != here:
             raise CheckpointError(
@@ -263,51 +240,29 @@ def _read_own_file(root: pathlib.Path, manifest: dict[str, Any], rank: int) -> d
     return payload
 
 
-def _check_module_extras(root: pathlib.Path, engine: Engine, saved: dict[str, Any]) -> None:
-    here = _module_extras(engine)
-    if saved.keys() != here.keys():
-        missing, extra = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
-        raise CheckpointError(
-            f"checkpoint {root}: frozen parameters and buffers differ: missing {missing}, "
-            f"unexpected {extra}"
-        )
-    for name, tensor in here.items():
-        value = saved[name]
-        if value.dtype != tensor.dtype or value.shape != tensor.shape:
-            raise CheckpointError(
-                f"checkpoint {root}: {name} is {value.dtype} {tuple(value.shape)} in the "
-                f"checkpoint, {tensor.dtype} {tuple(tensor.shape)} in this model"
-            )
-
-
-def _prepare(
-    engine: Engine, root: pathlib.Path, rank: int
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Everything that can fail, with nothing changed yet."""
+def _prepare(target: Target, root: pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Everything that can fail, with nothing changed yet: the manifest and the saved state."""
     manifest = read_manifest(root)
-    _check_layout(root, manifest, engine)
-    payload = _read_own_file(root, manifest, rank)
+    _check_layout(root, manifest, target.layout)
+    payload = _read_own_file(root, manifest, target.group.rank)
+    state = {
+        key: value for key, value in payload.items() if key not in ("format", "rank", "layout")
+    }
     try:
-        engine.optimizer.check_state_dict(payload["optimizer"])
-    except (ValueError, KeyError) as error:
-        raise CheckpointError(f"checkpoint {root}: optimizer state does not fit: {error}") from None
-    _check_module_extras(root, engine, payload["module_extras"])
-    try:
-        engine.loss_scaler.check_state_dict(payload["engine"].get("loss_scale"))
+        target.state.check_state_dict(state)
     except ValueError as error:
         raise CheckpointError(f"checkpoint {root}: {error}") from None
-    return manifest, payload
+    return manifest, state
 
 
-@torch.no_grad()
-def load(engine: Engine, directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Restore `engine` from the checkpoint in `directory`, all or nothing; every rank of the
-    engine's group must call this. Returns the manifest. See [Note: resume from the masters]."""
-    group = _Group(engine)
+def load(target: Target, directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Restore `target` from the checkpoint in `directory`, all or nothing; every rank of the
+    target's group must call this. Returns the manifest. See [Note: resume from the masters]."""
+    group = target.group
     root = pathlib.Path(directory)
     prepared: tuple[dict[str, Any], dict[str, Any]] | None = None
     try:
-        prepared = _prepare(engine, root, group.rank)
+        prepared = _prepare(target, root)
         problem = None
     except CheckpointError as error:
         problem = str(error)
@@ -319,17 +274,6 @@ def load(engine: Engine, directory: str | os.PathLike[str]) -> dict[str, Any]:
         reasons = "; ".join(f"rank {rank}: {text}" for rank, text in refused)
         raise CheckpointError(f"checkpoint {root} refused, nothing was loaded: {reasons}")
     assert prepared is not None
-    manifest, payload = prepared
-
-    engine.optimizer.load_state_dict(payload["optimizer"])
-    named = {f"param:{n}": p for n, p in engine.module.named_parameters() if not p.requires_grad}
-    named.update({f"buffer:{n}": b for n, b in engine.module.named_buffers()})
-    for name, value in payload["module_extras"].items():
-        named[name].copy_(value)
-    state = payload["engine"]
-    engine.global_steps = state["global_steps"]
-    engine.micro_steps = state["micro_steps"]
-    engine.skipped_steps = state["skipped_steps"]
-    engine.global_grad_norm = state["global_grad_norm"]
-    engine.loss_scaler.load_state_dict(state["loss_scale"])
+    manifest, state = prepared
+    target.state.load_state_dict(state)
     return manifest

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from qwz.kernels import EAGER_KERNELS, QuantKernels
+from qwz.kernels import EAGER_KERNELS, KernelChoice, QuantKernels
 from qwz.layout import GatherPlan
 from qwz.quant import (
     WireRow,
@@ -314,3 +314,25 @@ def all_reduce_sum(value: torch.Tensor, world_size: int, group: dist.ProcessGrou
     if world_size > 1:
         dist.all_reduce(value, group=group)
     return value
+
+
+def check_same_kernels_on_every_rank(
+    choice: KernelChoice,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    """Raise on every rank of `group` unless every rank chose fused kernels or every rank
+    chose eager ones. Both write the same bytes, but a rank that silently runs other kernels
+    than its peers is a configuration error (`choice`: this rank's, kernels.choose_kernels)."""
+    if world_size == 1:
+        return
+    name = choice.kernels.name
+    fused = torch.tensor([int(name == "compiled")], dtype=torch.int64, device=device)
+    dist.all_reduce(fused, group=group)
+    if int(fused) not in (0, world_size):
+        raise RuntimeError(
+            f"rank {dist.get_rank(group)}: ranks disagree on the gather kernels ({int(fused)} "
+            f"of {world_size} fused; this rank: {name}, fallback: {choice.fallback_reason}); "
+            "pass compile_kernels explicitly"
+        )

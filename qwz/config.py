@@ -2,7 +2,8 @@
 
 qwz reads the config dict DeepSpeed users already have. Every rule of
 DESIGN.md's "Configuration rules" is enforced here and nowhere else; the layers
-below (engine, optimizer, collectives, quant) receive plain arguments.
+below (engine, optimizer, collectives, quant) never read a config. The key tables are in
+:mod:`qwz.config_keys`.
 
 Every failure is a :class:`ConfigError` whose message names the key (as a dotted
 path), the offending value and the rule it broke. Nothing is silently ignored:
@@ -21,7 +22,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from qwz.config_keys import (
+    BF16_KNOWN,
+    FP16_KNOWN,
+    GROUP_SIZE_KEY,
+    OPTIMIZER_PARAMS,
+    PRESERVE_KEY,
+    QUANTIZED_WEIGHTS_KEY,
+    TOP_KNOWN,
+    TOP_UNSUPPORTED,
+    ZERO_DEFAULT_ONLY,
+    ZERO_KNOWN,
+    ZERO_UNSUPPORTED,
+)
 from qwz.jsonio import JsonInputError, bounded_repr, parse_json_text, read_json_file
+from qwz.policies import OPTIMIZER_TYPES
 from qwz.quant import DEFAULT_GROUP_SIZE
 
 GROUP_SIZE_MULTIPLE = 8
@@ -33,10 +48,6 @@ DEFAULT_PRESERVE_NUMEL = 65_536
 DEFAULT_BUCKET_SIZE = 500_000_000
 """DeepSpeed's default for ``allgather_bucket_size`` and ``reduce_bucket_size``."""
 
-GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
-PRESERVE_KEY = "zero_quantized_weights_preserve_numel"
-QUANTIZED_WEIGHTS_KEY = "zero_quantized_weights"
-
 
 class ConfigError(ValueError):
     """A config value broke a rule; the message names the key, the value and the rule."""
@@ -44,157 +55,6 @@ class ConfigError(ValueError):
 
 def _fail(key: str, value: Any, rule: str) -> ConfigError:
     return ConfigError(f"{key}: {bounded_repr(value)} is invalid: {rule}")
-
-
-# --------------------------------------------------------------------------- #
-# Keys
-# --------------------------------------------------------------------------- #
-
-# `zero_optimization` keys qwz implements.
-_ZERO_IMPLEMENTED = (
-    "stage",
-    QUANTIZED_WEIGHTS_KEY,
-    GROUP_SIZE_KEY,
-    PRESERVE_KEY,
-    "allgather_bucket_size",
-    "reduce_bucket_size",
-    "overlap_comm",
-    "contiguous_gradients",
-)
-
-# DeepSpeed keys whose stock default is exactly what qwz does; any other value
-# would change behaviour qwz does not implement.
-_ZERO_DEFAULT_ONLY: Mapping[str, Any] = MappingProxyType(
-    {
-        "allgather_partitions": True,
-        "reduce_scatter": True,
-        "round_robin_gradients": False,
-        "load_from_fp32_weights": True,
-        "ignore_unused_parameters": True,
-        "elastic_checkpoint": False,
-    }
-)
-
-# DeepSpeed features qwz does not implement. `offload_*` may be present when
-# switched off (device "none"), as generated configs often have them.
-_ZERO_UNSUPPORTED = (
-    "offload_optimizer",
-    "offload_param",
-    "zenflow",
-    "cpu_offload",
-    "cpu_offload_param",
-    "cpu_offload_use_pin_memory",
-    "sub_group_size",
-    "zero_hpz_partition_size",
-    "zero_quantized_gradients",
-    "zero_quantized_nontrainable_weights",
-    "mics_shard_size",
-    "mics_hierarchical_params_gather",
-    "legacy_stage1",
-    "use_multi_rank_bucket_allreduce",
-    "memory_efficient_linear",
-    "pipeline_loading_checkpoint",
-    "override_module_apply",
-)
-
-# Stage-3 tuning keys: DeepSpeed itself ignores them at stages 1 and 2, and qwz
-# never runs stage 3, so they are accepted and have no effect, as in DeepSpeed.
-_ZERO_STAGE3_TUNING = (
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "stage3_model_persistence_threshold",
-    "stage3_max_live_parameters",
-    "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
-    "stage3_module_granularity_threshold",
-    "stage3_use_all_reduce_for_fetch_params",
-    "gather_16bit_weights_on_model_save",
-    "log_trace_cache_warnings",
-)
-
-_ZERO_KNOWN = (
-    _ZERO_IMPLEMENTED + tuple(_ZERO_DEFAULT_ONLY) + _ZERO_UNSUPPORTED + _ZERO_STAGE3_TUNING
-)
-
-_TOP_READ = (
-    "zero_optimization",
-    "train_micro_batch_size_per_gpu",
-    "train_batch_size",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "bf16",
-    "fp16",
-    "optimizer",
-    "seed",
-    "communication_data_type",
-    "data_types",
-)
-
-# Logging and bookkeeping keys with no effect on training numerics.
-_TOP_NO_EFFECT = (
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "memory_breakdown",
-    "dump_state",
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-)
-
-# DeepSpeed features qwz does not implement; present is an error unless the
-# value is a section with `"enabled": false`.
-_TOP_UNSUPPORTED = (
-    "scheduler",
-    "amp",
-    "torch_autocast",
-    "activation_checkpointing",
-    "flops_profiler",
-    "compression_training",
-    "sparse_attention",
-    "pipeline",
-    "tensorboard",
-    "wandb",
-    "csv_monitor",
-    "comet",
-    "comms_logger",
-    "autotuning",
-    "elasticity",
-    "data_efficiency",
-    "curriculum_learning",
-    "quantize_training",
-    "checkpoint",
-    "aio",
-    "nebula",
-    "hybrid_engine",
-    "sequence_parallel_size",
-    "compile",
-    "prescale_gradients",
-    "gradient_predivide_factor",
-    "sparse_gradients",
-    "fp8",
-)
-
-_TOP_KNOWN = _TOP_READ + _TOP_NO_EFFECT + _TOP_UNSUPPORTED
-
-_BF16_KNOWN = ("enabled",)
-_FP16_KNOWN = (
-    "enabled",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "min_loss_scale",
-    "auto_cast",
-    "fp16_master_weights_and_grads",
-)
-
-OPTIMIZER_TYPES = ("adamw", "adam", "sgd")
-_OPTIMIZER_PARAMS = {
-    "adamw": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
-    "adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
-    "sgd": ("lr", "momentum", "weight_decay", "dampening", "nesterov"),
-}
 
 
 def _closest_key(key: str, known: tuple[str, ...]) -> str | None:
@@ -353,13 +213,13 @@ class ZeroConfig:
     def from_section(cls, section: Any) -> ZeroConfig:
         if not isinstance(section, Mapping):
             raise _fail("zero_optimization", section, "must be a JSON object")
-        _check_keys(section, "zero_optimization.", _ZERO_KNOWN)
-        for key, default in _ZERO_DEFAULT_ONLY.items():
+        _check_keys(section, "zero_optimization.", ZERO_KNOWN)
+        for key, default in ZERO_DEFAULT_ONLY.items():
             if key in section and (section[key] is not default):
                 raise _not_supported(
                     f"zero_optimization.{key}", section[key], f"only {default!r} is implemented"
                 )
-        for key in _ZERO_UNSUPPORTED:
+        for key in ZERO_UNSUPPORTED:
             if key in section and not _switched_off(key, section[key]):
                 raise _not_supported(f"zero_optimization.{key}", section[key])
         stage = parse_stage(section)
@@ -442,7 +302,7 @@ class OptimizerConfig:
         raw = section.get("params", {})
         if not isinstance(raw, Mapping):
             raise _fail("optimizer.params", raw, "must be a JSON object")
-        _check_keys(raw, "optimizer.params.", _OPTIMIZER_PARAMS[kind])
+        _check_keys(raw, "optimizer.params.", OPTIMIZER_PARAMS[kind])
         params: dict[str, Any] = {}
         if "lr" in raw:
             params["lr"] = _float("optimizer.params.lr", raw["lr"], minimum=0.0)
@@ -610,12 +470,12 @@ class QwzConfig:
 
     @classmethod
     def _from_config(cls, config: dict[str, Any]) -> QwzConfig:
-        _check_keys(config, "", _TOP_KNOWN)
-        for key in _TOP_UNSUPPORTED:
+        _check_keys(config, "", TOP_KNOWN)
+        for key in TOP_UNSUPPORTED:
             if key in config and not _unsupported_is_off(key, config[key]):
                 raise _not_supported(key, config[key])
-        bf16 = _precision_section(config, "bf16", _BF16_KNOWN)
-        fp16 = _precision_section(config, "fp16", _FP16_KNOWN)
+        bf16 = _precision_section(config, "bf16", BF16_KNOWN)
+        fp16 = _precision_section(config, "fp16", FP16_KNOWN)
         if bf16 and fp16:
             raise ConfigError(
                 "bf16.enabled and fp16.enabled: True and True is invalid: "

@@ -10,7 +10,7 @@ to the working dtype, and wraps its trainable parameters in a
         engine.backward(loss)
         engine.step()          # steps on every gradient_accumulation_steps-th call
 
-The engine reads the config; the optimizer below it receives plain arguments.
+The engine reads the config; the optimizer below it receives policies (qwz/policies.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ import torch.distributed as dist
 from qwz import checkpoint, layout
 from qwz.config import ConfigError, QwzConfig
 from qwz.devices import group_device
+from qwz.hashing import param_hash, tensors_hash
 from qwz.loss_scale import LossScaler
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError, ZeroOptimizer
+from qwz.policies import GatherPolicy, OptimizerSpec, ReducePolicy
 
 _log = logging.getLogger(__name__)
 
@@ -66,32 +68,23 @@ class Engine:
         if device is not None and device.type != "cuda":
             device = None  # a gloo group: the model stays where the caller put it
         self.module = model.to(device=device, dtype=WORKING_DTYPES[config.dtype])
-        if distributed and world_size > 1:
+        if distributed and world_size > 1:  # [Note: replicas start identical]
             broadcast_module_state(self.module, process_group)
-        zero = config.zero
         assert config.optimizer is not None  # _check_supported
         self.optimizer = ZeroOptimizer(
             [(name, p) for name, p in self.module.named_parameters() if p.requires_grad],
-            stage=zero.stage,
-            optimizer_type=config.optimizer.type,
-            optimizer_params=dict(config.optimizer.params),
-            # [Note: one rank gathers exactly] With one rank in the group there is nothing to
-            # send, so quantizing would only add int8 error where no byte is saved (stock
-            # DeepSpeed gathers nothing there either): the working copy is the master cast to
-            # the working dtype, and quantization_group_size reports None.
-            quantize_weights=zero.quantized_weights.enabled and world_size > 1,
-            group_size=zero.quantized_weights.group_size,
-            preserve_numel=zero.quantized_weights.preserve_numel,
-            allgather_bucket_size=zero.allgather_bucket_size,
-            reduce_bucket_size=zero.reduce_bucket_size,
+            stage=config.zero.stage,
+            optimizer=OptimizerSpec(config.optimizer.type, config.optimizer.params),
+            gather=_gather_policy(config, world_size, shard_alignment, compile_kernels),
+            reduce=ReducePolicy(
+                bucket_size=config.zero.reduce_bucket_size,
+                # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
+                # dtype: the same bytes for the same config.
+                dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
+                accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
+            ),
             gradient_clipping=config.gradient_clipping,
             process_group=process_group,
-            compile_kernels=compile_kernels,
-            # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
-            # dtype: the same bytes for the same config.
-            reduce_dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
-            accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
-            shard_alignment=shard_alignment,
         )
         self.micro_steps = 0
         """step() calls so far (micro-batches), as DeepSpeed counts them."""
@@ -189,17 +182,125 @@ class Engine:
                 )
         return not overflow
 
+    # ------------------------------------------------------------ checkpoints
+
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> pathlib.Path:
         """Write this rank's fp32 master shards, optimizer state, step counters and module
         state not owned by the optimizer, plus a manifest; call on every rank, at an
         accumulation boundary. See [Note: checkpoint layout] (checkpoint.py)."""
-        return checkpoint.save(self, directory)
+        optimizer = self.optimizer
+        return checkpoint.save(
+            self._checkpoint_target(),
+            directory,
+            summary={
+                "quantization_group_size": optimizer.quantization_group_size,
+                "global_steps": self.global_steps,
+                "micro_steps": self.micro_steps,
+                "param_hash": param_hash(self.module),
+            },
+            rank_summary={"masters_hash": tensors_hash(optimizer.master_shards().items())},
+        )
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore everything save_checkpoint wrote, all or nothing, and re-gather the working
         weights from the restored masters; call on every rank. Raises CheckpointError (nothing
         loaded) for a damaged checkpoint or one of another layout. Returns the manifest."""
-        return checkpoint.load(self, directory)
+        return checkpoint.load(self._checkpoint_target(), directory)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the optimizer's (fp32 master shards and torch optimizer state),
+        the module state the optimizer does not own (frozen parameters and buffers), and the
+        counters and loss scale. Raises RuntimeError inside an accumulation window (its
+        pending gradients are not part of the state)."""
+        window = self.config.gradient_accumulation_steps
+        if self.micro_steps % window:
+            raise RuntimeError(
+                f"save_checkpoint called after micro-batch {self.micro_steps % window} of "
+                f"{window} of an accumulation window; the pending gradients are not part of a "
+                "checkpoint: save after the window's step()"
+            )
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "module_extras": self._module_extras(),
+            "engine": {
+                "global_steps": self.global_steps,
+                "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps,
+                "global_grad_norm": self.global_grad_norm,
+                "loss_scale": self.loss_scaler.state_dict(),
+            },
+        }
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise ValueError naming the first part of `state` that does not fit this engine;
+        changes nothing."""
+        try:
+            self.optimizer.check_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as error:
+            raise ValueError(f"optimizer state does not fit: {error}") from None
+        here, saved = self._module_extras(), state["module_extras"]
+        if saved.keys() != here.keys():
+            missing, extra = sorted(here.keys() - saved.keys()), sorted(saved.keys() - here.keys())
+            raise ValueError(
+                f"frozen parameters and buffers differ: missing {missing}, unexpected {extra}"
+            )
+        for name, tensor in here.items():
+            value = saved[name]
+            if value.dtype != tensor.dtype or value.shape != tensor.shape:
+                raise ValueError(
+                    f"{name} is {value.dtype} {tuple(value.shape)} in the checkpoint, "
+                    f"{tensor.dtype} {tuple(tensor.shape)} in this model"
+                )
+        self.loss_scaler.check_state_dict(state["engine"].get("loss_scale"))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` exactly and re-gather the working weights from the
+        restored masters ([Note: resume from the masters], checkpoint.py). Checks everything
+        (:meth:`check_state_dict`) before changing anything."""
+        self.check_state_dict(state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        named = {f"param:{n}": p for n, p in self.module.named_parameters() if not p.requires_grad}
+        named.update({f"buffer:{n}": b for n, b in self.module.named_buffers()})
+        for name, value in state["module_extras"].items():
+            named[name].copy_(value)
+        counters = state["engine"]
+        self.global_steps = counters["global_steps"]
+        self.micro_steps = counters["micro_steps"]
+        self.skipped_steps = counters["skipped_steps"]
+        self.global_grad_norm = counters["global_grad_norm"]
+        self.loss_scaler.load_state_dict(counters["loss_scale"])
+
+    def _module_extras(self) -> dict[str, torch.Tensor]:
+        """The module state the optimizer does not own: frozen parameters and buffers."""
+        extras = {
+            f"param:{name}": param.detach().clone()
+            for name, param in self.module.named_parameters()
+            if not param.requires_grad
+        }
+        extras.update(
+            {
+                f"buffer:{name}": buffer.detach().clone()
+                for name, buffer in self.module.named_buffers()
+            }
+        )
+        return extras
+
+    def _checkpoint_target(self) -> checkpoint.Target:
+        """This engine as a checkpoint target ([Note: checkpoint target], checkpoint.py)."""
+        config, optimizer = self.config, self.optimizer
+        return checkpoint.Target(
+            state=self,
+            layout={
+                "world_size": self.world_size,
+                "stage": config.stage,
+                "dtype": config.dtype,
+                "group_size": config.group_size,
+                "quantized_weights": config.quantized_weights,
+                "preserve_numel": config.zero.quantized_weights.preserve_numel,
+            },
+            group=checkpoint.Group(optimizer.process_group, optimizer.world_size, optimizer.rank),
+        )
 
 
 @torch.no_grad()
@@ -224,6 +325,26 @@ def broadcast_module_state(
             staged = tensor.contiguous()
             dist.broadcast(staged, src=source, group=process_group)
             tensor.copy_(staged)
+
+
+def _gather_policy(
+    config: QwzConfig, world_size: int, shard_alignment: int | None, compile_kernels: bool | None
+) -> GatherPolicy:
+    """The weight gather `config` asks for at `world_size`.
+
+    [Note: one rank gathers exactly]
+    With one rank in the group there is nothing to send, so quantizing would only add int8
+    error where no byte is saved (stock DeepSpeed gathers nothing there either): the working
+    copy is the master cast to the working dtype, and quantization_group_size reports None."""
+    weights = config.zero.quantized_weights
+    return GatherPolicy(
+        quantize=weights.enabled and world_size > 1,
+        group_size=weights.group_size,
+        preserve_numel=weights.preserve_numel,
+        bucket_size=config.zero.allgather_bucket_size,
+        shard_alignment=shard_alignment,
+        compile_kernels=compile_kernels,
+    )
 
 
 def _to_half(value: Any) -> Any:

@@ -51,6 +51,7 @@ from qwz.quant import (
     row_codes,
     row_scales,
 )
+from qwz.sizes import ceil_div
 
 logger = logging.getLogger("qwz")
 
@@ -211,7 +212,7 @@ class _FusedKernel:
         import torch._dynamo
 
         # Only inputs not seen before can make dynamo compile again: they alone pay for the
-        # config patch (a few microseconds, as much as the call itself on small chunks).
+        # config patch, whose cost is comparable to the call itself on small chunks.
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 result = self.fused(*args)
@@ -365,7 +366,7 @@ def _self_test_cases(rows):
     for group_size, num_groups, short in rows:
         yield ramp_values(group_size, num_groups * group_size - short), group_size, num_groups
     values = torch.cat([extreme_values(), ramp_values(EXTREMES_GROUP_SIZE, 27)])
-    yield values, EXTREMES_GROUP_SIZE, -(-values.numel() // EXTREMES_GROUP_SIZE)
+    yield values, EXTREMES_GROUP_SIZE, ceil_div(values.numel(), EXTREMES_GROUP_SIZE)
 
 
 def _written(kernels: QuantKernels, values, group_size, num_groups, dtype, device):

@@ -5,10 +5,10 @@ Pure arithmetic on sizes; no tensors are allocated here.
 [Note: padding rule]
 A flat buffer holds its parameters back to back and is padded with zeros at the
 end until its length is ``world_size * shard_numel`` where ``shard_numel`` is a
-whole number of ``alignment`` elements. For an exact buffer the alignment is 1.
-For a quantized buffer it is the *shard alignment*: the quantization group size
-unless the caller asks for a positive multiple of it (``shard_alignment``,
-checked by :func:`shard_alignment`), so every rank's shard is a whole number of
+whole number of ``shard_alignment`` elements. For an exact buffer the shard alignment
+is 1. For a quantized buffer it is the quantization group size unless the caller
+asks for a positive multiple of it (checked by :func:`shard_alignment`), so every
+rank's shard is a whole number of
 groups and no group ever spans two ranks. The padding is zero in the working
 copy, in the gradients and in the master shard, so it quantizes to zero codes
 and never moves.
@@ -22,12 +22,12 @@ identical gradients to different bits once W >= 3 (with W = 2, a + b == b + a).
 Engines that must agree bit for bit -- the arms of a qualification, which differ
 in group size -- are therefore given one shard alignment, a common multiple of
 every group size among them (the harness uses their least common multiple).
-The unused padding costs at most ``world_size * alignment`` zero elements.
+The unused padding costs at most ``world_size * shard_alignment`` zero elements.
 
 [Note: staging bound]
 The weight gather moves each rank's shard in chunks. A chunk carries the same
-number of alignment units (quantization groups) from every rank, so one
-collective of equal-sized rows serves it; the row also carries the chunk's
+number of whole groups (quantization groups, or elements for an exact stream)
+from every rank, so one collective of equal-sized rows serves it; the row also carries the chunk's
 share of the exact stream ([Note: wire row], quant.py). Staging is allocated
 once per gather plan and reused: two buffers, so that chunk k's collective runs
 while chunk k + 1 is packed and chunk k - 1 decoded ([Note: gather pipeline],
@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 
 from qwz.quant import SCALE_BYTES, WireRow
+from qwz.sizes import ceil_div
 
 __all__ = ["SCALE_BYTES"]
 
@@ -84,7 +85,7 @@ class FlatLayout:
 
     slots: tuple[ParamSlot, ...]
     world_size: int
-    alignment: int
+    shard_alignment: int
     """Each shard is a whole number of these elements (see [Note: padding rule])."""
 
     @property
@@ -94,8 +95,8 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
-        unit = self.world_size * self.alignment
-        return -(-self.numel // unit) * self.alignment
+        units_per_shard = ceil_div(self.numel, self.world_size * self.shard_alignment)
+        return units_per_shard * self.shard_alignment
 
     @property
     def padded_numel(self) -> int:
@@ -105,22 +106,20 @@ class FlatLayout:
         """[start, end) of `rank`'s shard in the flat buffer."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
-    def names_in_range(self, start: int, end: int) -> list[str]:
-        """Names of parameters that overlap the flat range [start, end)."""
-        return [slot.name for slot in self.slots if max(start, slot.offset) < min(end, slot.end)]
-
 
 def build_layout(
-    named_shapes: Sequence[tuple[str, torch.Size]], world_size: int, alignment: int
+    named_shapes: Sequence[tuple[str, torch.Size]], world_size: int, shard_alignment: int
 ) -> FlatLayout:
     """Pack parameters back to back in the given order; see [Note: padding rule]."""
-    if world_size < 1 or alignment < 1:
-        raise ValueError(f"world_size={world_size}, alignment={alignment}: both must be >= 1")
+    if world_size < 1 or shard_alignment < 1:
+        raise ValueError(
+            f"world_size={world_size}, shard_alignment={shard_alignment}: both must be >= 1"
+        )
     slots, offset = [], 0
     for name, shape in named_shapes:
         slots.append(ParamSlot(name=name, shape=torch.Size(shape), offset=offset))
         offset += torch.Size(shape).numel()
-    return FlatLayout(slots=tuple(slots), world_size=world_size, alignment=alignment)
+    return FlatLayout(slots=tuple(slots), world_size=world_size, shard_alignment=shard_alignment)
 
 
 def shard_alignment(requested: int | None, *, group_size: int, quantize: bool) -> int:
@@ -188,8 +187,9 @@ class GatherPlan:
 
     world_size: int
     quantize: bool
-    group_size: int
-    """Elements per quantization group (the main stream's unit when quantizing)."""
+    group_size: int | None
+    """Elements per group of the main stream (the quantization group when quantizing);
+    None: an unquantized stream moved element by element."""
     source_numel: int
     """Real elements of each rank's main stream (the padded shard may be longer)."""
     chunks: tuple[GatherChunk, ...]
@@ -223,7 +223,7 @@ def _pieces_by_quota(
 ) -> list[tuple[ExactPiece, ...]]:
     """Exact streams of `exact_numel` elements per rank (every rank the same, in a buffer of
     their own) spread evenly over the chunks, each rank's run to its own row."""
-    quota = -(-exact_numel // num_chunks)
+    quota = ceil_div(exact_numel, num_chunks)
     result = []
     for index in range(num_chunks):
         first = min(index * quota, exact_numel)
@@ -263,14 +263,10 @@ The staging bound caps a chunk; it does not ask for one chunk when the bound
 allows it. A single chunk leaves the gather pipeline ([Note: gather pipeline],
 collectives.py) nothing to overlap: encode, collective and decode run one
 after the other. So a shard is also cut into chunks of at most this many
-source elements per rank. Measured on 2 CPU ranks (gloo, bf16, G=64, 16.8M
-elements per rank, the torch.compile kernels of the time): one chunk 58 ms, two
-chunks 36 ms, five chunks 44 ms per gather. With the native kernels (2 cores,
-benchmarks/gather.py, interleaved with stock), 4M- against 8M-element chunks: W=2,
-8M elements per rank: 15.7-17.0 ms against 17.2-20.4 ms; W=4, 16M per rank: 106-119 ms
-against 154-178 ms; W=2, 32M per rank within the run-to-run noise; DeepSpeed's step
-through the drop-in unchanged. Smaller chunks only shrink the staging, so the bound still
-holds."""
+source elements per rank, so that chunk k's collective overlaps the packing of
+chunk k + 1 and the decode of chunk k - 1. Too small a chunk pays the fixed cost
+of a collective too often; the value is tuned with benchmarks/gather.py.
+Smaller chunks only shrink the staging, so the bound still holds."""
 
 
 def plan_gather(
@@ -278,27 +274,31 @@ def plan_gather(
     world_size: int,
     source_numel: int,
     quantize: bool,
-    group_size: int,
-    unit_numel: int,
+    group_size: int | None,
     element_size: int,
     budget_bytes: int,
     exact_numel: int = 0,
     exact_runs: Sequence[Sequence[tuple[int, int]]] | None = None,
     pipeline_numel: int | None = None,
 ) -> GatherPlan:
-    """Plan a gather of every rank's main stream of `source_numel` real elements, in units
-    of `unit_numel` (quantization groups when quantizing; the last one zero-padded), plus an
-    exact stream: either `exact_numel` elements per rank in a buffer of their own, spread
-    evenly over the chunks, or `exact_runs` per rank inside the main stream's buffer, each
-    with the chunk that covers it. Picks the fewest chunks whose staging keeps
-    [Note: staging bound], and at least one per `pipeline_numel` (default
-    :data:`PIPELINE_CHUNK_NUMEL`) source elements ([Note: chunks to overlap])."""
+    """Plan a gather of every rank's main stream of `source_numel` real elements, in whole
+    groups of `group_size` elements (the quantization groups when `quantize`, the last one
+    zero-padded; an unquantized stream cut the same way chunks like a quantized one), or
+    element by element when `group_size` is None (unquantized only), plus an exact stream:
+    either `exact_numel` elements per rank in a buffer of their own, spread evenly over the
+    chunks, or `exact_runs` per rank inside the main stream's buffer, each with the chunk
+    that covers it. Picks the fewest chunks whose staging keeps [Note: staging bound], and
+    at least one per `pipeline_numel` (default :data:`PIPELINE_CHUNK_NUMEL`) source elements
+    ([Note: chunks to overlap])."""
     if exact_numel and exact_runs is not None:
         raise ValueError("exact_numel and exact_runs: give one exact stream, not both")
-    units = -(-source_numel // unit_numel)
+    if quantize and group_size is None:
+        raise ValueError("group_size: None is invalid when quantizing: give the group size")
+    unit_numel = 1 if group_size is None else group_size
+    units = ceil_div(source_numel, unit_numel)
 
     def chunks_of(num_chunks: int) -> tuple[GatherChunk, ...]:
-        step = -(-units // num_chunks) * unit_numel
+        step = ceil_div(units, num_chunks) * unit_numel
         starts = range(0, source_numel, step) if source_numel else range(0)
         ranges = [(start, min(start + step, source_numel)) for start in starts]
         if exact_runs is not None:
@@ -315,16 +315,16 @@ def plan_gather(
             if end == start and not exact:
                 continue
             if quantize:
-                groups = -(-(end - start) // group_size)
-                row = WireRow(groups, group_size, exact, element_size)
+                groups = ceil_div(end - start, unit_numel)
+                row = WireRow(groups, unit_numel, exact, element_size)
             else:
-                row = WireRow(0, group_size, exact, element_size, raw_numel=end - start)
+                row = WireRow(0, unit_numel, exact, element_size, raw_numel=end - start)
             chunks.append(GatherChunk(start, end, row, pieces))
         return tuple(chunks)
 
     most_chunks = max(units, exact_numel, 1)
     pipeline_numel = PIPELINE_CHUNK_NUMEL if pipeline_numel is None else pipeline_numel
-    fewest_chunks = min(most_chunks, max(1, -(-source_numel // max(1, pipeline_numel))))
+    fewest_chunks = min(most_chunks, max(1, ceil_div(source_numel, max(1, pipeline_numel))))
     for num_buffers in (2, 1):
         buffer_budget = budget_bytes // num_buffers
         num_chunks = fewest_chunks
@@ -333,7 +333,7 @@ def plan_gather(
             needed = world_size * max((chunk.row.row_bytes for chunk in chunks), default=0)
             if needed <= buffer_budget or num_chunks >= most_chunks:
                 break
-            grown = -(-num_chunks * needed // max(buffer_budget, 1))
+            grown = ceil_div(num_chunks * needed, max(buffer_budget, 1))
             num_chunks = min(most_chunks, max(num_chunks + 1, grown))
         if needed <= buffer_budget:
             return GatherPlan(world_size, quantize, group_size, source_numel, chunks, num_buffers)

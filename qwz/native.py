@@ -22,9 +22,9 @@ then the kernels run on one thread). Each call splits its work over
 runtime (:func:`shares_torch_openmp`: a thread count set through torch is the one the
 library's OpenMP sees, as with torch's wheels, whose ``libgomp.so.1`` the loader reuses for
 the library): then the kernels run on torch's own workers. With a runtime of their own their
-threads would stall behind torch's workers spinning after each parallel region (measured
-with threads of their own: a 1M-element encode + decode took 3.8 ms instead of 0.3 ms right
-after a two-thread copy, one scheduler tick), so there the kernels serve only where torch
+threads would stall behind torch's workers spinning after each parallel region (each call
+right after a parallel torch operation waits up to a scheduler tick for a core), so there
+the kernels serve only where torch
 runs one intra-op thread (every rank under torchrun, which sets ``OMP_NUM_THREADS=1``, or
 under ``qwz.launch``) and the ``torch.compile`` kernels serve elsewhere. The bytes do not
 depend on the thread count: one thread encodes a whole group.

@@ -85,7 +85,7 @@ import torch.distributed as dist
 from qwz import collectives, layout, shards
 from qwz.collectives import GatherStats
 from qwz.kernels import choose_kernels, torch_compile
-from qwz.quant import group_scales
+from qwz.policies import GatherPolicy, OptimizerSpec, ReducePolicy
 
 WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,10 +143,9 @@ def _build_torch_optimizer(
 
     Adam and AdamW run torch's ``foreach`` implementation: bit for bit the default
     single-tensor loop's update (same operations, same order, whatever the shard layout),
-    without its full-size temporaries (4.4x faster on one CPU thread for a 5M-element shard,
-    48 ms against 11). torch's ``fused=True`` kernel would be faster still (3.5 ms) but rounds
-    differently depending on where an element sits in a vector lane, so the same model
-    sharded another way would train differently; it is not used."""
+    without its full-size temporaries. torch's ``fused=True`` kernel rounds differently
+    depending on where an element sits in a vector lane, so the same model sharded another
+    way would train differently; it is not used, however fast."""
     params = dict(params)
     torch_adam = params.pop("torch_adam", False)
     adam_w_mode = params.pop("adam_w_mode", True)
@@ -172,8 +171,8 @@ def _sum_of_squares(values: torch.Tensor, fused: bool) -> torch.Tensor:
     depend on how the gradient is sharded (the world size, the group size's padding), except
     in the rare case where the float64 value sits on a float32 rounding boundary. The
     qualification relies on this for its step-1 exactness check across group sizes.
-    `fused`: one pass fused by torch.compile (about as fast as a float32 dot); else eager, a
-    bounded chunk at a time (an order of magnitude slower on CPU)."""
+    `fused`: one pass fused by torch.compile; else eager, widening a bounded chunk at a time
+    (:data:`NORM_CHUNK_NUMEL`), so the float64 copy never holds the whole shard."""
     if fused:
         return _fused_sum_of_squares()(values)
     total = torch.zeros((), dtype=torch.float64, device=values.device)
@@ -203,76 +202,53 @@ class ZeroOptimizer:
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
         *,
         stage: int,
-        optimizer_type: str,
-        optimizer_params: dict[str, Any],
-        quantize_weights: bool,
-        group_size: int,
-        preserve_numel: int,
-        allgather_bucket_size: int,
-        reduce_bucket_size: int,
+        optimizer: OptimizerSpec,
+        gather: GatherPolicy,
+        reduce: ReducePolicy,
         gradient_clipping: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
-        compile_kernels: bool | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        accumulate_dtype: torch.dtype = torch.float32,
-        shard_alignment: int | None = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage: {stage} is invalid: ZeroOptimizer implements stages 1 and 2")
         if not named_params:
             raise ValueError("named_params: empty; there is nothing to optimize")
         self.stage = stage
-        self.group_size = group_size
-        self.shard_alignment = layout.shard_alignment(
-            shard_alignment, group_size=group_size, quantize=quantize_weights
-        )
+        self.gather = gather
+        self.reduce = reduce
+        self.group_size = gather.group_size
+        self.shard_alignment = gather.resolved_shard_alignment
         """Quantized-region shards are whole multiples of this ([Note: padding rule])."""
-        self.quantize_weights = quantize_weights
         self.gradient_clipping = gradient_clipping
-        self.reduce_bucket_size = reduce_bucket_size
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.dtype = named_params[0][1].dtype
         self.device = named_params[0][1].device
-        self.reduce_dtype = self.dtype if reduce_dtype is None else reduce_dtype
-        """Dtype of the gradient collectives (default: the working dtype)."""
-        self.accumulate_dtype = accumulate_dtype
-        """Dtype of the gradient accumulators between micro-batches."""
-        self._divide_before_reduce = self.reduce_dtype == torch.float16 and self.world_size > 1
-        """fp16 collectives average before they sum (phase 1 of the module docstring)."""
         for name, param in named_params:
             if param.dtype != self.dtype:
                 raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
+        self.reduce_dtype = self.dtype if reduce.dtype is None else reduce.dtype
+        """Dtype of the gradient collectives (default: the working dtype)."""
+        self._divide_before_reduce = self.reduce_dtype == torch.float16 and self.world_size > 1
+        """fp16 collectives average before they sum (phase 1 of the module docstring)."""
 
-        choice = choose_kernels(compile_kernels, self.device, self.dtype)
+        choice = choose_kernels(gather.compile_kernels, self.device, self.dtype)
         self.kernels = choice.kernels
         """The gather's kernels: fused by default (kernels.choose_kernels) when they work here."""
         self.kernel_fallback = choice.fallback_reason
         """Why the fused kernels are not in use although wanted (None when they are)."""
-        self._check_same_kernels_on_every_rank()
-
-        exact, large = layout.split_by_size(
-            [(name, param.shape) for name, param in named_params], preserve_numel
+        collectives.check_same_kernels_on_every_rank(
+            choice, self.process_group, self.world_size, self.device
         )
-        by_name = dict(named_params)
-        budget_bytes = allgather_bucket_size * torch.finfo(self.dtype).bits // 8
-        self.regions: list[Region] = []
-        for region_name, members, alignment, quantize in (
-            ("exact", exact, 1, False),
-            ("quantized", large, self.shard_alignment, quantize_weights),
-        ):
-            if members:
-                self.regions.append(
-                    self._build_region(region_name, members, by_name, alignment, quantize)
-                )
-        self.gather_plan = self._plan_gather(budget_bytes)
+
+        self.regions = self._build_regions(named_params)
+        self.gather_plan = self._plan_gather()
         """One plan for the whole weight gather (both regions, one collective per chunk)."""
         self.staging = collectives.Staging(self.device)
         self.staging.reserve(self.gather_plan)
         self.optimizer = _build_torch_optimizer(
-            optimizer_type, optimizer_params, [region.master for region in self.regions]
+            optimizer.type, optimizer.params, [region.master for region in self.regions]
         )
         self.last_gather: dict[str, GatherStats] = {}
         self._has_gradients = False
@@ -285,22 +261,42 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ setup
 
+    def _build_regions(
+        self, named_params: Sequence[tuple[str, torch.nn.Parameter]]
+    ) -> list[Region]:
+        """The exact region (small parameters, element by element) and the quantized one
+        (whole multiples of the shard alignment), each only when it has members."""
+        exact, large = layout.split_by_size(
+            [(name, param.shape) for name, param in named_params], self.gather.preserve_numel
+        )
+        by_name = dict(named_params)
+        regions = []
+        for region_name, members, shard_alignment, quantize in (
+            ("exact", exact, 1, False),
+            ("quantized", large, self.shard_alignment, self.gather.quantize),
+        ):
+            if members:
+                regions.append(
+                    self._build_region(region_name, members, by_name, shard_alignment, quantize)
+                )
+        return regions
+
     def _build_region(
         self,
         name: str,
         members: list[tuple[str, torch.Size]],
         by_name: dict[str, torch.nn.Parameter],
-        alignment: int,
+        shard_alignment: int,
         quantize: bool,
     ) -> Region:
-        flat = layout.build_layout(members, self.world_size, alignment)
+        flat = layout.build_layout(members, self.world_size, shard_alignment)
         working = torch.zeros(flat.padded_numel, dtype=self.dtype, device=self.device)
         params = [by_name[slot.name] for slot in flat.slots]
         with torch.no_grad():
             for slot, param in zip(flat.slots, params, strict=True):
                 working[slot.offset : slot.end].copy_(param.reshape(-1))
                 param.data = working[slot.offset : slot.end].view(slot.shape)
-            # Replicas start identical: rank 0's initial weights win, exactly.
+            # [Note: replicas start identical] (engine.py): rank 0's initial weights win.
             if self.world_size > 1:
                 dist.broadcast(working, src=self._global_rank(0), group=self.process_group)
         start, end = flat.shard_range(self.rank)
@@ -313,12 +309,12 @@ class ZeroOptimizer:
             working=working,
             master=master,
             grad_accumulator=torch.zeros(
-                accumulator_numel, dtype=self.accumulate_dtype, device=self.device
+                accumulator_numel, dtype=self.reduce.accumulate_dtype, device=self.device
             ),
             quantize=quantize,
         )
 
-    def _plan_gather(self, budget_bytes: int) -> layout.GatherPlan:
+    def _plan_gather(self) -> layout.GatherPlan:
         """The main stream is the quantized region when there is one (quantized, or in the
         working dtype for the reference arm); the exact region rides in its rows."""
         main, exact = self.regions[-1], self._exact_region()
@@ -326,12 +322,11 @@ class ZeroOptimizer:
             world_size=self.world_size,
             source_numel=main.layout.shard_numel,
             quantize=main.quantize,
-            group_size=self.group_size,
             # A chunk of the quantized region is whole groups (its shard, a multiple of the
             # shard alignment, is too); the exact region alone moves element by element.
-            unit_numel=self.group_size if main.name == "quantized" else 1,
+            group_size=self.group_size if main.name == "quantized" else None,
             element_size=main.working.element_size(),
-            budget_bytes=budget_bytes,
+            budget_bytes=self.gather.bucket_size * torch.finfo(self.dtype).bits // 8,
             exact_numel=0 if exact is None else exact.layout.shard_numel,
         )
 
@@ -340,24 +335,6 @@ class ZeroOptimizer:
         if len(self.regions) == 2:
             return self.regions[0]
         return None
-
-    def _check_same_kernels_on_every_rank(self) -> None:
-        """Eager and fused kernels produce the same bytes, but a rank that silently runs
-        other kernels than its peers is a configuration error: raise on every rank."""
-        if self.world_size == 1:
-            return
-        fused = torch.tensor(
-            [self.kernels.name == "compiled", self.kernels.name != "compiled"],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        dist.all_reduce(fused, group=self.process_group)
-        if int(fused[0]) not in (0, self.world_size):
-            raise RuntimeError(
-                f"rank {self.rank}: ranks disagree on the gather kernels ({int(fused[0])} of "
-                f"{self.world_size} fused; this rank: {self.kernels.name}, "
-                f"fallback: {self.kernel_fallback}); pass compile_kernels explicitly"
-            )
 
     def _global_rank(self, group_rank: int) -> int:
         if self.process_group is None:
@@ -369,7 +346,7 @@ class ZeroOptimizer:
     @property
     def quantization_group_size(self) -> int | None:
         """The group size in force for the weight gather on this rank; None when not quantizing."""
-        return self.group_size if self.quantize_weights else None
+        return self.group_size if self.gather.quantize else None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -394,7 +371,7 @@ class ZeroOptimizer:
                     region.grad_accumulator,
                     rank=self.rank,
                     world_size=self.world_size,
-                    bucket_numel=self.reduce_bucket_size,
+                    bucket_numel=self.reduce.bucket_size,
                     group=self.process_group,
                     scratch=self._reduced,
                 )
@@ -439,7 +416,8 @@ class ZeroOptimizer:
         shard_grads = [self._reduced_shard_grad(region, loss_scale) for region in self.regions]
         fused = self.kernels.name == "compiled"
         squares = torch.stack([_sum_of_squares(grad, fused) for grad in shard_grads]).sum()
-        # Reduced and rooted in float64, then rounded once to float32: see _sum_of_squares.
+        # Reduced and rooted in float64, then rounded once to float32:
+        # [Note: sharding-independent norm].
         total = collectives.all_reduce_sum(squares, self.world_size, self.process_group)
         grad_norm = total.sqrt().to(torch.float32)
         # Every rank takes this branch together: they all hold the same reduced norm.
@@ -605,23 +583,6 @@ class ZeroOptimizer:
         """This rank's fp32 master shard of each region (read-only views)."""
         return {region.name: region.master.detach() for region in self.regions}
 
-    def element_scales(self, param_name: str) -> torch.Tensor:
-        """The quantization scale of the group each element of `param_name` belongs to, as
-        implied by the current working copy (absmax / 127); zeros where it travels exactly."""
-        for region in self.regions:
-            for slot in region.layout.slots:
-                if slot.name != param_name:
-                    continue
-                if not region.quantize:
-                    return torch.zeros(slot.shape, dtype=torch.float32, device=self.device)
-                size = self.group_size
-                first, last = slot.offset // size, (slot.end - 1) // size + 1
-                working = region.working[first * size : last * size]
-                scales = group_scales(working, size).repeat_interleave(size)
-                local = slot.offset - first * size
-                return scales[local : local + slot.numel].view(slot.shape)
-        raise KeyError(f"{param_name}: not a parameter of this optimizer")
-
     # -------------------------------------------------------------- internals
 
     def _flatten_grads(self, region: Region, dtype: torch.dtype) -> torch.Tensor:
@@ -648,7 +609,7 @@ class ZeroOptimizer:
         if self.stage == 1:
             collectives.all_reduce_in_buckets(
                 region.grad_accumulator,
-                bucket_numel=self.reduce_bucket_size,
+                bucket_numel=self.reduce.bucket_size,
                 world_size=self.world_size,
                 group=self.process_group,
                 reduce_dtype=self.reduce_dtype,

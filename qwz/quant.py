@@ -18,7 +18,7 @@ For each group of ``G`` consecutive elements, in fp32 whatever the input dtype
 
 ``absmax`` maps to 127 (not 128 clamped to 127), and an all-zero group has scale 0 and
 decodes to exact zeros. The code multiplies by the fp32 reciprocal of the scale instead of
-dividing (a division costs 2.3x a multiply on CPU): ``fl(x * fl(1 / scale))`` differs from
+dividing (a division costs several multiplies on CPU): ``fl(x * fl(1 / scale))`` differs from
 ``x / scale`` by at most ``|x / scale| * (2 * 2**-24 + 2**-48) <= 127 * 2**-23`` of a code,
 so the code can round the other way when ``x / scale`` lies that close to a half-integer;
 the product ``code * scale`` adds at most ``127 * 2**-24`` of a scale. Hence, for every
@@ -79,6 +79,8 @@ from typing import NamedTuple
 
 import torch
 
+from qwz.sizes import ceil_div, round_up
+
 DEFAULT_GROUP_SIZE = 64
 """Elements per quantization group (one fp32 scale each)."""
 
@@ -116,9 +118,15 @@ def group_scales(values: torch.Tensor, group_size: int) -> torch.Tensor:
     """Scale of each group of `group_size` consecutive elements of flat `values` (the last
     group zero-padded): float32 (ceil(numel / group_size),)."""
     flat = values.detach().reshape(-1).to(torch.float32)
-    padding = -flat.numel() % group_size
-    groups = torch.nn.functional.pad(flat, (0, padding)).view(-1, group_size)
+    groups = pad_to_whole_groups(flat, group_size).view(-1, group_size)
     return scale_from_absmax(groups.abs().amax(dim=1))
+
+
+def pad_to_whole_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Flat `flat` zero-padded at the end to a whole number of `group_size` groups (itself
+    when it already is): the last group of every quantized stream is padded this way."""
+    padding = round_up(flat.numel(), group_size) - flat.numel()
+    return torch.nn.functional.pad(flat, (0, padding)) if padding else flat
 
 
 class QuantizedTensor(NamedTuple):
@@ -213,7 +221,7 @@ class WireRow(NamedTuple):
         stay aligned); at most 3 bytes of padding."""
         if not self.num_groups:
             return self.payload_bytes
-        return -(-self.payload_bytes // SCALE_BYTES) * SCALE_BYTES
+        return round_up(self.payload_bytes, SCALE_BYTES)
 
 
 def row_scales(rows: torch.Tensor, row: WireRow) -> torch.Tensor:
@@ -287,10 +295,8 @@ def quantize(x: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Quantized
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x: dtype {x.dtype} is invalid: must be one of {SUPPORTED_DTYPES}")
     flat = x.detach().reshape(-1)
-    num_groups = -(-flat.numel() // group_size)
-    padding = num_groups * group_size - flat.numel()
-    if padding:
-        flat = torch.nn.functional.pad(flat, (0, padding))
+    num_groups = ceil_div(flat.numel(), group_size)
+    flat = pad_to_whole_groups(flat, group_size)
     codes, scales = quantize_groups(flat.view(num_groups, group_size))
     return QuantizedTensor(codes=codes, scales=scales, shape=x.shape, dtype=x.dtype)
 

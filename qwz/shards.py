@@ -85,9 +85,6 @@ def shard_scales(master: torch.Tensor, group_size: int, exact: torch.Tensor | No
     values = master.detach().float().reshape(-1)
     if exact is not None:
         values = torch.where(exact, torch.zeros_like(values), values)
-    padded = -(-values.numel() // group_size) * group_size
-    if padded != values.numel():
-        values = torch.nn.functional.pad(values, (0, padded - values.numel()))
     return quant.group_scales(values, group_size)
 
 

@@ -76,7 +76,8 @@ def element_bound(
     candidate: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Per-element bound on |candidate - reference| after `step` steps (fp32 tensor).
+    """Per-element bound on |candidate - reference| after `step` steps (fp32 tensor); see
+    [Note: parameter-sample tolerance].
 
     `scales` is the quantization scale of each candidate element's group (0 for
     elements that travel exactly)."""

@@ -594,13 +594,12 @@ def _handed_squares(shards: Sequence[seam.OwnShard]) -> torch.Tensor:
 def kernels_used(engine: Any, rank: int) -> dict[str, Any]:
     """What wire kernels this rank's arm ran, and every implementation dropped on the way
     (the record's ``KernelUse``). Reads the optimizer's public ``kernels`` /
-    ``kernel_fallback`` (qwz's engine) or ``qwz_kernels`` / ``qwz_kernel_fallback`` (the
-    DeepSpeed drop-in); stock DeepSpeed runs none of qwz's kernels."""
+    ``kernel_fallback`` (qwz's engine) or those of its ``qwz`` state (the DeepSpeed
+    drop-in, [Note: drop-in state]); stock DeepSpeed runs none of qwz's kernels."""
     optimizer = engine.optimizer
-    chosen = getattr(optimizer, "kernels", None) or getattr(optimizer, "qwz_kernels", None)
-    fallback = getattr(optimizer, "kernel_fallback", None) or getattr(
-        optimizer, "qwz_kernel_fallback", None
-    )
+    holder = getattr(optimizer, "qwz", optimizer)
+    chosen = getattr(holder, "kernels", None)
+    fallback = getattr(holder, "kernel_fallback", None)
     name = getattr(chosen, "name", None)
     fallbacks = [f"fused kernels unusable, eager instead: {fallback}"] if fallback else []
     native = False

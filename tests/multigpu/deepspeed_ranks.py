@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 import qwz
 from qwz.integrations import deepspeed as qwz_deepspeed
+from qwz.integrations.deepspeed.state import state_of
 from qwz.tolerance import element_bound, half_ulp
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp, device_of
 from tests.multigpu.ranks import BETAS, LR
+from tests.multigpu.scales import element_scales
 
 WEIGHT_DECAY = 0.01
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -108,7 +110,7 @@ def _exact_mask(engine: Any, group: int, rank: int) -> torch.Tensor:
     for param in engine.module.parameters():
         offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
         inside = 0 <= offset < flat.numel()
-        if inside and param.numel() <= optimizer.qwz_preserve_numel:
+        if inside and param.numel() <= optimizer.qwz.preserve_numel:
             mask[offset : offset + param.numel()] = True
     return mask[rank * partition_numel : (rank + 1) * partition_numel]
 
@@ -158,9 +160,10 @@ def train(
         result["checks"].append({**check._asdict(), "in_effect": check.in_effect})
         result["grad_norms"].append(float(engine.get_global_grad_norm()))
         result["hashes"].append(qwz.param_hash(engine.module))
-        stats = getattr(optimizer, "qwz_gather_stats", None)
+        state = state_of(optimizer)
+        stats = None if state is None else state.gather_stats
         result["reported_stats"].append(None if stats is None else stats._asdict())
-        if check_decode and hasattr(optimizer, "qwz_plans"):
+        if check_decode and state is not None and state.taken_over:
             rank = dist.get_rank(group=optimizer.real_dp_process_group[0])
             result["decode_matches"].append(
                 all(
@@ -171,9 +174,10 @@ def train(
                     for i in range(len(optimizer.bit16_groups_flat))
                 )
             )
+    state = state_of(optimizer)
+    plans = state.plans if state is not None and state.taken_over else []
     result["exact_counts"] = [
-        [positions.numel() for positions in plan.exact_positions]
-        for plan in getattr(optimizer, "qwz_plans", [])
+        [positions.numel() for positions in plan.exact_positions] for plan in plans
     ]
     return result
 
@@ -201,7 +205,7 @@ def compare_with_stock(
             _forward_backward(engine, seed, step)
             engine.step()
         stock_params = dict(stock.module.named_parameters())
-        for i in range(len(candidate.optimizer.qwz_plans)):
+        for i in range(len(candidate.optimizer.qwz.plans)):
             reference = stock.optimizer.parallel_partitioned_bit16_groups[i][rank].float()
             values = candidate.optimizer.parallel_partitioned_bit16_groups[i][rank].float()
             scales = _element_scales(candidate, i)
@@ -222,7 +226,7 @@ def compare_with_stock(
                 exact_equal_after_step1 = all(
                     torch.equal(param, stock_params[name])
                     for name, param in candidate.module.named_parameters()
-                    if param.numel() <= candidate.optimizer.qwz_preserve_numel
+                    if param.numel() <= candidate.optimizer.qwz.preserve_numel
                 )
                 masters_equal_after_step1 = bool(
                     torch.equal(
@@ -299,11 +303,11 @@ def refresh_through_update_lp_params(steps: int = 2) -> dict[str, Any]:
     for step in range(1, steps + 1):
         _forward_backward(engine, 0, step)
         engine.step()
-    before = (qwz.param_hash(engine.module), engine.optimizer.qwz_gathers)
+    before = (qwz.param_hash(engine.module), engine.optimizer.qwz.gathers)
     engine.optimizer.update_lp_params()
     return {
         "hash_unchanged": qwz.param_hash(engine.module) == before[0],
-        "extra_gathers": engine.optimizer.qwz_gathers - before[1],
+        "extra_gathers": engine.optimizer.qwz.gathers - before[1],
     }
 
 
@@ -355,7 +359,8 @@ def parity_with_qwz_engine(
             ours, theirs = param.detach().float(), reference[name].detach().float()
             scales = torch.zeros_like(ours)
             if quantized:  # each side decodes within half its own group's scale
-                scales = own_engine.optimizer.element_scales(name).float() + deepspeed_scales[name]
+                own_scales = element_scales(own_engine.optimizer, name).float()
+                scales = own_scales + deepspeed_scales[name]
             bound = element_bound(step, LR, BETAS, scales, theirs, ours, working_dtype)
             error = (ours - theirs).abs()
             violations += int((error > bound).sum())

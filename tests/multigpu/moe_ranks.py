@@ -72,7 +72,7 @@ def _exact_numels(engine: Any, group: int) -> list[int]:
     counts = [0] * len(partitions)
     for param in engine.module.parameters():
         offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
-        if not 0 <= offset < flat.numel() or param.numel() > optimizer.qwz_preserve_numel:
+        if not 0 <= offset < flat.numel() or param.numel() > optimizer.qwz.preserve_numel:
             continue
         for owner in range(len(partitions)):
             first, last = owner * partition_numel, (owner + 1) * partition_numel
@@ -96,7 +96,7 @@ def _param_group_facts(engine: Any) -> list[dict[str, Any]]:
                 "partitioned_over": dist.get_process_group_ranks(
                     optimizer.real_dp_process_group[i]
                 ),
-                "gathered_over": dist.get_process_group_ranks(optimizer.qwz_plans[i].process_group),
+                "gathered_over": dist.get_process_group_ranks(optimizer.qwz.plans[i].process_group),
                 "partition_numel": partition.numel(),
                 "exact_numels": _exact_numels(engine, i),
             }
@@ -129,7 +129,7 @@ def train(stage: int, ep_size: int, num_experts: int, steps: int, seed: int = 0)
         outputs, aux_loss = engine(inputs)
         loss = torch.nn.functional.mse_loss(outputs.float(), targets) + AUX_LOSS_WEIGHT * aux_loss
         engine.backward(loss)
-        gathers_before = optimizer.qwz_gathers
+        gathers_before = optimizer.qwz.gathers
         with WireProbe() as probe:
             engine.step()
         result["losses"].append(loss.item())
@@ -138,7 +138,7 @@ def train(stage: int, ep_size: int, num_experts: int, steps: int, seed: int = 0)
         )
         result["gather_bytes_by_group"].append(dict(probe.gather_bytes_by_group))
         result["gather_calls_by_group"].append(dict(probe.gather_calls_by_group))
-        result["qwz_gathers"].append(optimizer.qwz_gathers - gathers_before)
+        result["qwz_gathers"].append(optimizer.qwz.gathers - gathers_before)
     result["working_is_master_cast"] = _working_is_master_cast(optimizer)
     return result
 

@@ -168,8 +168,8 @@ def scale_absmax_over_128(arm, engine, plan):
 
     kernels = wire_kernels.QuantKernels("eager", bad_encode, quant.decode_into)
     optimizer = engine.optimizer
-    if hasattr(optimizer, "qwz_kernels"):
-        optimizer.qwz_kernels = kernels
+    if hasattr(optimizer, "qwz"):  # the DeepSpeed drop-in: [Note: drop-in state]
+        optimizer.qwz.kernels = kernels
     else:
         optimizer.kernels = kernels
 

@@ -18,6 +18,7 @@ import qwz
 from qwz.probe import WireProbe
 from qwz.tolerance import element_bound
 from tests.multigpu.models import MICRO_BATCH, batch, build_odd_width_mlp, device_of
+from tests.multigpu.scales import element_scales
 
 LR = 1e-3
 BETAS = (0.9, 0.999)
@@ -153,7 +154,7 @@ def compare_arms(
             index = samples[name]
             ref_values = ref_params[name].detach().reshape(-1)[index].float()
             cand_values = cand_params[name].detach().reshape(-1)[index].float()
-            scales = candidate.optimizer.element_scales(name).reshape(-1)[index]
+            scales = element_scales(candidate.optimizer, name).reshape(-1)[index]
             bound = element_bound(step, LR, BETAS, scales, ref_values, cand_values, working_dtype)
             error = (cand_values - ref_values).abs()
             violations += int((error > bound).sum())

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from qwz.integrations.deepspeed.state import state_of
 from qwz.probe import WireProbe
 
 
@@ -58,17 +59,23 @@ def unquantized_gather_bytes(optimizer: Any) -> int:
     return total
 
 
+def _gathers(optimizer: Any) -> int:
+    """How many qwz gathers ran on `optimizer` (0 for one qwz's initialize did not build)."""
+    state = state_of(optimizer)
+    return 0 if state is None else state.gathers
+
+
 def measure_weight_gather(engine: Any, step: Callable[[], Any] | None = None) -> WeightGatherCheck:
     """Run `step` (default ``engine.step()``, at an accumulation boundary, after backward)
     under a WireProbe and compare what was gathered with stock bytes."""
     optimizer = engine.optimizer
-    gathers_before = getattr(optimizer, "qwz_gathers", 0)
+    gathers_before = _gathers(optimizer)
     with WireProbe() as probe:
         (step or engine.step)()
     return WeightGatherCheck(
         gathered_bytes=probe.bytes["gather"],
         unquantized_bytes=unquantized_gather_bytes(optimizer),
-        qwz_gathers=getattr(optimizer, "qwz_gathers", 0) - gathers_before,
+        qwz_gathers=_gathers(optimizer) - gathers_before,
         largest_gather_output_bytes=probe.largest_gather_output_bytes,
     )
 

@@ -168,8 +168,7 @@ def plan_flat_group(
         world_size=world_size,
         source_numel=partition_numel,
         quantize=has_large,
-        group_size=group_size,
-        unit_numel=group_size if has_large else 1,
+        group_size=group_size if has_large else None,
         element_size=element_size,
         budget_bytes=budget_bytes,
         exact_runs=runs if has_large else None,
@@ -191,7 +190,8 @@ def plan_flat_group(
 
 
 def plan_optimizer(optimizer: Any, requested: QuantizedWeights) -> list[FlatGroupPlan]:
-    """One :class:`FlatGroupPlan` per param group of DeepSpeed's ZeRO-1/2 optimizer."""
+    """One :class:`FlatGroupPlan` per param group of DeepSpeed's ZeRO-1/2 optimizer; see
+    [Note: gathering DeepSpeed's flat groups]."""
     plans = []
     for i, flat in enumerate(optimizer.bit16_groups_flat):
         partitions = optimizer.parallel_partitioned_bit16_groups[i]
@@ -237,9 +237,10 @@ def plan_optimizer(optimizer: Any, requested: QuantizedWeights) -> list[FlatGrou
 @torch.no_grad()
 def gather_optimizer_weights(optimizer: Any) -> GatherStats:
     """Write every rank's master partition into every rank's flat bit16 buffer (all groups)."""
+    state = optimizer.qwz  # [Note: drop-in state] (state.py)
     total = GatherStats(0, 0, 0)
     for plan, flat, master in zip(
-        optimizer.qwz_plans,
+        state.plans,
         optimizer.bit16_groups_flat,
         optimizer.single_partition_of_fp32_groups,
         strict=True,
@@ -248,8 +249,8 @@ def gather_optimizer_weights(optimizer: Any) -> GatherStats:
             plan,
             master.detach(),
             flat,
-            kernels=optimizer.qwz_kernels,
-            staging=optimizer.qwz_staging,
+            kernels=state.kernels,
+            staging=state.staging,
         )
         total = GatherStats(
             total.collectives + stats.collectives,

@@ -12,7 +12,7 @@ told which checkpoint is being loaded, so :func:`attach` replaces two bound
 methods of the one engine object: ``load_checkpoint`` (which clears the record
 below when it returns, even on error) and ``_load_checkpoint`` (DeepSpeed's
 inner load, handed the directory and the resolved tag), which records
-``optimizer.qwz_checkpoint_load = CheckpointLoad(engine, load_dir, tag)`` before it
+``optimizer.qwz.checkpoint_load = CheckpointLoad(engine, load_dir, tag)`` before it
 runs DeepSpeed's own code.
 
 The replaced ``_restore_from_bit16_weights`` / ``refresh_fp32_params``
@@ -110,14 +110,14 @@ def attach(engine: Any) -> None:
         try:
             return stock_load(self, *args, **kwargs)
         finally:
-            optimizer.qwz_checkpoint_load = None
+            optimizer.qwz.checkpoint_load = None
 
     def _load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         call = inner_signature.bind(self, *args, **kwargs).arguments
-        optimizer.qwz_checkpoint_load = CheckpointLoad(self, call["load_dir"], call["tag"])
+        optimizer.qwz.checkpoint_load = CheckpointLoad(self, call["load_dir"], call["tag"])
         return stock_inner(self, *args, **kwargs)
 
-    optimizer.qwz_checkpoint_load = None
+    optimizer.qwz.checkpoint_load = None
     engine.load_checkpoint = types.MethodType(load_checkpoint, engine)
     engine._load_checkpoint = types.MethodType(_load_checkpoint, engine)
 
@@ -125,7 +125,7 @@ def attach(engine: Any) -> None:
 def restore_masters(optimizer: Any) -> None:
     """Replaces ``_restore_from_bit16_weights`` and ``refresh_fp32_params`` of a taken-over
     optimizer: the masters from the checkpoint's fp32 partitions, or LossyResumeError."""
-    load = getattr(optimizer, "qwz_checkpoint_load", None)
+    load = optimizer.qwz.checkpoint_load
     zero_states, reason = _fp32_partitions(optimizer, load)
     process_group = optimizer.dp_process_group
     found = torch.tensor(

@@ -17,13 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qwz.integrations.deepspeed.state import state_of
 from qwz.shards import OwnShard, make_own_shard, slots_in_range
 
 
 def own_shards(optimizer: Any) -> list[OwnShard]:
     """One OwnShard per DeepSpeed param group of `optimizer` (a DeepSpeedZeroOptimizer)."""
-    plans = getattr(optimizer, "qwz_plans", None)
-    group_size = getattr(optimizer, "quantization_group_size", None)
+    state = state_of(optimizer)
+    plans = None if state is None else state.plans
+    group_size = optimizer.quantization_group_size if plans is not None else None
     names = getattr(optimizer, "param_names", None) or {}
     result = []
     for i, master in enumerate(optimizer.single_partition_of_fp32_groups):

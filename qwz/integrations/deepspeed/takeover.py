@@ -30,9 +30,10 @@ qwz replaces exactly that gather and nothing else:
 * A step that should have gathered but did not reach the dispatcher (a
   DeepSpeed change) raises instead of silently training stock.
 * ``quantization_group_size`` (the group size in force: G, or None when qwz
-  does not gather), ``qwz_gather_stats`` (the last
-  :class:`~qwz.collectives.GatherStats`, summed over groups and chunks) and
-  ``qwz_gathers`` (how many qwz gathers ran) are set on the optimizer object.
+  does not gather) and one :class:`~qwz.integrations.deepspeed.state.DropInState`,
+  ``optimizer.qwz`` (the plans, the kernels, the last
+  :class:`~qwz.collectives.GatherStats`, how many qwz gathers ran), are set on the
+  optimizer object ([Note: drop-in state], state.py).
 
 Why it is safe: when the gather runs, the master partition has been stepped
 and DeepSpeed has nothing left to do but refresh the parameter views, which
@@ -48,8 +49,9 @@ one method, ``_restore_from_bit16_weights`` (``refresh_fp32_params`` calls it),
 reached from ``engine.load_checkpoint`` with ``load_optimizer_states=False``,
 with ``load_module_only=True``, with ``zero_optimization.load_from_fp32_weights:
 false`` (in ``_load_legacy_checkpoint``), or when the ZeRO checkpoint is
-missing. Done here it would make the quantization error permanent (measured:
-0.43% median relative master error, and small elements become exactly 0). On a
+missing. Done here it would make the quantization error permanent (every master
+becomes its int8 decode, and elements below half their group's scale become exactly
+0). On a
 taken-over optimizer both methods are :func:`resume.restore_masters`: within a
 ``load_checkpoint`` whose directory holds every rank's fp32 master partition
 (the first two ways) it copies those, bit for bit; everywhere else (the last two
@@ -71,10 +73,9 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from qwz.collectives import Staging
+from qwz.collectives import Staging, check_same_kernels_on_every_rank
 from qwz.config import (
     DEFAULT_PRESERVE_NUMEL,
     GROUP_SIZE_KEY,
@@ -87,6 +88,7 @@ from qwz.config import (
 from qwz.integrations.deepspeed import resume, shards
 from qwz.integrations.deepspeed.config import check_supported, gather_enabled, take_config
 from qwz.integrations.deepspeed.gather import gather_optimizer_weights, plan_optimizer
+from qwz.integrations.deepspeed.state import DropInState
 from qwz.kernels import choose_kernels
 
 _OPTIMIZER_ATTRIBUTES = (
@@ -118,7 +120,7 @@ def initialize(
     and strips the qwz keys but leaves DeepSpeed stock. ``compile_kernels``: None
     (default) uses the gather's fused kernels (native C on CPU, ``torch.compile``
     otherwise) when a one-time probe shows they work here, else the eager
-    kernels (same bytes), and logs why (``optimizer.qwz_kernel_fallback``); True requires
+    kernels (same bytes), and logs why (``optimizer.qwz.kernel_fallback``); True requires
     the fused kernels; False keeps eager.
     """
     import deepspeed
@@ -156,8 +158,7 @@ def initialize(
         resume.attach(result[0])
     elif stage in (1, 2) and _is_zero_optimizer(optimizer):
         optimizer.quantization_group_size = None
-        optimizer.qwz_gather_stats = None
-        optimizer.qwz_gathers = 0
+        optimizer.qwz = DropInState()
     return result
 
 
@@ -187,50 +188,34 @@ def _take_over(
             f"zero_optimization.offload_optimizer: offload is not supported with "
             f"{QUANTIZED_WEIGHTS_KEY}"
         )
-    optimizer.qwz_plans = plan_optimizer(optimizer, requested)
+    plans = plan_optimizer(optimizer, requested)
     # One-rank groups are copied exactly (gather.py); with only those, nothing is quantized.
-    quantizing = any(plan.world_size > 1 for plan in optimizer.qwz_plans)
+    quantizing = any(plan.world_size > 1 for plan in plans)
     optimizer.quantization_group_size = requested.group_size if quantizing else None
-    optimizer.qwz_preserve_numel = requested.preserve_numel
-    optimizer.qwz_gather_stats = None
-    optimizer.qwz_gathers = 0
-    choice = choose_kernels(
-        compile_kernels, optimizer.bit16_groups_flat[0].device, optimizer.bit16_groups_flat[0].dtype
+    device = optimizer.bit16_groups_flat[0].device
+    choice = choose_kernels(compile_kernels, device, optimizer.bit16_groups_flat[0].dtype)
+    optimizer.qwz = DropInState(
+        plans=plans,
+        preserve_numel=requested.preserve_numel,
+        kernels=choice.kernels,
+        kernel_fallback=choice.fallback_reason,
+        staging=Staging(device),
     )
-    optimizer.qwz_kernels = choice.kernels
-    optimizer.qwz_kernel_fallback = choice.fallback_reason
-    optimizer.qwz_staging = Staging(optimizer.bit16_groups_flat[0].device)
-    _check_same_kernels_on_every_rank(optimizer)
+    for process_group in {id(g): g for g in optimizer.real_dp_process_group}.values():
+        world_size = dist.get_world_size(group=process_group)
+        check_same_kernels_on_every_rank(choice, process_group, world_size, device)
     optimizer.step = types.MethodType(_step, optimizer)
     optimizer.update_lp_params = types.MethodType(_update_lp_params, optimizer)
     optimizer._restore_from_bit16_weights = types.MethodType(resume.restore_masters, optimizer)
     optimizer.refresh_fp32_params = types.MethodType(resume.restore_masters, optimizer)
 
 
-def _check_same_kernels_on_every_rank(optimizer: Any) -> None:
-    """Eager and fused kernels write the same bytes, but ranks that silently run different
-    kernels are a misconfiguration: raise on every rank (over every dp group)."""
-    for process_group in {id(g): g for g in optimizer.real_dp_process_group}.values():
-        world_size = dist.get_world_size(group=process_group)
-        if world_size == 1:
-            continue
-        device = optimizer.bit16_groups_flat[0].device
-        fused = torch.tensor([int(optimizer.qwz_kernels.name == "compiled")], device=device)
-        dist.all_reduce(fused, group=process_group)
-        if int(fused) not in (0, world_size):
-            raise RuntimeError(
-                f"ranks disagree on the gather kernels ({int(fused)} of {world_size} fused; "
-                f"this rank: {optimizer.qwz_kernels.name}, fallback: "
-                f"{optimizer.qwz_kernel_fallback}); pass compile_kernels explicitly"
-            )
-
-
 def _step(self: Any, closure: Any = None) -> Any:
     """DeepSpeedZeroOptimizer.step with its weight gather done by qwz."""
-    gathers_before = self.qwz_gathers
+    gathers_before = self.qwz.gathers
     with _gather_redirected(self):
         result = type(self).step(self, closure)
-    if not self.overflow and self.qwz_gathers == gathers_before:
+    if not self.overflow and self.qwz.gathers == gathers_before:
         raise RuntimeError(
             "qwz.integrations.deepspeed: DeepSpeed's step did not call all_gather_dp_groups, "
             "so qwz could not quantize the weight gather; this DeepSpeed is not supported"
@@ -259,8 +244,8 @@ def _gather_redirected(optimizer: Any) -> Iterator[None]:
             call.get("groups_flat") is optimizer.bit16_groups_flat
             and call.get("partitioned_param_groups") is optimizer.parallel_partitioned_bit16_groups
         ):
-            optimizer.qwz_gather_stats = gather_optimizer_weights(optimizer)
-            optimizer.qwz_gathers += 1
+            optimizer.qwz.gather_stats = gather_optimizer_weights(optimizer)
+            optimizer.qwz.gathers += 1
             return None
         return stock(*args, **kwargs)
 

@@ -15,8 +15,8 @@ import qwz
 from qwz.collectives import Staging, gather
 from qwz.layout import plan_gather
 
+from ..strategies import tensors
 from .single_rank import fewer_examples
-from .strategies import tensors
 
 
 def test_no_process_group():
@@ -50,8 +50,11 @@ def gather_cases(draw) -> GatherCase:
     return GatherCase(local_shard, draw(st.sampled_from(WORKING_DTYPES)), group_size, budgets)
 
 
-def check_gather(case: GatherCase, *, quantize: bool, unit_numel: int, expected: torch.Tensor):
+def check_gather(
+    case: GatherCase, *, quantize: bool, group_size: int | None, expected: torch.Tensor
+):
     element_size = torch.finfo(case.dtype).bits // 8
+    unit_numel = 1 if group_size is None else group_size
     shard_numel = case.local_shard.numel()
     # The smallest chunk: one unit (codes + scale, or elements) of this one rank.
     minimal = unit_numel + 4 if quantize else unit_numel * element_size
@@ -60,8 +63,7 @@ def check_gather(case: GatherCase, *, quantize: bool, unit_numel: int, expected:
             world_size=1,
             source_numel=shard_numel,
             quantize=quantize,
-            group_size=case.group_size,
-            unit_numel=unit_numel,
+            group_size=group_size,
             element_size=element_size,
             budget_bytes=budget,
         )
@@ -79,9 +81,9 @@ def check_gather(case: GatherCase, *, quantize: bool, unit_numel: int, expected:
 def test_unquantized_gather_is_a_cast_whatever_the_chunking(case, exact_unit):
     """The exact region chunks in units of 1 element, the quantized region with quantization
     off in units of a group; neither changes a value."""
-    unit_numel = 1 if exact_unit else case.group_size
+    group_size = None if exact_unit else case.group_size
     expected = case.local_shard.to(case.dtype)
-    check_gather(case, quantize=False, unit_numel=unit_numel, expected=expected)
+    check_gather(case, quantize=False, group_size=group_size, expected=expected)
 
 
 @fewer_examples(2)
@@ -89,4 +91,4 @@ def test_unquantized_gather_is_a_cast_whatever_the_chunking(case, exact_unit):
 def test_quantized_gather_is_dequantize_of_quantize_whatever_the_chunking(case):
     q = qwz.quantize(case.local_shard, case.group_size)
     expected = qwz.dequantize(q, case.dtype)
-    check_gather(case, quantize=True, unit_numel=case.group_size, expected=expected)
+    check_gather(case, quantize=True, group_size=case.group_size, expected=expected)

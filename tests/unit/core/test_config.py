@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import qwz
 
-from .strategies import (
+from ..strategies import (
     BUCKET_KEYS,
     GROUP_SIZE_KEY,
     INVALID_BUCKET_SIZES,

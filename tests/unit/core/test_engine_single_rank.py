@@ -284,13 +284,14 @@ def one_step(run: QuantizedRun, *, quantized: bool) -> types.SimpleNamespace:
     optimizer = qwz.ZeroOptimizer(
         list(model.named_parameters()),
         stage=run.stage,
-        optimizer_type="adamw",
-        optimizer_params=dict(ADAMW["params"]),
-        quantize_weights=quantized,
-        group_size=run.group_size,
-        preserve_numel=PRESERVE_NUMEL,
-        allgather_bucket_size=run.bucket,
-        reduce_bucket_size=10,
+        optimizer=qwz.OptimizerSpec("adamw", ADAMW["params"]),
+        gather=qwz.GatherPolicy(
+            quantize=quantized,
+            group_size=run.group_size,
+            preserve_numel=PRESERVE_NUMEL,
+            bucket_size=run.bucket,
+        ),
+        reduce=qwz.ReducePolicy(bucket_size=10),
     )
     loss_of(model, make_batches(run.seed, 1)[0]).backward()
     optimizer.accumulate_gradients()

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qwz
-from qwz.config import _TOP_KNOWN, _ZERO_KNOWN, ConfigError, QwzConfig
+from qwz.config import ConfigError, QwzConfig
+from qwz.config_keys import TOP_KNOWN, ZERO_KNOWN
 
 MESSAGE_LIMIT = 2000  # the longest fixed part: the list of known zero_optimization keys
 
@@ -169,13 +170,11 @@ CONFIG_VALUES = st.recursive(
 @st.composite
 def hostile_configs(draw) -> dict:
     config = draw(
-        st.dictionaries(
-            st.sampled_from(_TOP_KNOWN) | st.text(max_size=6), CONFIG_VALUES, max_size=4
-        )
+        st.dictionaries(st.sampled_from(TOP_KNOWN) | st.text(max_size=6), CONFIG_VALUES, max_size=4)
     )
     if draw(st.booleans()):
         config["zero_optimization"] = draw(
-            st.dictionaries(st.sampled_from(_ZERO_KNOWN), CONFIG_VALUES, max_size=4)
+            st.dictionaries(st.sampled_from(ZERO_KNOWN), CONFIG_VALUES, max_size=4)
         )
     return config
 

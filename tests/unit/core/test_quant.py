@@ -31,7 +31,7 @@ from qwz.quant import (
     scale_from_absmax,
 )
 
-from .strategies import (
+from ..strategies import (
     FLOAT_DTYPES,
     poisoned,
     tensor_and_group_size,

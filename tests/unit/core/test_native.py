@@ -21,7 +21,7 @@ from qwz import native, quant
 from qwz.kernels import EAGER_KERNELS
 from qwz.quant import WireRow, row_codes, row_scales
 
-from .strategies import tensors
+from ..strategies import tensors
 
 FLT_MAX = torch.finfo(torch.float32).max
 POISON_BITS = (0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFC0FFEE)

@@ -27,14 +27,15 @@ def build_optimizer(group_size: int, quantize: bool, alignment: int | None) -> q
     return qwz.ZeroOptimizer(
         list(model.named_parameters()),
         stage=2,
-        optimizer_type="adamw",
-        optimizer_params={"lr": 1e-3},
-        quantize_weights=quantize,
-        group_size=group_size,
-        preserve_numel=PRESERVE_NUMEL,
-        allgather_bucket_size=10**6,
-        reduce_bucket_size=10**6,
-        shard_alignment=alignment,
+        optimizer=qwz.OptimizerSpec("adamw", {"lr": 1e-3}),
+        gather=qwz.GatherPolicy(
+            quantize=quantize,
+            group_size=group_size,
+            preserve_numel=PRESERVE_NUMEL,
+            bucket_size=10**6,
+            shard_alignment=alignment,
+        ),
+        reduce=qwz.ReducePolicy(bucket_size=10**6),
     )
 
 
@@ -59,8 +60,8 @@ def test_one_alignment_gives_the_reference_and_every_candidate_one_layout():
 def test_default_alignment_is_the_group_size():
     optimizer = build_optimizer(64, True, None)
     assert optimizer.shard_alignment == 64
-    assert optimizer.regions[-1].layout.alignment == 64
-    assert optimizer.regions[0].layout.alignment == 1  # the exact region: element by element
+    assert optimizer.regions[-1].layout.shard_alignment == 64
+    assert optimizer.regions[0].layout.shard_alignment == 1  # the exact region: element by element
 
 
 def test_optimizer_refuses_an_alignment_that_splits_groups():
@@ -76,4 +77,4 @@ def test_engine_refuses_it_at_one_rank_too():
         qwz.initialize(torch.nn.Linear(30, 40), config=CONFIG, shard_alignment=96)
     # 90,000 weight elements: above the default preserve_numel, so a quantized region.
     engine = qwz.initialize(torch.nn.Linear(300, 300), config=CONFIG, shard_alignment=8192)
-    assert engine.optimizer.regions[-1].layout.alignment == 8192
+    assert engine.optimizer.regions[-1].layout.shard_alignment == 8192
