@@ -1,5 +1,5 @@
 """Per-arm peak memory: arms trained one after another vs one arm alone ([Note: arms one at a
-time], qwz/qualify/runner.py).
+time], qwz/qualify/run/runner.py).
 
 Trains, on 2 gloo ranks, a ~100M-parameter MLP (large enough that the model and optimizer
 state dominate the Python and torch baseline) for a few steps:
@@ -22,8 +22,8 @@ import argparse
 import dataclasses
 
 from qwz.launch import LocalWorld
-from qwz.qualify import runner
-from qwz.qualify.workloads import Workload
+from qwz.qualify.run import runner
+from qwz.qualify.run.workloads import Workload
 
 GIB = 1024**3
 

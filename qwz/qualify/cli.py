@@ -123,8 +123,8 @@ def _path(text: str) -> pathlib.Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qwz.qualify.subjects import SUBJECTS
-    from qwz.qualify.workloads import WORKLOAD_NAMES
+    from qwz.qualify.run.subjects import SUBJECTS
+    from qwz.qualify.run.workloads import WORKLOAD_NAMES
 
     parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -266,7 +266,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
 
     Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
     resource request costs nothing (exit 2), never a finished run's evidence."""
-    from qwz.qualify import ledger, signing
+    from qwz.qualify.evidence import ledger, signing
     from qwz.qualify.files import writable_directory_problem
 
     problems = []
@@ -320,8 +320,8 @@ def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) 
 def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
     """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject; for
     ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
-    subprocess with the ranks' import path, qualify/subjects.py)."""
-    from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, deepspeed_native_problems
+    subprocess with the ranks' import path, qualify/run/subjects.py)."""
+    from qwz.qualify.run.subjects import DEEPSPEED_SUBJECTS, deepspeed_native_problems
 
     source = args.deepspeed_src
     if source is not None and args.subject not in DEEPSPEED_SUBJECTS:
@@ -339,7 +339,7 @@ def _workload_numel(name: str, seed: int) -> int:
     """Parameters of the workload's model, counted on the meta device (no memory)."""
     import torch
 
-    from qwz.qualify.workloads import get_workload
+    from qwz.qualify.run.workloads import get_workload
 
     with torch.device("meta"):
         model = get_workload(name).build_model(seed)
@@ -389,8 +389,8 @@ def available_memory_bytes() -> int | None:
 
 
 def _plan(args: argparse.Namespace):
-    from qwz.qualify.runner import RunPlan
-    from qwz.qualify.workloads import get_workload
+    from qwz.qualify.run.runner import RunPlan
+    from qwz.qualify.run.workloads import get_workload
 
     return RunPlan(
         workload=get_workload(args.workload),
@@ -428,7 +428,7 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
     import torch.distributed as dist
 
     from qwz import rank_reports
-    from qwz.qualify.runner import qualify_rank
+    from qwz.qualify.run.runner import qualify_rank
 
     if rank_reports.REPORTS_ENV not in os.environ:
         reports = out / "rank-reports"
@@ -452,9 +452,12 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
-    from qwz.qualify import evidence, record, report, signing
-    from qwz.qualify.runner import qualify_rank
-    from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, use_deepspeed_source
+    from qwz.qualify.evidence import build as evidence
+    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import report
+    from qwz.qualify.run.runner import qualify_rank
+    from qwz.qualify.run.subjects import DEEPSPEED_SUBJECTS, use_deepspeed_source
 
     problems = check_run_request(args)
     if problems:
@@ -493,7 +496,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             observations = launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
     except RankFailure as failure:
-        # A rank raised, died or hung ([Note: failures] in qualify/runner.py): the evidence
+        # A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
         # is a FAIL record naming the rank that failed first, the arm and the step.
         print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
         if failure.cause is None:
@@ -531,7 +534,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qwz.qualify import record, report, signing
+    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import report
 
     try:
         key = signing.configured_key()
@@ -546,13 +551,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _signature_section(built, key) -> str:
     """The markdown a report ends with: signed or unsigned, by which key, verified?"""
-    from qwz.qualify.signing import describe
+    from qwz.qualify.evidence.signing import describe
 
     return f"\n## Signature\n\n{describe(built.digest, built.signature, key)}\n"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from qwz.qualify import compare, signing
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import compare
 
     try:
         key = signing.configured_key()
@@ -576,7 +582,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from qwz.qualify import history, signing
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import history
 
     if not args.directory.is_dir():
         print(f"error: {args.directory}: not a directory", file=sys.stderr)
@@ -603,7 +610,8 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from qwz.qualify import history, record
+    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.review import history
 
     try:
         promoted = history.promote(args.record, args.baseline_dir)

@@ -17,7 +17,8 @@ import hashlib
 import math
 from typing import Any
 
-from qwz.qualify import checks, record
+from qwz.qualify.evidence import checks
+from qwz.qualify.evidence import schema as record
 
 REFERENCE = "reference"
 CALIBRATION = "calibration-g64"
