@@ -22,13 +22,14 @@ import argparse
 import dataclasses
 
 from qwz.launch import LocalWorld
+from qwz.qualify.plan import RunPlan
 from qwz.qualify.run import runner
 from qwz.qualify.run.workloads import Workload
 
 GIB = 1024**3
 
 
-def train_arms(plan: runner.RunPlan, names: list[str]) -> dict[str, object]:
+def train_arms(plan: RunPlan, names: list[str]) -> dict[str, object]:
     """On every rank: train the named arms of `plan` in order; their peaks, and the process's."""
     rank = runner._rank_and_world()[0]
     peaks = {}
@@ -47,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     hidden = args.hidden
     workload = Workload("mlp", {"sizes": [1024, hidden, hidden, 1024], "micro_batch": 8})
-    plan = runner.RunPlan(workload=workload, steps=args.steps, blocks=0, eval_every=args.steps)
+    plan = RunPlan(workload=workload, steps=args.steps, blocks=0, eval_every=args.steps)
     plan = dataclasses.replace(plan, held_out_batches=1)
     names = [arm.name for arm in plan.arms]
     numel = 1024 * hidden * 2 + hidden * hidden + 2 * hidden + 1024

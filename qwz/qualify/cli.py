@@ -123,7 +123,7 @@ def _path(text: str) -> pathlib.Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qwz.qualify.run.subjects import SUBJECTS
+    from qwz.qualify.plan import SUBJECTS
     from qwz.qualify.run.workloads import WORKLOAD_NAMES
 
     parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
@@ -321,7 +321,8 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
     """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject; for
     ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
     subprocess with the ranks' import path, qualify/run/subjects.py)."""
-    from qwz.qualify.run.subjects import DEEPSPEED_SUBJECTS, deepspeed_native_problems
+    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.run.subjects import deepspeed_native_problems
 
     source = args.deepspeed_src
     if source is not None and args.subject not in DEEPSPEED_SUBJECTS:
@@ -389,7 +390,7 @@ def available_memory_bytes() -> int | None:
 
 
 def _plan(args: argparse.Namespace):
-    from qwz.qualify.run.runner import RunPlan
+    from qwz.qualify.plan import RunPlan
     from qwz.qualify.run.workloads import get_workload
 
     return RunPlan(
@@ -455,9 +456,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.evidence import schema as record
     from qwz.qualify.evidence import signing
+    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.review import report
     from qwz.qualify.run.runner import qualify_rank
-    from qwz.qualify.run.subjects import DEEPSPEED_SUBJECTS, use_deepspeed_source
+    from qwz.qualify.run.subjects import use_deepspeed_source
 
     problems = check_run_request(args)
     if problems:

@@ -66,9 +66,6 @@ class Head(_Model):
     )
 
 
-SUBJECT_NAMES = ("qwz", "deepspeed", "deepspeed-native")
-
-
 class Subject(_Model):
     """Which implementation ran the arms, and where its package was imported from."""
 
@@ -447,7 +444,7 @@ class Verdict(_Model):
 
 
 class Plan(BaseModel):
-    """The run plan (qwz.qualify.run.runner.RunPlan) as data; the one key a check reads is typed."""
+    """The run plan (qwz.qualify.plan.RunPlan) as data; the one key a check reads is typed."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 

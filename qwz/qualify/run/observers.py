@@ -95,22 +95,13 @@ import torch.distributed as dist
 from qwz import kernels
 from qwz import shards as seam
 from qwz.qualify.evidence import spec
+from qwz.qualify.plan import AdamWSettings
 
 K1 = 0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF
 K2 = 0x85EBCA6B
 MASK32 = 0xFFFFFFFF
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
-
-
-@dataclass(frozen=True)
-class AdamWSettings:
-    """The hyperparameters the run was configured with (the plan's, per arm identical)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any = None) -> torch.Tensor:

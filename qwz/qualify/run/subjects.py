@@ -45,10 +45,8 @@ import torch
 import torch.distributed as dist
 
 import qwz
+from qwz.qualify.plan import SUBJECTS
 from qwz.shards import OwnShard
-
-SUBJECTS = ("qwz", "deepspeed", "deepspeed-native")
-DEEPSPEED_SUBJECTS = ("deepspeed", "deepspeed-native")
 
 
 class ArmEngine:

@@ -210,8 +210,8 @@ def test_a_crashed_run_is_a_fail_record_naming_the_rank_arm_and_step(tmp_path):
     other."""
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.evidence import schema as record
+    from qwz.qualify.plan import RunPlan
     from qwz.qualify.review import report
-    from qwz.qualify.run.runner import RunPlan
     from qwz.qualify.run.workloads import get_workload
     from qwz.rank_reports import RankEnd
 

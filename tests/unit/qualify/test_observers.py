@@ -15,10 +15,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from qwz.qualify.plan import AdamWSettings
 from qwz.qualify.run import observers
 from qwz.shards import ShardSlot, make_own_shard, slots_in_range
 
-SETTINGS = observers.AdamWSettings(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+SETTINGS = AdamWSettings(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
 def shards_of(values: dict[str, torch.Tensor], cuts: list[int]):
@@ -111,7 +112,7 @@ def test_torch_adamw_passes_the_update_check_well_inside_the_bound():
 
 def test_a_different_learning_rate_is_caught_at_the_first_step():
     master, optimizer, shard, generator = _optimizer_and_shard()
-    check = _check(optimizer, shard, observers.AdamWSettings(1.01e-3, (0.9, 0.999), 1e-8, 0.1))
+    check = _check(optimizer, shard, AdamWSettings(1.01e-3, (0.9, 0.999), 1e-8, 0.1))
     _train(master, optimizer, check, generator, steps=3)
     assert check.result.violations > 0
     assert check.result.first_violation["step"] == 1
@@ -151,7 +152,7 @@ def test_a_skipped_optimizer_step_is_a_missing_step():
 
 def test_the_update_bound_scales_with_a_huge_weight_decay_product():
     """lr * wd >> 1 (a diverging run): the decayed weight's own rounding is allowed for."""
-    settings = observers.AdamWSettings(lr=1e6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    settings = AdamWSettings(lr=1e6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     master, _, shard, generator = _optimizer_and_shard()
     optimizer = torch.optim.AdamW([master], lr=1e6, weight_decay=0.1)
     check = _check(optimizer, shard, settings)

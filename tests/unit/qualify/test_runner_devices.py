@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from qwz import devices
+from qwz.qualify.plan import RunPlan
 from qwz.qualify.run import observers, runner, subjects
-from qwz.qualify.run.runner import RunPlan
 from qwz.qualify.run.workloads import get_workload
 
 FAKE_GROUP_DEVICE = torch.device("meta")
