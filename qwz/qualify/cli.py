@@ -454,8 +454,7 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
     from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.evidence import schema as record
-    from qwz.qualify.evidence import signing
+    from qwz.qualify.evidence import record, signing
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.review import report
     from qwz.qualify.run.runner import qualify_rank
@@ -536,14 +535,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qwz.qualify.evidence import schema as record
-    from qwz.qualify.evidence import signing
+    from qwz.qualify.evidence import record, schema, signing
     from qwz.qualify.review import report
 
     try:
         key = signing.configured_key()
         loaded = record.load(args.record)
-    except (record.RecordError, signing.SigningKeyError) as error:
+    except (schema.RecordError, signing.SigningKeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(report.render_markdown(loaded))
@@ -612,12 +610,12 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.evidence import schema
     from qwz.qualify.review import history
 
     try:
         promoted = history.promote(args.record, args.baseline_dir)
-    except record.RecordError as error:
+    except schema.RecordError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(

@@ -288,7 +288,7 @@ def _qualify(root: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.C
 
 
 def test_harness_passes_the_proposal_and_binds_its_commit(tmp_path):
-    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.evidence import record
 
     root = make_checkout(tmp_path, read_patch("proposal"))
     done = _qualify(root, tmp_path / "out")
@@ -301,7 +301,7 @@ def test_harness_passes_the_proposal_and_binds_its_commit(tmp_path):
 
 @pytest.mark.parametrize("variant", BROKEN)
 def test_harness_fails_each_broken_variant_naming_the_check(tmp_path, variant):
-    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.evidence import record
 
     root = make_checkout(tmp_path, [read_patch("proposal"), read_patch(variant)])
     extra = ["--group-size", "64", "--group-size", "8192"] if "group_size" in variant else []

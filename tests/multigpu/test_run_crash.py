@@ -18,7 +18,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from qwz.qualify.evidence import schema as record
+from qwz.qualify.evidence import record
 
 pytestmark = [
     pytest.mark.multigpu,

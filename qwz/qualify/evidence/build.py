@@ -18,7 +18,8 @@ import torch
 
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
-from qwz.qualify.evidence.schema import Environment, Head, Record, Subject, seal
+from qwz.qualify.evidence.schema import Environment, Head, Record, Subject
+from qwz.qualify.evidence.seal import seal
 from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
 from qwz.qualify.run.runner import empty_observation
 from qwz.rank_reports import RankEnd

@@ -4,7 +4,7 @@
 calls it to write a record and ``record.load`` calls it again on every load, so
 a stored check that does not follow from the stored data makes the record
 invalid. Each check has a status: ``pass``, ``fail``, ``n/a`` (nothing to test,
-with the reason) or ``inconclusive``; see ``record.verdict_of``.
+with the reason) or ``inconclusive``; see ``seal.verdict_of``.
 
 Which checks decide, and why (DESIGN.md, "What makes a verdict trustworthy"):
 exactness where it exists -- the step-1 masters, every step's update, the own

@@ -1,7 +1,7 @@
 """Keyed signatures over evidence records: who may have written this record.
 
 [Note: digest and signature]
-  The digest (``record.canonical_digest``) is an unkeyed sha256 of the record's
+  The digest (``seal.canonical_digest``) is an unkeyed sha256 of the record's
   canonical JSON. Anyone can recompute it, so it catches accidents (a truncated
   copy, a hand edit, bit rot) but not a deliberate edit: change a number, reseal,
   and the digest matches again. The signature is an HMAC-SHA256, under a secret

@@ -45,7 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from qwz.qualify.evidence.schema import Record, RecordError, load
+from qwz.qualify.evidence.record import load
+from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe, verifies
 from qwz.qualify.review.report import (
     format_bytes,

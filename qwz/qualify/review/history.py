@@ -17,7 +17,8 @@ import pathlib
 import shutil
 from dataclasses import dataclass
 
-from qwz.qualify.evidence.schema import Record, RecordError, load, save
+from qwz.qualify.evidence.record import load, save
+from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe
 
 HISTORY_PLOT = "history.png"

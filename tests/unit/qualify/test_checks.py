@@ -209,7 +209,7 @@ def test_a_crashed_run_is_a_fail_record_naming_the_rank_arm_and_step(tmp_path):
     arms after it are "not run" (not failures), and it loads, reports and compares like any
     other."""
     from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.evidence import schema as record
+    from qwz.qualify.evidence import record
     from qwz.qualify.plan import RunPlan
     from qwz.qualify.review import report
     from qwz.qualify.run.workloads import get_workload

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from qwz.qualify.evidence import schema as record
+from qwz.qualify.evidence import record, schema, seal
 from qwz.qualify.review.compare import Status, compare, compare_files
 
 from ..records import CANDIDATE, REFERENCE, fake_hash, make_payload, make_record
@@ -16,12 +16,12 @@ from ..records import CANDIDATE, REFERENCE, fake_hash, make_payload, make_record
 BASELINE = make_record()
 
 
-def candidate_with(edit, **overrides: Any) -> record.Record:
+def candidate_with(edit, **overrides: Any) -> schema.Record:
     """A record sealed from the default observations after ``edit(payload)``: its checks and
     verdict are derived from the edited observations."""
     payload = make_payload(**overrides)
     edit(payload)
-    return record.seal(payload)
+    return seal.seal(payload)
 
 
 def text(comparison) -> str:
@@ -283,7 +283,7 @@ def test_compare_files_of_valid_records(tmp_path, baseline_path):
 def test_compare_files_with_another_schema_version(tmp_path, baseline_path):
     payload = json.loads(baseline_path.read_text())
     payload["schema_version"] = 3
-    payload["digest"] = record.canonical_digest(payload)
+    payload["digest"] = seal.canonical_digest(payload)
     future_path = tmp_path / "future.json"
     future_path.write_text(json.dumps(payload))
     comparison = compare_files(baseline_path, future_path)

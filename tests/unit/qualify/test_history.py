@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from qwz.qualify import cli
-from qwz.qualify.evidence import schema as record
+from qwz.qualify.evidence import record, schema
 from qwz.qualify.review import compare
 
 from ..records import make_payload, make_performance, make_record
@@ -20,7 +20,7 @@ DRIFT_PER_NIGHT = 0.015
 JITTER = (-0.02, 0.02, -0.01, 0.01)
 
 
-def night_record(night: int) -> record.Record:
+def night_record(night: int) -> schema.Record:
     """Night 0 is the baseline; night n runs the candidate 1.5% slower than night n - 1."""
     performance = make_performance((1.0 - DRIFT_PER_NIGHT) ** night, JITTER)
     return make_record(

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from qwz.qualify.evidence import schema as record
+from qwz.qualify.evidence import record, schema, seal
 
 from ..records import make_payload, make_record, violation
 
@@ -29,7 +29,7 @@ def rewrite(path: pathlib.Path, edit, *, redigest: bool) -> None:
     payload = json.loads(path.read_text())
     edit(payload)
     if redigest:
-        payload["digest"] = record.canonical_digest(payload)
+        payload["digest"] = seal.canonical_digest(payload)
     path.write_text(json.dumps(payload, indent=2))
 
 
@@ -39,7 +39,7 @@ def test_round_trip(tmp_path):
     record.save(original, path)
     loaded = record.load(path)
     assert loaded == original
-    assert loaded.digest == record.canonical_digest(json.loads(path.read_text()))
+    assert loaded.digest == seal.canonical_digest(json.loads(path.read_text()))
     assert loaded.verdict.passed and loaded.verdict.failed == []
 
 
@@ -60,7 +60,7 @@ def test_an_edited_number_breaks_the_digest(tmp_path):
         payload["performance"][0]["median_speedup"] = 1.2
 
     rewrite(path, faster, redigest=False)
-    with pytest.raises(record.RecordError, match="digest") as error:
+    with pytest.raises(schema.RecordError, match="digest") as error:
         record.load(path)
     assert str(path) in str(error.value)
 
@@ -69,19 +69,19 @@ def test_a_truncated_file_is_not_valid_json(tmp_path):
     path = saved(tmp_path)
     text = path.read_text()
     path.write_text(text[: len(text) // 2])
-    with pytest.raises(record.RecordError, match="not valid JSON"):
+    with pytest.raises(schema.RecordError, match="not valid JSON"):
         record.load(path)
 
 
 def test_a_missing_file(tmp_path):
-    with pytest.raises(record.RecordError, match="cannot read"):
+    with pytest.raises(schema.RecordError, match="cannot read"):
         record.load(tmp_path / "absent.json")
 
 
 def test_a_json_array_is_not_a_record(tmp_path):
     path = tmp_path / "record.json"
     path.write_text("[1, 2]\n")
-    with pytest.raises(record.RecordError, match="JSON object"):
+    with pytest.raises(schema.RecordError, match="JSON object"):
         record.load(path)
 
 
@@ -89,7 +89,7 @@ def test_a_json_array_is_not_a_record(tmp_path):
 def test_wrong_schema_version(tmp_path, version):
     path = saved(tmp_path)
     rewrite(path, lambda payload: payload.update(schema_version=version), redigest=True)
-    with pytest.raises(record.RecordError, match="schema_version"):
+    with pytest.raises(schema.RecordError, match="schema_version"):
         record.load(path)
 
 
@@ -126,7 +126,7 @@ def _wrong_type(payload):
 def test_schema_violations(tmp_path, edit):
     path = saved(tmp_path)
     rewrite(path, edit, redigest=True)
-    with pytest.raises(record.RecordError, match="does not match the record schema"):
+    with pytest.raises(schema.RecordError, match="does not match the record schema"):
         record.load(path)
 
 
@@ -138,7 +138,7 @@ def test_a_verdict_that_does_not_follow_from_the_checks(tmp_path):
         payload["verdict"] |= {"status": "FAIL", "passed": False}
 
     rewrite(path, flip, redigest=True)
-    with pytest.raises(record.RecordError, match="verdict"):
+    with pytest.raises(schema.RecordError, match="verdict"):
         record.load(path)
 
 
@@ -162,7 +162,7 @@ def test_a_stored_check_that_does_not_follow_from_the_data(tmp_path):
         }
 
     rewrite(path, doctor, redigest=True)
-    with pytest.raises(record.RecordError, match=r"do not follow .*update\[candidate-g64\]"):
+    with pytest.raises(schema.RecordError, match=r"do not follow .*update\[candidate-g64\]"):
         record.load(path)
 
 
@@ -175,7 +175,7 @@ def test_a_doctored_speed_summary_is_refused(tmp_path, field, value):
     summary is derived again from the recorded step times."""
     path = saved(tmp_path)
     rewrite(path, lambda payload: payload["performance"][0].update({field: value}), redigest=True)
-    with pytest.raises(record.RecordError, match=f"performance .*{field}"):
+    with pytest.raises(schema.RecordError, match=f"performance .*{field}"):
         record.load(path)
 
 
@@ -187,7 +187,7 @@ def test_an_empty_trajectory_cannot_pass_finite(tmp_path):
         payload["trajectories"][0]["losses"] = []
 
     rewrite(path, empty, redigest=True)
-    with pytest.raises(record.RecordError, match=r"finite\[reference\]"):
+    with pytest.raises(schema.RecordError, match=r"finite\[reference\]"):
         record.load(path)
 
 
@@ -196,20 +196,20 @@ def test_negative_memory_is_a_schema_violation(tmp_path):
     rewrite(
         path, lambda payload: payload["memory"][0].update(peak_allocated_bytes=-1), redigest=True
     )
-    with pytest.raises(record.RecordError, match="schema"):
+    with pytest.raises(schema.RecordError, match="schema"):
         record.load(path)
 
 
 def test_seal_refuses_an_invalid_payload():
-    with pytest.raises(record.RecordError, match="invalid"):
-        record.seal(make_payload(environment={"world_size": "two"}))
+    with pytest.raises(schema.RecordError, match="invalid"):
+        seal.seal(make_payload(environment={"world_size": "two"}))
 
 
 def test_published_schema_is_generated():
     """record.schema.json is regenerated by ``python -m qwz.qualify.evidence.schema``, never
     edited."""
-    published = json.loads(record.SCHEMA_PATH.read_text())
-    assert published == record.json_schema(), (
+    published = json.loads(schema.SCHEMA_PATH.read_text())
+    assert published == schema.json_schema(), (
         "record.schema.json is stale: run `python -m qwz.qualify.evidence.schema`"
     )
 
@@ -228,5 +228,5 @@ def test_sealed_payload_that_pydantic_normalizes_loads_back(tmp_path, edit):
     payload = make_payload()
     edit(payload)
     path = tmp_path / "record.json"
-    record.save(record.seal(payload), path)
+    record.save(seal.seal(payload), path)
     record.load(path)

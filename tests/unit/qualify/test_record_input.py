@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qwz.qualify import cli
-from qwz.qualify.evidence import schema as record
+from qwz.qualify.evidence import record, schema, seal
 
 from ..records import make_payload, make_record
 
@@ -33,7 +33,7 @@ def sealed_text(edit) -> str:
     so that only the rule under test can refuse it."""
     payload = make_record().model_dump(mode="json")
     edit(payload)
-    payload["digest"] = record.canonical_digest(payload)
+    payload["digest"] = seal.canonical_digest(payload)
     return json.dumps(payload, indent=2)
 
 
@@ -120,7 +120,7 @@ CASES = [
 def test_malformed_record_is_one_line_naming_the_file(tmp_path, corrupt, message):
     path = saved(tmp_path)
     corrupt(path)
-    with pytest.raises(record.RecordError, match=message.replace("(", r"\(")) as error:
+    with pytest.raises(schema.RecordError, match=message.replace("(", r"\(")) as error:
         record.load(path)
     text = str(error.value)
     assert text.startswith(f"{path}: ") and "\n" not in text and len(text) < 500
@@ -171,7 +171,7 @@ def test_a_null_loss_is_reported_as_a_failure(tmp_path, capsys):
     payload = make_payload()
     payload["trajectories"][1]["losses"][-1] = None
     path = tmp_path / "record.json"
-    record.save(record.seal(payload), path)
+    record.save(seal.seal(payload), path)
     assert cli.main(["report", str(path)]) == 0
     assert "`finite[calibration-g64]` | **FAIL**" in capsys.readouterr().out
 
@@ -185,7 +185,7 @@ def test_schema_problems_are_listed_on_one_line(tmp_path):
 
     path = tmp_path / "record.json"
     path.write_text(sealed_text(many))
-    with pytest.raises(record.RecordError, match="and 1 more") as error:
+    with pytest.raises(schema.RecordError, match="and 1 more") as error:
         record.load(path)
     assert "\n" not in str(error.value)
 
@@ -200,7 +200,7 @@ VALID_TEXT = json.dumps(make_record().model_dump(mode="json"), indent=2)
 def _load_or_refuse(path: pathlib.Path) -> None:
     try:
         record.load(path)
-    except record.RecordError as error:
+    except schema.RecordError as error:
         assert str(error).startswith(f"{path}: ") and "\n" not in str(error)
 
 
@@ -247,7 +247,7 @@ def retyped_records(draw) -> str:
         | st.just({})
     )
     if draw(st.booleans()):
-        payload["digest"] = record.canonical_digest(payload)
+        payload["digest"] = seal.canonical_digest(payload)
     return json.dumps(payload)
 
 
@@ -275,5 +275,5 @@ def test_retyped_and_resealed_records_load_or_are_refused(tmp_path, text):
 def test_random_bytes_are_refused(tmp_path, data):
     path = tmp_path / "fuzz.json"
     path.write_bytes(data)
-    with pytest.raises(record.RecordError):
+    with pytest.raises(schema.RecordError):
         record.load(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwz.qualify.evidence import schema as record
+from qwz.qualify.evidence import seal
 from qwz.qualify.evidence.stats import METHOD_NOTE
 from qwz.qualify.review import report
 
@@ -191,10 +191,10 @@ def test_stock_deepspeed_through_the_drop_in_says_so():
     payload = make_payload(subject={"name": "deepspeed", "version": "0.19.8", "sha": None})
     for arm in payload["arms"]:
         arm["integration_enabled"] = False
-    markdown = report.render_markdown(record.seal(payload))
+    markdown = report.render_markdown(seal.seal(payload))
     assert markdown.startswith("# Stock DeepSpeed qualification (qwz's gather disabled): ")
     assert "| `candidate-g64` | requested | 64 |" in markdown
     payload["arms"][2]["integration_enabled"] = True
-    markdown = report.render_markdown(record.seal(payload))
+    markdown = report.render_markdown(seal.seal(payload))
     assert markdown.startswith("# DeepSpeed + qwz's gather qualification, deepspeed 0.19.8: ")
     assert "| `candidate-g64` | yes | 64 |" in markdown

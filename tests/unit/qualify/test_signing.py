@@ -9,8 +9,7 @@ import pathlib
 import pytest
 
 from qwz.qualify import cli
-from qwz.qualify.evidence import schema as record
-from qwz.qualify.evidence import signing
+from qwz.qualify.evidence import record, schema, seal, signing
 
 from ..records import make_record
 
@@ -40,7 +39,7 @@ def resealed(path: pathlib.Path, edit) -> None:
     payload = json.loads(path.read_text())
     edit(payload)
     body = {key: value for key, value in payload.items() if key != "signature"}
-    payload["digest"] = record.canonical_digest(body)
+    payload["digest"] = seal.canonical_digest(body)
     path.write_text(json.dumps(payload, indent=2))
 
 
@@ -121,7 +120,7 @@ def test_a_resealed_signed_record_is_refused_by_load_with_the_key(no_key, monkey
     resealed(path, faster)
     record.load(path)  # without the key, only the digest can be checked: it matches
     use_key(monkeypatch)
-    with pytest.raises(record.RecordError, match="does not verify: the record was changed"):
+    with pytest.raises(schema.RecordError, match="does not verify: the record was changed"):
         record.load(path)
 
 
@@ -130,7 +129,7 @@ def test_a_malformed_signature_is_a_schema_error(no_key, tmp_path):
     payload = json.loads(path.read_text())
     payload["signature"]["hmac_sha256"] = "not hex"
     path.write_text(json.dumps(payload))
-    with pytest.raises(record.RecordError, match=r"signature\.hmac_sha256"):
+    with pytest.raises(schema.RecordError, match=r"signature\.hmac_sha256"):
         record.load(path)
 
 
