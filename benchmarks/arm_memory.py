@@ -36,8 +36,8 @@ def train_arms(plan: RunPlan, names: list[str]) -> dict[str, object]:
     for arm in plan.arms:
         if arm.name in names:
             observation, _ = runner._train_arm(plan, arm, rank, None, None, runner._Progress(False))
-            assert observation["failure"] is None, observation["failure"]
-            peaks[arm.name] = observation["memory"]["peak_allocated_bytes"]
+            assert observation.failure is None, observation.failure
+            peaks[arm.name] = observation.memory["peak_allocated_bytes"]
     return {"arms": peaks}
 
 

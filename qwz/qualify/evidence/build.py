@@ -9,6 +9,7 @@ against a baseline record by ``compare`` (the regression gate).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import pathlib
@@ -18,10 +19,10 @@ import torch
 
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
+from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.evidence.schema import Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
-from qwz.qualify.run.runner import empty_observation
 from qwz.rank_reports import RankEnd
 from qwz.tolerance import master_drift_bound
 
@@ -122,6 +123,137 @@ def _code_identity(first: dict[str, Any]) -> dict[str, Any]:
     return ledger.code_identity(Subject(**first["subject"]), head, harness)
 
 
+def _trajectory(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
+    return {
+        "arm": name,
+        "steps_planned": plan.steps,
+        "losses": [_json_float(value) for value in lead.losses],
+        "grad_norms": [_json_float(value) for value in lead.grad_norms],
+        "held_out": [{"step": step, "loss": _json_float(loss)} for step, loss in lead.held_out],
+        "failure": lead.failure,
+    }
+
+
+def _updates(plan: RunPlan, name: str, ranks: list[ArmObservation]) -> dict[str, Any]:
+    rank_updates = [item.update for item in ranks if item.update is not None]
+    return {
+        "arm": name,
+        "samples_per_shard": plan.update_samples,
+        "checked": sum(item["checked"] for item in rank_updates),
+        "violations": sum(item["violations"] for item in rank_updates),
+        "max_ratio": max((item["max_ratio"] for item in rank_updates), default=0.0),
+        "first_violation": _violation(
+            _earliest([item["first_violation"] for item in rank_updates])
+        ),
+        "missing_steps": [
+            [step, rank] for rank, item in enumerate(rank_updates) for step in item["missing_steps"]
+        ],
+        # Every rank judges the same all-reduced norm: steps, not rank-steps.
+        **{
+            key: max((item.get(key, 0) for item in rank_updates), default=0)
+            for key in ("norm_checked", "norm_violations")
+        },
+        "norm_max_ratio": max(
+            (item.get("norm_max_ratio", 0.0) for item in rank_updates), default=0.0
+        ),
+    }
+
+
+def _own_shards(name: str, ranks: list[ArmObservation]) -> dict[str, Any]:
+    present = [item.own_shard for item in ranks if item.own_shard is not None]
+    worst = max((item["max_ratio"] for item in present), default=0.0)
+    return {
+        "arm": name,
+        "max_ratio": _json_float(worst),
+        "first_violation": _violation(_earliest([item["first_violation"] for item in present])),
+        **{
+            key: sum(item.get(key, 0) for item in present)
+            for key in ("checked", "mismatches", "near_ties")
+        },
+        "kernels": [item.kernels for item in ranks if item.kernels],
+    }
+
+
+def _drift(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
+    return {
+        "arm": name,
+        "samples_per_param": plan.samples_per_param,
+        "max_abs_error": [float(value) for value in lead.drift_max_abs],
+        "bound": [
+            master_drift_bound(step, plan.lr, plan.adamw.betas)
+            for step in range(1, len(lead.drift_max_abs) + 1)
+        ],
+    }
+
+
+def _probe(arm: dict[str, Any], ranks: list[ArmObservation], reference_bytes: int) -> dict:
+    return {
+        "arm": arm["name"],
+        "requested_group_size": arm["group_size"],
+        "reported_group_sizes": [item.group_size for item in ranks],
+        "reported_by": [item.reported_by for item in ranks],
+        "wire": [entry for item in ranks for entry in item.wire],
+        "gather_bytes_per_step": ranks[0].gather_bytes,
+        "reference_gather_bytes_per_step": reference_bytes,
+    }
+
+
+def _performance(plan: RunPlan, name: str, blocks: list[dict], memory: list[dict]) -> dict:
+    raw = [
+        {
+            "order": block["order"],
+            "reference_times_s": block["reference_times"],
+            "candidate_times_s": block["candidate_times"],
+        }
+        for block in blocks
+    ]
+    return {
+        "arm": name,
+        "block_steps": plan.block_steps,
+        "warmup_steps": plan.warmup_steps,
+        **derived.summarize_blocks(raw),
+        "memory": [item for item in memory if item["arm"] == name],
+    }
+
+
+def _sections(
+    plan: RunPlan,
+    observations: list[dict[str, Any]],
+    arms: list[dict[str, Any]],
+    ledger_dir: pathlib.Path | None,
+    environment: Environment,
+) -> dict[str, list[dict[str, Any]]]:
+    """The per-arm sections of the record, merged over the ranks (module docstring)."""
+    per_arm = {arm["name"]: [item["arms"][arm["name"]] for item in observations] for arm in arms}
+    reference_bytes = per_arm[REFERENCE][0].gather_bytes
+    code = _code_identity(observations[0])
+    names = ("trajectories", "step_one", "updates", "own_shards", "drift", "hashes", "probes")
+    sections: dict[str, list[dict[str, Any]]] = {key: [] for key in (*names, "memory")}
+    for arm in arms:
+        name, ranks = arm["name"], per_arm[arm["name"]]
+        lead = ranks[0]
+        sections["trajectories"].append(_trajectory(plan, name, lead))
+        sections["step_one"].append({"arm": name, "digests": lead.step1_digests})
+        sections["updates"].append(_updates(plan, name, ranks))
+        if arm["role"] != "calibration":
+            sections["own_shards"].append(_own_shards(name, ranks))
+        if name != REFERENCE:
+            sections["drift"].append(_drift(plan, name, lead))
+        per_rank = [item.final_hash for item in ranks]
+        ledger_fields = _ledger_fields(plan, ledger_dir, code, environment, arm, per_rank)
+        sections["hashes"].append(
+            {"arm": name, "per_rank": per_rank, "divergence": lead.replica_divergence}
+            | ledger_fields
+        )
+        if arm["quantized"]:
+            sections["probes"].append(_probe(arm, ranks, reference_bytes))
+        sections["memory"] += [
+            {"arm": name, "rank": item["rank"], **ranks[index].memory}
+            for index, item in enumerate(observations)
+        ]
+    return sections
+
+
 def build_record(
     plan: RunPlan,
     observations: list[dict[str, Any]],
@@ -133,136 +265,12 @@ def build_record(
     first = observations[0]
     environment = Environment(**first["environment"])
     arms = _arms(plan)
-    per_arm = {arm["name"]: [item["arms"][arm["name"]] for item in observations] for arm in arms}
-
-    trajectories, step_one, updates, own_shards, drift, hashes, probes, memory = (
-        [] for _ in range(8)
-    )
-    reference_bytes = per_arm[REFERENCE][0]["gather_bytes"]
-    for arm in arms:
-        name = arm["name"]
-        ranks = per_arm[name]
-        lead = ranks[0]
-        trajectories.append(
-            {
-                "arm": name,
-                "steps_planned": plan.steps,
-                "losses": [_json_float(value) for value in lead["losses"]],
-                "grad_norms": [_json_float(value) for value in lead["grad_norms"]],
-                "held_out": [
-                    {"step": step, "loss": _json_float(loss)} for step, loss in lead["held_out"]
-                ],
-                "failure": lead["failure"],
-            }
-        )
-        step_one.append({"arm": name, "digests": lead["step1_digests"]})
-        rank_updates = [item["update"] for item in ranks if item["update"] is not None]
-        updates.append(
-            {
-                "arm": name,
-                "samples_per_shard": plan.update_samples,
-                "checked": sum(item["checked"] for item in rank_updates),
-                "violations": sum(item["violations"] for item in rank_updates),
-                "max_ratio": max((item["max_ratio"] for item in rank_updates), default=0.0),
-                "first_violation": _violation(
-                    _earliest([item["first_violation"] for item in rank_updates])
-                ),
-                "missing_steps": [
-                    [step, rank]
-                    for rank, item in enumerate(rank_updates)
-                    for step in item["missing_steps"]
-                ],
-                # Every rank judges the same all-reduced norm: steps, not rank-steps.
-                **{
-                    key: max((item.get(key, 0) for item in rank_updates), default=0)
-                    for key in ("norm_checked", "norm_violations")
-                },
-                "norm_max_ratio": max(
-                    (item.get("norm_max_ratio", 0.0) for item in rank_updates), default=0.0
-                ),
-            }
-        )
-        rank_own = [item["own_shard"] for item in ranks]
-        if arm["role"] != "calibration":
-            present = [item for item in rank_own if item is not None]
-            worst = max((item["max_ratio"] for item in present), default=0.0)
-            own_shards.append(
-                {
-                    "arm": name,
-                    "max_ratio": _json_float(worst),
-                    "first_violation": _violation(
-                        _earliest([item["first_violation"] for item in present])
-                    ),
-                    **{
-                        key: sum(item.get(key, 0) for item in present)
-                        for key in ("checked", "mismatches", "near_ties")
-                    },
-                    "kernels": [item["kernels"] for item in ranks if item.get("kernels")],
-                }
-            )
-        if name != REFERENCE:
-            drift.append(
-                {
-                    "arm": name,
-                    "samples_per_param": plan.samples_per_param,
-                    "max_abs_error": [float(value) for value in lead["drift_max_abs"]],
-                    "bound": [
-                        master_drift_bound(step, plan.lr, plan.adamw.betas)
-                        for step in range(1, len(lead["drift_max_abs"]) + 1)
-                    ],
-                }
-            )
-        per_rank = [item["final_hash"] for item in ranks]
-        hashes.append(
-            {
-                "arm": name,
-                "per_rank": per_rank,
-                "divergence": lead["replica_divergence"],
-                **_ledger_fields(
-                    plan, ledger_dir, _code_identity(first), environment, arm, per_rank
-                ),
-            }
-        )
-        if arm["quantized"]:
-            probes.append(
-                {
-                    "arm": name,
-                    "requested_group_size": arm["group_size"],
-                    "reported_group_sizes": [item["group_size"] for item in ranks],
-                    "reported_by": [item["reported_by"] for item in ranks],
-                    "wire": [entry for item in ranks for entry in item["wire"]],
-                    "gather_bytes_per_step": lead["gather_bytes"],
-                    "reference_gather_bytes_per_step": reference_bytes,
-                }
-            )
-        memory += [
-            {"arm": name, "rank": item["rank"], **per_arm[name][index]["memory"]}
-            for index, item in enumerate(observations)
-        ]
-
-    performance = []
-    for arm in arms:
-        blocks = first["timings"].get(arm["name"])
-        if not blocks:
-            continue
-        raw = [
-            {
-                "order": block["order"],
-                "reference_times_s": block["reference_times"],
-                "candidate_times_s": block["candidate_times"],
-            }
-            for block in blocks
-        ]
-        performance.append(
-            {
-                "arm": arm["name"],
-                "block_steps": plan.block_steps,
-                "warmup_steps": plan.warmup_steps,
-                **derived.summarize_blocks(raw),
-                "memory": [item for item in memory if item["arm"] == arm["name"]],
-            }
-        )
-
+    sections = _sections(plan, observations, arms, ledger_dir, environment)
+    performance = [
+        _performance(plan, arm["name"], first["timings"][arm["name"]], sections["memory"])
+        for arm in arms
+        if first["timings"].get(arm["name"])
+    ]
     payload = {
         "schema_version": 2,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -279,7 +287,7 @@ def build_record(
         },
         "plan": _plan_data(plan, min_speedup),
         "arms": arms,
-        "trajectories": trajectories,
+        "trajectories": sections["trajectories"],
         "learning": {
             "eval_steps": plan.eval_steps,
             "held_out_batches_per_rank": plan.held_out_batches,
@@ -288,13 +296,8 @@ def build_record(
             ),
             "calibration_group_size": max(plan.group_sizes) if plan.calibrate else None,
         },
-        "step_one": step_one,
-        "updates": updates,
-        "own_shards": own_shards,
-        "drift": drift,
-        "hashes": hashes,
-        "probes": probes,
-        "memory": memory,
+        **{key: sections[key] for key in ("step_one", "updates", "own_shards", "drift")},
+        **{key: sections[key] for key in ("hashes", "probes", "memory")},
         "performance": performance,
     }
     return seal(payload)
@@ -355,13 +358,13 @@ def build_failure_record(
         "parameters": [],
     }
 
-    def arm_observation(name: str, rank: int) -> dict[str, Any]:
+    def arm_observation(name: str, rank: int) -> ArmObservation:
         if name == crashed:
-            kept = results[rank][name] if name in finished else empty_observation()
-            return kept | {"failure": crash}
+            kept = results[rank][name] if name in finished else ArmObservation()
+            return dataclasses.replace(kept, failure=crash)
         if name in finished:
             return results[rank][name]
-        return empty_observation(not_run)
+        return ArmObservation(failure=not_run)
 
     environment = provenance.environment([provenance.device_name()] * world_size)
     with torch.device("meta"):

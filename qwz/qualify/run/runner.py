@@ -73,6 +73,7 @@ from qwz.hashing import param_hash
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
 from qwz.qualify.evidence import provenance, spec, stats
+from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import determinism, observers
 from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
@@ -300,29 +301,6 @@ def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module
     }
 
 
-def empty_observation(failure: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What one rank observes of one arm, before its first step (or when it never ran)."""
-    return {
-        "losses": [],
-        "grad_norms": [],
-        "held_out": [],
-        "step1_digests": None,
-        "update": None,
-        "own_shard": None,
-        "kernels": None,
-        "replica_divergence": None,
-        "drift_max_abs": [],
-        "gather_bytes": 0,
-        "final_hash": None,
-        "group_size": None,
-        "reported_by": None,
-        "wire": [],
-        "failure": failure,
-        "steps_completed": 0,
-        "memory": {"kind": "rss", "peak_allocated_bytes": 0, "peak_reserved_bytes": None},
-    }
-
-
 def _wire_layout(
     shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int]
 ) -> dict[tuple[int, ...], dict[str, int]]:
@@ -359,6 +337,159 @@ def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
     ]
 
 
+class _ArmRun:
+    """One arm on this rank: built, trained for ``plan.steps`` steps and observed after each
+    (module docstring, steps 1-6). ``observed`` holds the fields of the ArmObservation the
+    arm ends with, as they are observed; ``sampled`` its sampled values per step."""
+
+    def __init__(
+        self,
+        plan: RunPlan,
+        arm: ArmSpec,
+        rank: int,
+        progress: _Progress,
+        samples: dict[str, torch.Tensor] | None,
+        reference_samples: dict[str, list[torch.Tensor]] | None,
+    ):
+        self.plan, self.arm, self.rank, self.progress = plan, arm, rank, progress
+        self.samples, self.reference_samples = samples, reference_samples
+        self.observed: dict[str, Any] = {"losses": [], "grad_norms": [], "held_out": []}
+        self.observed["drift_max_abs"] = []
+        self.sampled: dict[str, list[torch.Tensor]] = {}
+        self.peak = _StepPeak()
+        self.engine: ArmEngine | None = None
+        self.update_check: observers.UpdateCheck | None = None
+        self.shards: list | None = None
+        self.exact_masks: list | None = None
+        self.own_result = observers.OwnShardResult()
+        self.check_own = arm.noise_group_size is None
+
+    def build(self) -> None:
+        plan, arm = self.plan, self.arm
+        engine = self.engine = _build(plan, arm)
+        self.observed.update(group_size=engine.group_size, reported_by=engine.reported_by)
+        named = list(engine.module.named_parameters())
+        self.names = [name for name, _ in named]
+        numel = {name: param.numel() for name, param in named}
+        # The shards' tensors are live views, so one call serves every step; which of their
+        # elements must travel exactly never changes either.
+        self.shards = engine.own_shards()
+        self.wire_layout = _wire_layout(self.shards, engine.shard_group_ranks(), numel)
+        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel)
+        self.update_check = observers.UpdateCheck(
+            self.shards,
+            engine.shard_optimizer,
+            plan.adamw,
+            samples_per_shard=plan.update_samples,
+            seed=plan.seed,
+            rank=self.rank,
+        )
+
+    def train(self) -> None:
+        """Every step, until the last or the first failure every rank agrees on."""
+        plan, arm, progress = self.plan, self.arm, self.progress
+        self.build()
+        if 0 in plan.eval_steps:
+            self.observed["held_out"].append([0, _held_out_loss(plan, self.engine, self.rank)])
+        for step in range(1, plan.steps + 1):
+            progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
+            trained = self.train_step(step)
+            if trained is None:
+                break
+            loss_value, grad_norm, probe = trained
+            self.observe(step, loss_value, grad_norm, probe)
+            if step % 5 == 0 or step == plan.steps:
+                progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
+        if self.check_own:
+            self.observed["own_shard"] = dataclasses.asdict(self.own_result)
+        self.observed["final_hash"] = param_hash(self.engine.module)
+
+    def train_step(self, step: int) -> tuple[float, float, WireProbe] | None:
+        """One step: its loss and gradient norm and the probe of its gather; None when every
+        rank raised an AGREED_FAILURES error (recorded; the arm ends)."""
+        plan, engine, update_check = self.plan, self.engine, self.update_check
+        error: dict[str, Any] | None = None
+        # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
+        try:
+            update_check.begin_step(step)
+            with self.peak.around_step():
+                batch = plan.workload.batch(seed=plan.seed, step=step, rank=self.rank)
+                loss = plan.workload.loss(engine.module, batch)
+                with WireProbe() as probe:
+                    engine.train_step(loss)
+            update_check.end_step()
+            loss_value = _mean_over_ranks(loss)
+            grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                raise NonFiniteStep(
+                    f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}"
+                )
+        except AGREED_FAILURES as raised:  # every rank raised it: agreed on, the arm ends
+            error = _failure(step, self.rank, raised, engine.module)
+        errors = [item for item in _agree(error) if item is not None]
+        if errors:
+            self.observed["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
+            message = errors[0]["message"][:200]
+            self.progress.say(f"{self.arm.name}: FAILED at step {step}: {message}")
+            return None
+        update_check.check_norm(grad_norm, plan.gradient_clipping)
+        return loss_value, grad_norm, probe
+
+    def observe(self, step: int, loss_value: float, grad_norm: float, probe: WireProbe) -> None:
+        """What the harness checks after a completed step, outside the step's memory window."""
+        plan, arm, engine, observed = self.plan, self.arm, self.engine, self.observed
+        module = engine.module
+        observed["losses"].append(loss_value)
+        observed["grad_norms"].append(grad_norm)
+        observed["gather_bytes"] = int(probe.bytes["gather"])
+        observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+        if arm.noise_group_size is not None:
+            _perturb(engine, arm.noise_group_size, plan.seed, step)
+        if self.check_own:
+            observers.check_own_shards(
+                self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
+            )
+        divergent = observers.replica_divergence(module)
+        if divergent and observed.get("replica_divergence") is None:
+            observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
+        if step == 1:
+            observed["step1_digests"] = observers.master_digests(self.shards, self.names)
+        if self.samples is not None:
+            self.sample(step, module)
+        if step in plan.eval_steps:
+            observed["held_out"].append([step, _held_out_loss(plan, engine, self.rank)])
+
+    def sample(self, step: int, module: torch.nn.Module) -> None:
+        """The sampled parameter values, and their drift from the reference's (context)."""
+        params = dict(module.named_parameters())
+        values = {
+            name: params[name].detach().reshape(-1)[index.to(params[name].device)].float().cpu()
+            for name, index in self.samples.items()
+        }
+        for name, value in values.items():
+            self.sampled.setdefault(name, []).append(value)
+        if self.reference_samples is not None:
+            self.observed["drift_max_abs"].append(
+                max(
+                    float((value - self.reference_samples[name][step - 1]).abs().max())
+                    for name, value in values.items()
+                )
+            )
+
+    def finish(self) -> ArmObservation:
+        """The arm's observation; releases its engine (also after a failure that ends the run)."""
+        observed = self.observed
+        if self.engine is not None:
+            observed["kernels"] = observers.kernels_used(self.engine, self.rank)
+        if self.update_check is not None:
+            observed["update"] = dataclasses.asdict(self.update_check.result)
+            self.update_check.close()
+        observed["steps_completed"] = len(observed["losses"])
+        observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
+        self.engine = self.update_check = self.shards = self.exact_masks = None
+        return ArmObservation(**observed)
+
+
 def _train_arm(
     plan: RunPlan,
     arm: ArmSpec,
@@ -366,118 +497,18 @@ def _train_arm(
     reference_samples: dict[str, list[torch.Tensor]] | None,
     samples: dict[str, torch.Tensor] | None,
     progress: _Progress,
-) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
+) -> tuple[ArmObservation, dict[str, list[torch.Tensor]]]:
     """Train one arm for plan.steps steps; its observations, and its sampled values per step."""
-    workload = plan.workload
     _release_memory()
     _reset_peak_memory()
-    obs = empty_observation()
-    sampled: dict[str, list[torch.Tensor]] = {}
-    engine: ArmEngine | None = None
-    update_check: observers.UpdateCheck | None = None
-    peak = _StepPeak()
+    run = _ArmRun(plan, arm, rank, progress, samples, reference_samples)
     progress.at(phase="build", arm=arm.name, step=0, last_completed_step=0)
-    # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
     try:
-        engine = _build(plan, arm)
-        obs["group_size"], obs["reported_by"] = engine.group_size, engine.reported_by
-        module = engine.module
-        names = [name for name, _ in module.named_parameters()]
-        numel = {name: param.numel() for name, param in module.named_parameters()}
-        # The shards' tensors are live views, so one call serves every step; which of their
-        # elements must travel exactly never changes either.
-        shards = engine.own_shards()
-        wire_layout = _wire_layout(shards, engine.shard_group_ranks(), numel)
-        exact_masks = observers.exact_masks(shards, arm.group_size, numel)
-        update_check = observers.UpdateCheck(
-            shards,
-            engine.shard_optimizer,
-            plan.adamw,
-            samples_per_shard=plan.update_samples,
-            seed=plan.seed,
-            rank=rank,
-        )
-        own_result = observers.OwnShardResult()
-        check_own = arm.noise_group_size is None
-        if 0 in plan.eval_steps:
-            obs["held_out"].append([0, _held_out_loss(plan, engine, rank)])
-        for step in range(1, plan.steps + 1):
-            progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
-            error: dict[str, Any] | None = None
-            try:
-                update_check.begin_step(step)
-                with peak.around_step():
-                    batch = workload.batch(seed=plan.seed, step=step, rank=rank)
-                    loss = workload.loss(module, batch)
-                    with WireProbe() as probe:
-                        engine.train_step(loss)
-                update_check.end_step()
-                loss_value = _mean_over_ranks(loss)
-                grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
-                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                    raise NonFiniteStep(
-                        f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}"
-                    )
-            except AGREED_FAILURES as raised:  # every rank raised it: agreed on, the arm ends
-                error = _failure(step, rank, raised, module)
-            errors = [item for item in _agree(error) if item is not None]
-            if errors:
-                obs["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
-                progress.say(f"{arm.name}: FAILED at step {step}: {errors[0]['message'][:200]}")
-                break
-            update_check.check_norm(grad_norm, plan.gradient_clipping)
-            obs["losses"].append(loss_value)
-            obs["grad_norms"].append(grad_norm)
-            obs["gather_bytes"] = int(probe.bytes["gather"])
-            obs["wire"] = _wire(probe, wire_layout, rank)
-            if arm.noise_group_size is not None:
-                _perturb(engine, arm.noise_group_size, plan.seed, step)
-            if check_own:
-                observers.check_own_shards(
-                    shards, exact_masks, arm.group_size, step, rank, own_result
-                )
-            divergent = observers.replica_divergence(module)
-            if divergent and obs["replica_divergence"] is None:
-                obs["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
-            if step == 1:
-                obs["step1_digests"] = observers.master_digests(shards, names)
-            if samples is not None:
-                params = dict(module.named_parameters())
-                values = {
-                    name: params[name]
-                    .detach()
-                    .reshape(-1)[index.to(params[name].device)]
-                    .float()
-                    .cpu()
-                    for name, index in samples.items()
-                }
-                for name, value in values.items():
-                    sampled.setdefault(name, []).append(value)
-                if reference_samples is not None:
-                    obs["drift_max_abs"].append(
-                        max(
-                            float((value - reference_samples[name][step - 1]).abs().max())
-                            for name, value in values.items()
-                        )
-                    )
-            if step in plan.eval_steps:
-                obs["held_out"].append([step, _held_out_loss(plan, engine, rank)])
-            if step % 5 == 0 or step == plan.steps:
-                progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
-        if check_own:
-            obs["own_shard"] = dataclasses.asdict(own_result)
-        obs["final_hash"] = param_hash(module)
+        run.train()
     finally:
-        if engine is not None:
-            obs["kernels"] = observers.kernels_used(engine, rank)
-        if update_check is not None:
-            obs["update"] = dataclasses.asdict(update_check.result)
-            update_check.close()
-        obs["steps_completed"] = len(obs["losses"])
-        obs["memory"] = peak.result() if peak.steps else _peak_memory()
-        del engine, update_check
+        observation = run.finish()
         _release_memory()
-    return obs, sampled
+    return observation, run.sampled
 
 
 def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Progress) -> dict:
@@ -550,7 +581,7 @@ def _qualify(
     samples = _sample_indices(probe_model, plan.samples_per_param, plan.seed)
     num_parameters = sum(p.numel() for p in probe_model.parameters())
     del probe_model
-    arms: dict[str, dict[str, Any]] = {}
+    arms: dict[str, ArmObservation] = {}
     reference_samples: dict[str, list[torch.Tensor]] | None = None
     for arm in plan.arms:
         obs, sampled = _train_arm(
@@ -562,14 +593,14 @@ def _qualify(
             progress,
         )
         if arm.name == REFERENCE:
-            reference_samples = sampled if obs["failure"] is None else None
+            reference_samples = sampled if obs.failure is None else None
         arms[arm.name] = obs
         rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
 
     # Arms that failed are not timed; without a working reference nothing is.
-    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name]["failure"] is None]
+    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
     timings = {}
-    if arms[REFERENCE]["failure"] is None and plan.blocks > 0:
+    if arms[REFERENCE].failure is None and plan.blocks > 0:
         timings = _timing(plan, timed, rank, progress)
 
     observation: dict[str, Any] = {

@@ -114,5 +114,5 @@ def test_peak_memory_is_the_train_step_s_not_the_checks(monkeypatch):
     monkeypatch.setattr(observers, "check_own_shards", charged_check)
     plan = RunPlan(workload=get_workload("mlp"), dtype="fp32", steps=3, blocks=0, calibrate=False)
     obs, _ = runner._train_arm(plan, plan.arms[0], 0, None, None, runner._Progress(False))
-    assert obs["failure"] is None and obs["steps_completed"] == 3
-    assert obs["memory"]["peak_allocated_bytes"] == Meter.STEP_BYTES
+    assert obs.failure is None and obs.steps_completed == 3
+    assert obs.memory["peak_allocated_bytes"] == Meter.STEP_BYTES
