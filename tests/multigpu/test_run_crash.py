@@ -57,8 +57,9 @@ def raise_on_rank_1_at_step_3(arm, engine, plan):
 def _cli_with_hook(out: pathlib.Path) -> list[str]:
     """`qwz-qualify run` with the plan's arm_hook set (the CLI has no flag for the seam)."""
     code = (
-        "import dataclasses, sys; from qwz.qualify import cli; plan = cli._plan; "
-        f"cli._plan = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
+        "import dataclasses, sys; from qwz.qualify import cli, preflight; "
+        "plan = preflight.plan_of; "
+        f"preflight.plan_of = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
         f"sys.exit(cli.main(['run', '--out', {str(out)!r}, *{RUN!r}]))"
     )
     return [sys.executable, "-c", code]

@@ -94,163 +94,137 @@ def _failures(record: Record) -> dict[str, Any]:
 
 
 def derive(record: Record) -> list[Check]:
-    """Every check, recomputed from the record's observations (module docstring)."""
-    checks: list[Check] = []
+    """Every check, recomputed from the record's observations (module docstring), in the
+    order the record stores them."""
     arms = {arm.name: arm for arm in record.arms}
-    reference = next((arm for arm in record.arms if arm.role == "reference"), None)
+    reference = next((arm.name for arm in record.arms if arm.role == "reference"), None)
     candidates = [arm for arm in record.arms if arm.role == "candidate"]
     failures = _failures(record)
     world_size = record.environment.world_size
-
-    # --- every arm ran to the end with finite numbers
-    for trajectory in record.trajectories:
-        failure = trajectory.failure
-        numbers = [*trajectory.losses, *trajectory.grad_norms]
-        complete = len(trajectory.losses) == trajectory.steps_planned
-        if failure is not None and failure.kind == "not-run":
-            checks.append(_check(f"finite[{trajectory.arm}]", "n/a", failure.message))
-        elif failure is not None:
-            params = f" (non-finite: {', '.join(failure.parameters)})" if failure.parameters else ""
-            checks.append(
-                _check(
-                    f"finite[{trajectory.arm}]",
-                    "fail",
-                    f"{failure.kind} at step {failure.step} on rank {failure.rank}: "
-                    f"{failure.message}{params}",
-                    step=failure.step,
-                    rank=failure.rank,
-                )
-            )
-        elif not complete or any(value is None for value in numbers):
-            checks.append(
-                _check(
-                    f"finite[{trajectory.arm}]",
-                    "fail",
-                    f"{len(trajectory.losses)} of {trajectory.steps_planned} steps recorded, "
-                    f"{sum(value is None for value in numbers)} non-finite values",
-                )
-            )
-        else:
-            checks.append(
-                _check(
-                    f"finite[{trajectory.arm}]",
-                    "pass",
-                    f"{trajectory.steps_planned} steps, every loss and gradient norm finite",
-                    steps=trajectory.steps_planned,
-                )
-            )
-
-    # --- step 1: candidate masters equal the reference's, bit for bit
     digests = {item.arm: item.digests for item in record.step_one}
-    for arm in candidates:
-        name = f"step1-exact[{arm.name}]"
-        theirs, ours = digests.get(reference.name if reference else ""), digests.get(arm.name)
-        if theirs is None or ours is None:
-            who = arm.name if ours is None else "the reference"
-            checks.append(_check(name, "n/a", f"{who} did not complete step 1"))
-            continue
-        differing = sorted(key for key in theirs if ours.get(key) != theirs[key])
-        differing += sorted(set(ours) - set(theirs))
-        if differing:
-            checks.append(
-                _check(
-                    name,
-                    "fail",
-                    f"after step 1 the fp32 masters of {len(differing)} of {len(theirs)} "
-                    f"parameters differ from the reference's: {', '.join(differing[:8])}"
-                    + (" ..." if len(differing) > 8 else ""),
-                    differing=len(differing),
-                )
-            )
-        else:
-            checks.append(
-                _check(
-                    name,
-                    "pass",
-                    f"after step 1 all {len(theirs)} parameters' fp32 masters equal the "
-                    "reference's bit for bit (same start, same first gradient)",
-                    parameters=len(theirs),
-                )
-            )
-
-    # --- every step's update, on every rank; the global norm of what was applied
+    checks = [_finite(trajectory) for trajectory in record.trajectories]
+    checks += [_step_one(arm.name, digests, reference) for arm in candidates]
     checks += [_update(updates) for updates in record.updates]
-
-    # --- every rank's own shard is the spec's decode of its master; small parameters exact
-    for own in record.own_shards:
-        checks.append(_own_shard(own, arms[own.arm].quantized, failures.get(own.arm)))
-
-    # --- replicas identical after every step and at the end; reproduced hashes
+    checks += [
+        _own_shard(own, arms[own.arm].quantized, failures.get(own.arm)) for own in record.own_shards
+    ]
     for hashes in record.hashes:
-        name = f"replicas[{hashes.arm}]"
-        if world_size == 1:
-            checks.append(_check(name, "n/a", "one rank: there are no replicas to compare"))
-        elif hashes.divergence is not None:
-            checks.append(
-                _check(
-                    name,
-                    "fail",
-                    f"ranks' working copies differ after step {hashes.divergence.step} in "
-                    + ", ".join(hashes.divergence.parameters[:8]),
-                    step=hashes.divergence.step,
-                )
-            )
-        elif None in hashes.per_rank:
-            checks.append(_check(name, "n/a", "the arm failed before its final hash"))
-        elif len(set(hashes.per_rank)) != 1:
-            checks.append(
-                _check(
-                    name,
-                    "fail",
-                    "ranks' final hashes disagree: "
-                    + ", ".join(str(h)[:16] for h in hashes.per_rank),
-                )
-            )
-        else:
-            checks.append(
-                _check(
-                    name,
-                    "pass",
-                    f"working copies identical on all {len(hashes.per_rank)} ranks after every "
-                    f"step; final hash {str(hashes.per_rank[0])[:16]}",
-                )
-            )
-        checks.append(_reproduced(hashes))
-
-    # --- the group size on the wire (and as reported), and whether quantization is in effect
+        checks += [_replicas(hashes, world_size), _reproduced(hashes)]
     for probe in record.probes:
         checks.append(_probe(probe, world_size, failures.get(probe.arm)))
         checks.append(_in_effect(probe, world_size, failures.get(probe.arm)))
-
-    checks += _learning(record, reference.name if reference else None, candidates)
-
-    # --- an explicit speed requirement, when the run was given one
-    min_speedup = record.plan.min_speedup
-    if min_speedup is not None:
-        for performance in record.performance:
-            name = f"speedup[{performance.arm}]"
-            if performance.interval != "bootstrap" or performance.ci_low is None:
-                checks.append(
-                    _check(
-                        name,
-                        "n/a",
-                        f"insufficient blocks: {len(performance.blocks)} < "
-                        f"{MIN_BLOCKS_FOR_INTERVAL}, no interval to hold to {min_speedup}",
-                    )
-                )
-                continue
-            checks.append(
-                _check(
-                    name,
-                    "pass" if performance.ci_low >= min_speedup else "fail",
-                    f"median {performance.median_speedup:.4f}x, 95% interval "
-                    f"[{performance.ci_low:.4f}, {performance.ci_high:.4f}]; required lower "
-                    f"end >= {min_speedup}",
-                    median=performance.median_speedup,
-                    ci_low=performance.ci_low,
-                )
-            )
+    checks += _learning(record, reference, candidates)
+    if record.plan.min_speedup is not None:
+        checks += [_speedup(item, record.plan.min_speedup) for item in record.performance]
     return checks
+
+
+def _finite(trajectory) -> Check:
+    """Every arm ran to the end with finite numbers."""
+    failure, name = trajectory.failure, f"finite[{trajectory.arm}]"
+    numbers = [*trajectory.losses, *trajectory.grad_norms]
+    if failure is not None and failure.kind == "not-run":
+        return _check(name, "n/a", failure.message)
+    if failure is not None:
+        params = f" (non-finite: {', '.join(failure.parameters)})" if failure.parameters else ""
+        return _check(
+            name,
+            "fail",
+            f"{failure.kind} at step {failure.step} on rank {failure.rank}: "
+            f"{failure.message}{params}",
+            step=failure.step,
+            rank=failure.rank,
+        )
+    if len(trajectory.losses) != trajectory.steps_planned or None in numbers:
+        return _check(
+            name,
+            "fail",
+            f"{len(trajectory.losses)} of {trajectory.steps_planned} steps recorded, "
+            f"{sum(value is None for value in numbers)} non-finite values",
+        )
+    return _check(
+        name,
+        "pass",
+        f"{trajectory.steps_planned} steps, every loss and gradient norm finite",
+        steps=trajectory.steps_planned,
+    )
+
+
+def _step_one(arm: str, digests: dict[str, Any], reference: str | None) -> Check:
+    """Step 1: a candidate's masters equal the reference's, bit for bit."""
+    name = f"step1-exact[{arm}]"
+    theirs, ours = digests.get(reference or ""), digests.get(arm)
+    if theirs is None or ours is None:
+        who = arm if ours is None else "the reference"
+        return _check(name, "n/a", f"{who} did not complete step 1")
+    differing = sorted(key for key in theirs if ours.get(key) != theirs[key])
+    differing += sorted(set(ours) - set(theirs))
+    if differing:
+        return _check(
+            name,
+            "fail",
+            f"after step 1 the fp32 masters of {len(differing)} of {len(theirs)} "
+            f"parameters differ from the reference's: {', '.join(differing[:8])}"
+            + (" ..." if len(differing) > 8 else ""),
+            differing=len(differing),
+        )
+    return _check(
+        name,
+        "pass",
+        f"after step 1 all {len(theirs)} parameters' fp32 masters equal the "
+        "reference's bit for bit (same start, same first gradient)",
+        parameters=len(theirs),
+    )
+
+
+def _replicas(hashes, world_size: int) -> Check:
+    """Replicas identical after every step and at the end."""
+    name = f"replicas[{hashes.arm}]"
+    if world_size == 1:
+        return _check(name, "n/a", "one rank: there are no replicas to compare")
+    if hashes.divergence is not None:
+        return _check(
+            name,
+            "fail",
+            f"ranks' working copies differ after step {hashes.divergence.step} in "
+            + ", ".join(hashes.divergence.parameters[:8]),
+            step=hashes.divergence.step,
+        )
+    if None in hashes.per_rank:
+        return _check(name, "n/a", "the arm failed before its final hash")
+    if len(set(hashes.per_rank)) != 1:
+        return _check(
+            name,
+            "fail",
+            "ranks' final hashes disagree: " + ", ".join(str(h)[:16] for h in hashes.per_rank),
+        )
+    return _check(
+        name,
+        "pass",
+        f"working copies identical on all {len(hashes.per_rank)} ranks after every "
+        f"step; final hash {str(hashes.per_rank[0])[:16]}",
+    )
+
+
+def _speedup(performance, min_speedup: float) -> Check:
+    """An explicit speed requirement, when the run was given one."""
+    name = f"speedup[{performance.arm}]"
+    if performance.interval != "bootstrap" or performance.ci_low is None:
+        return _check(
+            name,
+            "n/a",
+            f"insufficient blocks: {len(performance.blocks)} < "
+            f"{MIN_BLOCKS_FOR_INTERVAL}, no interval to hold to {min_speedup}",
+        )
+    return _check(
+        name,
+        "pass" if performance.ci_low >= min_speedup else "fail",
+        f"median {performance.median_speedup:.4f}x, 95% interval "
+        f"[{performance.ci_low:.4f}, {performance.ci_high:.4f}]; required lower "
+        f"end >= {min_speedup}",
+        median=performance.median_speedup,
+        ci_low=performance.ci_low,
+    )
 
 
 def _update(updates) -> Check:

@@ -21,15 +21,13 @@ moment. Everything below therefore works on a handful of numbers (four by
 default), which decides the choice of interval and test
 (see ``bootstrap_median_ci`` and ``paired_p_value``).
 
-Nothing here knows about processes: the caller passes the step functions and
-a ``sync`` (a barrier, ``torch.cuda.synchronize``) so that a step's time is
-the time until every rank has finished it.
+The blocks are timed by run/timing.py; this module is pure statistics of their
+step times.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -79,56 +77,10 @@ class SpeedSummary(NamedTuple):
     """Which test produced ``p_value``, in words."""
 
 
-def _require(name: str, value: int, minimum: int) -> None:
+def require_count(name: str, value: int, minimum: int) -> None:
+    """Raise unless `value` is an integer (not a bool) of at least `minimum`, naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: {value!r} is invalid: it must be an integer >= {minimum}")
-
-
-def measure_blocks(
-    run_reference: Callable[[], object],
-    run_candidate: Callable[[], object],
-    *,
-    blocks: int,
-    block_steps: int,
-    warmup_steps: int,
-    clock: Callable[[], float] = time.perf_counter,
-    sync: Callable[[], object] = lambda: None,
-) -> list[BlockTiming]:
-    """Time both arms in ``blocks`` order-balanced blocks ([Note: order-balanced blocks]).
-
-    ``run_reference`` and ``run_candidate`` each run one training step. Block
-    ``i`` runs the reference first when ``i`` is even (``AB``) and the candidate
-    first when it is odd (``BA``). Per arm and block: ``warmup_steps`` untimed
-    steps, then ``block_steps`` steps each timed as ``sync(); t0 = clock();
-    step(); sync(); t1 = clock()``.
-    """
-    _require("blocks", blocks, 1)
-    _require("block_steps", block_steps, 1)
-    _require("warmup_steps", warmup_steps, 0)
-
-    def timed_steps(run_step: Callable[[], object]) -> list[float]:
-        for _ in range(warmup_steps):
-            run_step()
-        step_times_s = []
-        for _ in range(block_steps):
-            sync()
-            start_s = clock()
-            run_step()
-            sync()
-            step_times_s.append(clock() - start_s)
-        return step_times_s
-
-    timings = []
-    for block_index in range(blocks):
-        if block_index % 2 == 0:
-            reference_times = timed_steps(run_reference)
-            candidate_times = timed_steps(run_candidate)
-            timings.append(BlockTiming("AB", reference_times, candidate_times))
-        else:
-            candidate_times = timed_steps(run_candidate)
-            reference_times = timed_steps(run_reference)
-            timings.append(BlockTiming("BA", reference_times, candidate_times))
-    return timings
 
 
 def median_step_times(block: BlockTiming) -> tuple[float, float]:
@@ -185,7 +137,7 @@ def bootstrap_median_ci(
         raise ValueError(f"values: {sample.tolist()} contains a non-finite value")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence: {confidence!r} is invalid: it must lie in (0, 1)")
-    _require("resamples", resamples, 1)
+    require_count("resamples", resamples, 1)
     generator = np.random.default_rng(seed)
     indices = generator.integers(0, sample.size, size=(resamples, sample.size))
     medians = np.median(sample[indices], axis=1)  # (resamples,)

@@ -17,7 +17,7 @@ fits the cards with one arm can be qualified on them. What must be compared
 across arms is kept as observations: per-step losses and gradient norms,
 held-out losses at fixed steps, step-1 master digests, sampled parameter values
 (drift, context only). The speed blocks then pair the reference with each
-candidate ([Note: order-balanced blocks], stats.py); with
+candidate ([Note: order-balanced blocks], evidence/stats.py; timed by run/timing.py); with
 ``one_arm_resident`` the arm is rebuilt at every switch, during the untimed
 warm-up, so even the timing holds one arm at a time.
 
@@ -75,7 +75,7 @@ from qwz.probe import WireProbe
 from qwz.qualify.evidence import provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, observers
+from qwz.qualify.run import determinism, observers, timing
 from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
 
 
@@ -536,7 +536,7 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
             engine = resident[spec.name]
             engine.train_step(workload.loss(engine.module, next(batches)))
 
-        blocks = stats.measure_blocks(
+        blocks = timing.measure_blocks(
             lambda: step_of(reference_spec),
             lambda arm=arm: step_of(arm),
             blocks=plan.blocks,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwz.qualify import cli, gpu_memory
+from qwz.qualify import cli, gpu_memory, preflight
 
 GIB = 2**30
 QWEN3_4B_NUMEL = 4_022_468_096
@@ -22,7 +22,7 @@ def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str) -> list[str
     args = cli.build_parser().parse_args(
         ["run", "--workload", "qwen3-4b", "--out", str(tmp_path / "out"), *argv]
     )
-    return [line for line in cli.check_run_request(args) if "cuda:" in line]
+    return [line for line in preflight.check_run_request(args) if "cuda:" in line]
 
 
 def test_a_run_that_cannot_fit_a_gpu_is_refused_with_the_estimate(tmp_path, monkeypatch):

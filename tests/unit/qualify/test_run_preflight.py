@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qwz import launch
-from qwz.qualify import cli, files
+from qwz.qualify import cli, files, preflight
 from qwz.qualify.evidence import ledger
 
 
@@ -83,7 +83,7 @@ def test_compare_memory_growth_must_be_finite(capsys):
 
 def problems(tmp_path: pathlib.Path, *argv: str) -> list[str]:
     argv = argv if "--out" in argv else ("--out", str(tmp_path / "out"), *argv)
-    return cli.check_run_request(parse("--workload", "mlp", *argv))
+    return preflight.check_run_request(parse("--workload", "mlp", *argv))
 
 
 def test_a_fresh_request_passes(tmp_path):
@@ -161,8 +161,8 @@ def test_group_size_larger_than_a_shard(tmp_path):
 
 
 def test_world_size_against_cores(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "available_cores", lambda: 2)
-    monkeypatch.setattr(cli, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(preflight, "available_cores", lambda: 2)
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: None)
     assert problems(tmp_path, "--world-size", "8") == []
     assert problems(tmp_path, "--world-size", "64") == [
         "--world-size 64: this machine has 2 CPU cores; local ranks are limited to 4 per "
@@ -171,8 +171,8 @@ def test_world_size_against_cores(tmp_path, monkeypatch):
 
 
 def test_world_size_against_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "available_cores", lambda: 64)
-    monkeypatch.setattr(cli, "available_memory_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr(preflight, "available_cores", lambda: 64)
+    monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 2 * 2**30)
     assert problems(tmp_path, "--world-size", "2") == []
     found = problems(tmp_path, "--world-size", "8")
     assert len(found) == 1 and "GiB of host memory needed for 8 CPU ranks" in found[0]

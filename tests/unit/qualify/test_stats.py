@@ -18,10 +18,10 @@ from qwz.qualify.evidence.stats import (
     BlockTiming,
     block_speedups,
     bootstrap_median_ci,
-    measure_blocks,
     paired_p_value,
     summarize,
 )
+from qwz.qualify.run.timing import measure_blocks
 
 
 class FakeClock:
