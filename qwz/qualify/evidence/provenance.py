@@ -36,22 +36,19 @@ def _git(directory: pathlib.Path, *args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def _git_bytes(top: pathlib.Path, *args: str) -> bytes:
+    """The standard output of ``git -C top ARGS``; raises when git fails or is missing."""
+    return subprocess.run(
+        ["git", "-C", str(top), *args], capture_output=True, timeout=60, check=True
+    ).stdout
+
+
 def _diff_digest(top: pathlib.Path) -> str | None:
     """sha256 of the uncommitted changes of the checkout at `top` (``git diff HEAD --binary``,
     then each untracked, not ignored file's path and bytes); None when there are none."""
     try:
-        diff = subprocess.run(
-            ["git", "-C", str(top), "diff", "HEAD", "--binary", "--no-ext-diff"],
-            capture_output=True,
-            timeout=60,
-            check=True,
-        ).stdout
-        untracked = subprocess.run(
-            ["git", "-C", str(top), "ls-files", "--others", "--exclude-standard", "-z"],
-            capture_output=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        diff = _git_bytes(top, "diff", "HEAD", "--binary", "--no-ext-diff")
+        untracked = _git_bytes(top, "ls-files", "--others", "--exclude-standard", "-z")
     except (OSError, subprocess.SubprocessError):
         return None
     names = sorted(name for name in untracked.decode(errors="surrogateescape").split("\0") if name)
