@@ -1,5 +1,5 @@
 """Per-arm peak memory: arms trained one after another vs one arm alone ([Note: arms one at a
-time], qwz/qualify/runner.py).
+time], qwz/qualify/run/runner.py).
 
 Trains, on 2 gloo ranks, a ~100M-parameter MLP (large enough that the model and optimizer
 state dominate the Python and torch baseline) for a few steps:
@@ -22,21 +22,22 @@ import argparse
 import dataclasses
 
 from qwz.launch import LocalWorld
-from qwz.qualify import runner
-from qwz.qualify.workloads import Workload
+from qwz.qualify.plan import RunPlan
+from qwz.qualify.run import runner
+from qwz.qualify.run.workloads import Workload
 
 GIB = 1024**3
 
 
-def train_arms(plan: runner.RunPlan, names: list[str]) -> dict[str, object]:
+def train_arms(plan: RunPlan, names: list[str]) -> dict[str, object]:
     """On every rank: train the named arms of `plan` in order; their peaks, and the process's."""
     rank = runner._rank_and_world()[0]
     peaks = {}
     for arm in plan.arms:
         if arm.name in names:
             observation, _ = runner._train_arm(plan, arm, rank, None, None, runner._Progress(False))
-            assert observation["failure"] is None, observation["failure"]
-            peaks[arm.name] = observation["memory"]["peak_allocated_bytes"]
+            assert observation.failure is None, observation.failure
+            peaks[arm.name] = observation.memory["peak_allocated_bytes"]
     return {"arms": peaks}
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     hidden = args.hidden
     workload = Workload("mlp", {"sizes": [1024, hidden, hidden, 1024], "micro_batch": 8})
-    plan = runner.RunPlan(workload=workload, steps=args.steps, blocks=0, eval_every=args.steps)
+    plan = RunPlan(workload=workload, steps=args.steps, blocks=0, eval_every=args.steps)
     plan = dataclasses.replace(plan, held_out_batches=1)
     names = [arm.name for arm in plan.arms]
     numel = 1024 * hidden * 2 + hidden * hidden + 2 * hidden + 1024

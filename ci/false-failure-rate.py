@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from qwz.qualify import record
+from qwz.qualify.evidence import record
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

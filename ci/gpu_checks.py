@@ -108,7 +108,7 @@ def pipeline(device: torch.device) -> tuple[bool, str]:
 
 def engine_repeat(device: torch.device, steps: int = 3) -> tuple[bool, str]:
     import qwz
-    from qwz.qualify.determinism import deterministic
+    from qwz.qualify.run.determinism import deterministic
     from tests.multigpu.models import batch, build_odd_width_mlp
     from tests.multigpu.ranks import ds_config
 

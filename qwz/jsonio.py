@@ -1,6 +1,6 @@
 """Bounded, strict JSON input: what qwz reads from files it did not write itself.
 
-Records (``qwz.qualify.record.load``) and DeepSpeed-style configs
+Records (``qwz.qualify.evidence.record.load``) and DeepSpeed-style configs
 (``qwz.config.load_json_config``) come from disk, from other machines and from
 people. ``json.loads`` alone trusts its input too much for that: it blocks on a
 FIFO, reads ``/dev/zero`` until memory runs out, lets a duplicate key silently

@@ -81,7 +81,7 @@ def _compiler() -> str:
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     """This CPU's feature flags (Linux ``flags``, ARM ``Features``), or none where `cpuinfo`
     cannot be read. What -march=native compiles for; the qualification's environment names
-    some of them too (qwz/qualify/provenance.py)."""
+    some of them too (qwz/qualify/evidence/provenance.py)."""
     try:
         text = cpuinfo.read_text()
     except OSError:

@@ -36,6 +36,7 @@ from typing import Any
 
 from qwz.config import validate_group_size
 from qwz.kernels import compile_available
+from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text, move_into
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
@@ -123,11 +124,17 @@ def _path(text: str) -> pathlib.Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qwz.qualify.subjects import SUBJECTS
-    from qwz.qualify.workloads import WORKLOAD_NAMES
-
     parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run_options(_add_run_subject(commands))
+    _add_review_commands(commands)
+    return parser
+
+
+def _add_run_subject(commands) -> argparse.ArgumentParser:
+    """``run``: where, what and how much (the subject, the workload, the arms)."""
+    from qwz.qualify.plan import SUBJECTS
+    from qwz.qualify.run.workloads import WORKLOAD_NAMES
 
     run = commands.add_parser("run", help="qualify reference vs quantized arms; write evidence")
     run.add_argument("--out", type=_path, required=True, help="output directory")
@@ -160,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="DeepSpeed subjects: import deepspeed from the source checkout at PATH on every "
         "rank (checked); an editable install needs no flag",
     )
+    return run
+
+
+def _add_run_options(run: argparse.ArgumentParser) -> None:
+    """``run``: timing, optimizer and evidence options."""
     run.add_argument("--blocks", type=_positive, default=4, help="order-balanced speed blocks")
     run.add_argument("--block-steps", type=_positive, default=5, help="timed steps per arm")
     run.add_argument(
@@ -220,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds: the whole run (local ranks) or any one collective (torchrun)",
     )
 
+
+def _add_review_commands(commands) -> None:
+    """``report``, ``compare``, ``history`` and ``promote``: commands that read records."""
     report = commands.add_parser("report", help="print the markdown report of a record")
     report.add_argument("record", type=pathlib.Path)
 
@@ -245,178 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     promote.add_argument("record", type=_path)
     promote.add_argument("baseline_dir", type=_path)
-    return parser
-
-
-# --------------------------------------------------------------------------- #
-# Pre-flight: everything that can be known wrong before the first rank starts
-# --------------------------------------------------------------------------- #
-
-RANKS_PER_CORE = 4
-"""Local ranks allowed per CPU core: beyond this a run only thrashes (gloo ranks spin)."""
-RANK_OVERHEAD_BYTES = 400 * 2**20
-"""Host memory of one idle rank: the interpreter, torch and its allocator."""
-BYTES_PER_PARAMETER = 20
-"""Host memory per parameter per CPU rank, conservatively: working copy and gradient
-(fp32, unsharded), fp32 master and two Adam moments (counted unsharded)."""
-
-
-def check_run_request(args: argparse.Namespace) -> list[str]:
-    """Every reason ``run`` would fail after training or cannot be served; one line each.
-
-    Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
-    resource request costs nothing (exit 2), never a finished run's evidence."""
-    from qwz.qualify import ledger, signing
-    from qwz.qualify.files import writable_directory_problem
-
-    problems = []
-    if args.no_integration and args.subject != "deepspeed":
-        problems.append("--no-integration applies to --subject deepspeed only")
-    problems += _deepspeed_problems(args)
-    out_problem = writable_directory_problem(args.out, "--out")
-    if out_problem:
-        problems.append(out_problem)
-    elif (args.out / "record.json").exists() and not args.force:
-        problems.append(
-            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
-            "or choose another directory"
-        )
-    if args.ledger is not None:
-        problems += ledger.validate_directory(args.ledger)
-    try:
-        signing.configured_key()
-    except signing.SigningKeyError as error:
-        problems.append(str(error))
-    world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world_size or 2
-    numel = _workload_numel(args.workload, args.seed)
-    largest_shard = -(-numel // world_size)
-    largest_group = -(-largest_shard // 8) * 8
-    for group_size in args.group_sizes or ():
-        if group_size > largest_group:
-            problems.append(
-                f"--group-size {group_size}: larger than a rank's whole shard of the "
-                f"{args.workload} model ({numel:,} parameters / {world_size} ranks = "
-                f"{largest_shard:,}); at most {largest_group:,}"
-            )
-    if not _under_torchrun():
-        problems += _local_resource_problems(world_size, numel)
-    problems += _gpu_memory_problems(args, world_size, numel)
-    return problems
-
-
-def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) -> list[str]:
-    """[Note: GPU memory estimate] (qualify/gpu_memory.py) on every GPU the ranks use."""
-    from qwz.qualify import gpu_memory
-
-    return gpu_memory.problems(
-        world_size=world_size,
-        numel=numel,
-        dtype=args.dtype,
-        one_arm_at_a_time=args.one_arm_at_a_time,
-        indices=gpu_memory.indices_for_run(world_size, _under_torchrun()),
-    )
-
-
-def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
-    """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject; for
-    ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
-    subprocess with the ranks' import path, qualify/subjects.py)."""
-    from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, deepspeed_native_problems
-
-    source = args.deepspeed_src
-    if source is not None and args.subject not in DEEPSPEED_SUBJECTS:
-        return [f"--deepspeed-src applies to --subject {' or '.join(DEEPSPEED_SUBJECTS)} only"]
-    if source is not None and not (source / "deepspeed" / "__init__.py").is_file():
-        return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
-    if args.subject != "deepspeed-native":
-        return []
-    plan = _plan(args)
-    configs = {arm.name: plan.arm_config(arm) for arm in plan.arms}
-    return deepspeed_native_problems(str(source) if source else None, configs)
-
-
-def _workload_numel(name: str, seed: int) -> int:
-    """Parameters of the workload's model, counted on the meta device (no memory)."""
-    import torch
-
-    from qwz.qualify.workloads import get_workload
-
-    with torch.device("meta"):
-        model = get_workload(name).build_model(seed)
-    return sum(parameter.numel() for parameter in model.parameters())
-
-
-def _local_resource_problems(world_size: int, numel: int) -> list[str]:
-    from qwz.launch import pick_backend
-
-    problems = []
-    cores = available_cores()
-    if world_size > RANKS_PER_CORE * cores:
-        problems.append(
-            f"--world-size {world_size}: this machine has {cores} CPU core"
-            f"{'s' if cores != 1 else ''}; local ranks are limited to {RANKS_PER_CORE} per "
-            f"core ({RANKS_PER_CORE * cores}); use torchrun across machines for more"
-        )
-    available = available_memory_bytes()
-    if available is not None and pick_backend(world_size) == "gloo":
-        needed = world_size * (RANK_OVERHEAD_BYTES + BYTES_PER_PARAMETER * numel)
-        if needed > available:
-            problems.append(
-                f"--world-size {world_size}: about {needed / 2**30:.1f} GiB of host memory "
-                f"needed for {world_size} CPU ranks of {numel:,} parameters, "
-                f"{available / 2**30:.1f} GiB available"
-            )
-    return problems
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _plan(args: argparse.Namespace):
-    from qwz.qualify.runner import RunPlan
-    from qwz.qualify.workloads import get_workload
-
-    return RunPlan(
-        workload=get_workload(args.workload),
-        subject=args.subject,
-        stage=args.stage,
-        dtype=args.dtype,
-        group_sizes=tuple(args.group_sizes or (64,)),
-        steps=args.steps,
-        blocks=args.blocks,
-        block_steps=args.block_steps,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        eval_every=args.eval_every,
-        calibrate=not args.no_calibration,
-        one_arm_resident=args.one_arm_at_a_time,
-        allgather_bucket_size=args.bucket_size,
-        compile_kernels=args.compile,
-        integration_enabled=not args.no_integration,
-        deepspeed_src=str(args.deepspeed_src.resolve()) if args.deepspeed_src else None,
-    )
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
@@ -428,7 +271,7 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
     import torch.distributed as dist
 
     from qwz import rank_reports
-    from qwz.qualify.runner import qualify_rank
+    from qwz.qualify.run.runner import qualify_rank
 
     if rank_reports.REPORTS_ENV not in os.environ:
         reports = out / "rank-reports"
@@ -452,11 +295,12 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
-    from qwz.qualify import evidence, record, report, signing
-    from qwz.qualify.runner import qualify_rank
-    from qwz.qualify.subjects import DEEPSPEED_SUBJECTS, use_deepspeed_source
+    from qwz.qualify.evidence import build as evidence
+    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.run.runner import qualify_rank
+    from qwz.qualify.run.subjects import use_deepspeed_source
 
-    problems = check_run_request(args)
+    problems = preflight.check_run_request(args)
     if problems:
         for problem in problems:
             print(f"qwz-qualify run: error: {problem}", file=sys.stderr)
@@ -473,14 +317,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             "--one-arm-at-a-time needs --warmup-steps >= 1 (arms are rebuilt then)", file=sys.stderr
         )
         return 2
-    plan = _plan(args)
+    plan = preflight.plan_of(args)
     if args.subject in DEEPSPEED_SUBJECTS:
         # Here too: spawned ranks start from this sys.path, and the failure record's
         # identity is read in this process.
         use_deepspeed_source(plan.deepspeed_src)
     world_size = args.world_size or 2
     try:
-        if _under_torchrun():
+        if preflight.under_torchrun():
             launched = int(os.environ["WORLD_SIZE"])
             if args.world_size not in (None, launched):
                 print(
@@ -493,7 +337,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             observations = launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
     except RankFailure as failure:
-        # A rank raised, died or hung ([Note: failures] in qualify/runner.py): the evidence
+        # A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
         # is a FAIL record naming the rank that failed first, the arm and the step.
         print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
         if failure.cause is None:
@@ -507,7 +351,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         built = evidence.build_record(
             plan, observations, ledger_dir=args.ledger, min_speedup=args.min_speedup
         )
-    out = args.out
+    return _write_evidence(built, args.out)
+
+
+def _write_evidence(built, out: pathlib.Path) -> int:
+    """The plots, the report and the record of a run in `out`; the run's exit code."""
+    from qwz.qualify.evidence import record, signing
+    from qwz.qualify.review import report
+
     out.mkdir(parents=True, exist_ok=True)
     # Plots, then the report, then the record, each atomically: a run cut short leaves
     # no record.json, or the previous one, never a partial one (qwz.qualify.files).
@@ -531,12 +382,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qwz.qualify import record, report, signing
+    from qwz.qualify.evidence import record, schema, signing
+    from qwz.qualify.review import report
 
     try:
         key = signing.configured_key()
         loaded = record.load(args.record)
-    except (record.RecordError, signing.SigningKeyError) as error:
+    except (schema.RecordError, signing.SigningKeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(report.render_markdown(loaded))
@@ -546,13 +398,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _signature_section(built, key) -> str:
     """The markdown a report ends with: signed or unsigned, by which key, verified?"""
-    from qwz.qualify.signing import describe
+    from qwz.qualify.evidence.signing import describe
 
     return f"\n## Signature\n\n{describe(built.digest, built.signature, key)}\n"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from qwz.qualify import compare, signing
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import compare
 
     try:
         key = signing.configured_key()
@@ -576,7 +429,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from qwz.qualify import history, signing
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import history
 
     if not args.directory.is_dir():
         print(f"error: {args.directory}: not a directory", file=sys.stderr)
@@ -603,11 +457,12 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from qwz.qualify import history, record
+    from qwz.qualify.evidence import schema
+    from qwz.qualify.review import history
 
     try:
         promoted = history.promote(args.record, args.baseline_dir)
-    except record.RecordError as error:
+    except schema.RecordError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwz.qualify.subjects import make_arm
+from qwz.qualify.run.subjects import make_arm
 
 STALL_FROM_STEP = 5
 """Mutants that stop working part-way start failing at this step (> 1)."""

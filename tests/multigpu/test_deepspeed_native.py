@@ -33,7 +33,7 @@ pytest.importorskip(
 import torch
 import torch.distributed as dist
 
-from qwz.qualify.subjects import extensions_dir
+from qwz.qualify.run.subjects import extensions_dir
 from tests.deepspeed_checkout import head, make_checkout, make_variants, read_patch, use_variant
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp
 
@@ -298,7 +298,7 @@ def _qualify(root: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.C
 
 
 def test_harness_passes_the_proposal_and_binds_its_commit(checkout, tmp_path):
-    from qwz.qualify import record
+    from qwz.qualify.evidence import record
 
     root = checkout
     use_variant(root, "proposal")
@@ -312,7 +312,7 @@ def test_harness_passes_the_proposal_and_binds_its_commit(checkout, tmp_path):
 
 @pytest.mark.parametrize("variant", BROKEN)
 def test_harness_fails_each_broken_variant_naming_the_check(checkout, tmp_path, variant):
-    from qwz.qualify import record
+    from qwz.qualify.evidence import record
 
     root = checkout
     use_variant(root, variant)

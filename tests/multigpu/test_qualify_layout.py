@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from qwz.qualify import record
+from qwz.qualify.evidence import record
 
 pytestmark = pytest.mark.multigpu
 

@@ -15,9 +15,11 @@ import dataclasses
 
 import pytest
 
-from qwz.qualify import evidence, report
-from qwz.qualify.runner import RunPlan, qualify_rank
-from qwz.qualify.workloads import Workload, get_workload
+from qwz.qualify.evidence import build as evidence
+from qwz.qualify.plan import RunPlan
+from qwz.qualify.review import report
+from qwz.qualify.run.runner import qualify_rank
+from qwz.qualify.run.workloads import Workload, get_workload
 
 from . import mutants
 

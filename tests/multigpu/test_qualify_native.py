@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from qwz.qualify import record
+from qwz.qualify.evidence import record
 from tests.deepspeed_checkout import head, make_checkout
 
 pytestmark = pytest.mark.multigpu

@@ -1,5 +1,5 @@
 """A rank that fails on its own never hangs the others, and the record names it
-([Note: failures] in qwz/qualify/runner.py, [Note: the rank that failed first] in
+([Note: failures] in qwz/qualify/run/runner.py, [Note: the rank that failed first] in
 qwz/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with exit 1
 and a FAIL record naming the rank, the arm, the last completed step and the exception or
 signal; the arms every rank finished are judged, the ones after are "not run"."""
@@ -18,7 +18,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from qwz.qualify import record
+from qwz.qualify.evidence import record
 
 pytestmark = [
     pytest.mark.multigpu,
@@ -57,8 +57,9 @@ def raise_on_rank_1_at_step_3(arm, engine, plan):
 def _cli_with_hook(out: pathlib.Path) -> list[str]:
     """`qwz-qualify run` with the plan's arm_hook set (the CLI has no flag for the seam)."""
     code = (
-        "import dataclasses, sys; from qwz.qualify import cli; plan = cli._plan; "
-        f"cli._plan = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
+        "import dataclasses, sys; from qwz.qualify import cli, preflight; "
+        "plan = preflight.plan_of; "
+        f"preflight.plan_of = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
         f"sys.exit(cli.main(['run', '--out', {str(out)!r}, *{RUN!r}]))"
     )
     return [sys.executable, "-c", code]

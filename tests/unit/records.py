@@ -3,7 +3,7 @@
 ``make_payload`` returns the raw observations a two-rank qualification of the
 tiny Qwen3 workload would record (arms ``reference``, ``calibration-g64`` and
 ``candidate-g64``, four speed blocks, every check passing), with every value
-spelled out in its JSON type. ``make_record`` seals it: ``record.seal`` derives
+spelled out in its JSON type. ``make_record`` seals it: ``seal.seal`` derives
 the checks and the verdict from the observations, as ``record.load`` does again.
 
 Overrides replace top-level keys; a dict override is merged into the default dict
@@ -17,7 +17,7 @@ import hashlib
 import math
 from typing import Any
 
-from qwz.qualify import checks, record
+from qwz.qualify.evidence import checks, schema, seal
 
 REFERENCE = "reference"
 CALIBRATION = "calibration-g64"
@@ -197,9 +197,9 @@ def wire_group(rank: int, bytes_per_step: int, quantized_numel: int = 579_264) -
 
 def make_payload(**overrides: Any) -> dict[str, Any]:
     """The raw observations of a passing two-rank qualification, with ``overrides`` applied
-    (checks and verdict are derived by ``record.seal``)."""
+    (checks and verdict are derived by ``seal.seal``)."""
     payload: dict[str, Any] = {
-        "schema_version": record.SCHEMA_VERSION,
+        "schema_version": schema.SCHEMA_VERSION,
         "created_at": "2025-06-02T14:31:07+00:00",
         "head": {"repository": "https://example.org/qwz.git", "sha": HEAD_SHA, "dirty": False},
         "harness": {"repository": "https://example.org/qwz.git", "sha": HEAD_SHA, "dirty": False},
@@ -317,6 +317,6 @@ def non_finite_failure(step: int, rank: int, message: str) -> dict[str, Any]:
     }
 
 
-def make_record(**overrides: Any) -> record.Record:
+def make_record(**overrides: Any) -> schema.Record:
     """``make_payload(**overrides)``, validated and sealed with its digest."""
-    return record.seal(make_payload(**overrides))
+    return seal.seal(make_payload(**overrides))

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qwz import quant
-from qwz.qualify import observers
+from qwz.qualify.run import observers
 from qwz.shards import ShardSlot, make_own_shard
 from qwz.tolerance import CHECK_CHUNK_NUMEL, adam_update_bound, half_ulp, own_shard_decode_check
 

@@ -1,0 +1,619 @@
+"""The checks and the verdict, derived from a record's raw observations alone.
+
+``derive(record)`` is a pure function of what a record stores; ``evidence``
+calls it to write a record and ``record.load`` calls it again on every load, so
+a stored check that does not follow from the stored data makes the record
+invalid. Each check has a status: ``pass``, ``fail``, ``n/a`` (nothing to test,
+with the reason) or ``inconclusive``; see ``seal.verdict_of``.
+
+Which checks decide, and why (DESIGN.md, "What makes a verdict trustworthy"):
+exactness where it exists -- the step-1 masters, every step's update, the own
+shard's decode, the small parameters, the replicas -- and learning. The drift
+of sampled parameters from the reference is context: its bound holds for any
+two AdamW trajectories, so it cannot tell a learning candidate from a broken
+one.
+
+[Note: learning margin]
+Quantized weights change the forward pass, so a correct candidate's held-out
+loss differs from the reference's; the question is by how much a *correct*
+one may. The ``calibration`` arm answers it on the same run: the unquantized
+reference, with uniform noise in [-scale/2, scale/2] (each group's own scale,
+at the largest candidate group size) added to the working weights after every
+step -- the size and shape of the quantization error, but random, while the
+master stays exact, as in a candidate. Its held-out losses differ from the
+reference's by ``noise_gap`` (the largest absolute difference over the
+evaluation steps after step 0): how far quantization-sized perturbations move
+this workload's held-out loss. A candidate passes when, at every evaluation
+step after step 0::
+
+    held_out[candidate] - held_out[reference]
+        <= margin = max(MARGIN_FACTOR * noise_gap, MARGIN_FLOOR * reference_drop)
+
+``reference_drop`` is how much the reference's held-out loss fell from step 0
+to the last evaluation. The factor allows for the noise being one draw; the
+floor (a small share of what the reference learned) keeps a lucky, tiny
+``noise_gap`` from failing a correct candidate. A broken candidate (no update,
+ascent, a lost shard) does not learn, or un-learns: its gap is a large share
+of ``reference_drop``. If the reference's held-out loss did not fall by at
+least ``MIN_REFERENCE_DROP`` of its start, the run cannot tell learning from
+not learning: ``learning[reference]`` is inconclusive, and so is the verdict.
+
+[Note: group size from the wire]
+``probe`` judges the group size from the bytes each rank sent in its weight gather
+over each process group (qwz/probe.py counts them per group), by the spec's wire:
+every quantized element is one int8 code, every group of G elements one fp32 scale
+(``1 + 4/G`` bytes per quantized element), and the elements of parameters of at most
+65,536 travel exactly in the working dtype. With ``q`` quantized, ``e`` exact and ``p``
+padding elements in a rank's shard over the group, and ``c`` gather calls, the bytes
+must lie in ``[q + 4*ceil(q/G) + e*b, n + c*(G-1) + 4*(ceil(n/G) + c - 1) + (e+p)*b +
+3c]`` (``n = q + e + p``, ``b`` the working element size): the fewest is the spec's
+encoding; the most allows an implementation to send codes for every shard position,
+pad each call to whole groups and send the padding exactly. A gather's rows have one
+size on every rank of its group, so each bound is the largest over the group's ranks.
+The detail shows the G the bytes imply (``4q`` over the bytes beyond codes and exact
+elements). A group size the subject reports ([Note: reported group size],
+qualify/run/subjects.py) is shown and must equal the requested one; it never stands in for
+the wire.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from qwz.qualify.evidence import stats
+from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
+from qwz.qualify.evidence.spec import SCALE_BYTES
+
+MIN_REFERENCE_DROP = 0.02
+"""The reference's held-out loss must fall by this fraction of its start to be a baseline."""
+MARGIN_FACTOR = 3.0
+MARGIN_FLOOR = 0.01
+"""Share of the reference's held-out improvement a correct candidate may always lose."""
+MIN_BLOCKS_FOR_INTERVAL = 4
+"""Fewer blocks give no interval: a percentile bootstrap of the median of n < 4 values can
+only return the sample's own extremes, a width that says nothing about noise."""
+
+
+def _check(name: str, status: str, detail: str, **numbers: Any) -> Check:
+    return Check(name=name, status=status, detail=detail, numbers=numbers)
+
+
+def _where(violation) -> str:
+    index = f"[{violation.index}]" if violation.index >= 0 else ""
+    return f"step {violation.step}, rank {violation.rank}, {violation.parameter}{index}"
+
+
+def _held_out(record: Record) -> dict[str, dict[int, float | None]]:
+    return {t.arm: {h.step: h.loss for h in t.held_out} for t in record.trajectories}
+
+
+def _failures(record: Record) -> dict[str, Any]:
+    return {t.arm: t.failure for t in record.trajectories}
+
+
+def derive(record: Record) -> list[Check]:
+    """Every check, recomputed from the record's observations (module docstring), in the
+    order the record stores them."""
+    arms = {arm.name: arm for arm in record.arms}
+    reference = next((arm.name for arm in record.arms if arm.role == "reference"), None)
+    candidates = [arm for arm in record.arms if arm.role == "candidate"]
+    failures = _failures(record)
+    world_size = record.environment.world_size
+    digests = {item.arm: item.digests for item in record.step_one}
+    checks = [_finite(trajectory) for trajectory in record.trajectories]
+    checks += [_step_one(arm.name, digests, reference) for arm in candidates]
+    checks += [_update(updates) for updates in record.updates]
+    checks += [
+        _own_shard(own, arms[own.arm].quantized, failures.get(own.arm)) for own in record.own_shards
+    ]
+    for hashes in record.hashes:
+        checks += [_replicas(hashes, world_size), _reproduced(hashes)]
+    for probe in record.probes:
+        checks.append(_probe(probe, world_size, failures.get(probe.arm)))
+        checks.append(_in_effect(probe, world_size, failures.get(probe.arm)))
+    checks += _learning(record, reference, candidates)
+    if record.plan.min_speedup is not None:
+        checks += [_speedup(item, record.plan.min_speedup) for item in record.performance]
+    return checks
+
+
+def _finite(trajectory) -> Check:
+    """Every arm ran to the end with finite numbers."""
+    failure, name = trajectory.failure, f"finite[{trajectory.arm}]"
+    numbers = [*trajectory.losses, *trajectory.grad_norms]
+    if failure is not None and failure.kind == "not-run":
+        return _check(name, "n/a", failure.message)
+    if failure is not None:
+        params = f" (non-finite: {', '.join(failure.parameters)})" if failure.parameters else ""
+        return _check(
+            name,
+            "fail",
+            f"{failure.kind} at step {failure.step} on rank {failure.rank}: "
+            f"{failure.message}{params}",
+            step=failure.step,
+            rank=failure.rank,
+        )
+    if len(trajectory.losses) != trajectory.steps_planned or None in numbers:
+        return _check(
+            name,
+            "fail",
+            f"{len(trajectory.losses)} of {trajectory.steps_planned} steps recorded, "
+            f"{sum(value is None for value in numbers)} non-finite values",
+        )
+    return _check(
+        name,
+        "pass",
+        f"{trajectory.steps_planned} steps, every loss and gradient norm finite",
+        steps=trajectory.steps_planned,
+    )
+
+
+def _step_one(arm: str, digests: dict[str, Any], reference: str | None) -> Check:
+    """Step 1: a candidate's masters equal the reference's, bit for bit."""
+    name = f"step1-exact[{arm}]"
+    theirs, ours = digests.get(reference or ""), digests.get(arm)
+    if theirs is None or ours is None:
+        who = arm if ours is None else "the reference"
+        return _check(name, "n/a", f"{who} did not complete step 1")
+    differing = sorted(key for key in theirs if ours.get(key) != theirs[key])
+    differing += sorted(set(ours) - set(theirs))
+    if differing:
+        return _check(
+            name,
+            "fail",
+            f"after step 1 the fp32 masters of {len(differing)} of {len(theirs)} "
+            f"parameters differ from the reference's: {', '.join(differing[:8])}"
+            + (" ..." if len(differing) > 8 else ""),
+            differing=len(differing),
+        )
+    return _check(
+        name,
+        "pass",
+        f"after step 1 all {len(theirs)} parameters' fp32 masters equal the "
+        "reference's bit for bit (same start, same first gradient)",
+        parameters=len(theirs),
+    )
+
+
+def _replicas(hashes, world_size: int) -> Check:
+    """Replicas identical after every step and at the end."""
+    name = f"replicas[{hashes.arm}]"
+    if world_size == 1:
+        return _check(name, "n/a", "one rank: there are no replicas to compare")
+    if hashes.divergence is not None:
+        return _check(
+            name,
+            "fail",
+            f"ranks' working copies differ after step {hashes.divergence.step} in "
+            + ", ".join(hashes.divergence.parameters[:8]),
+            step=hashes.divergence.step,
+        )
+    if None in hashes.per_rank:
+        return _check(name, "n/a", "the arm failed before its final hash")
+    if len(set(hashes.per_rank)) != 1:
+        return _check(
+            name,
+            "fail",
+            "ranks' final hashes disagree: " + ", ".join(str(h)[:16] for h in hashes.per_rank),
+        )
+    return _check(
+        name,
+        "pass",
+        f"working copies identical on all {len(hashes.per_rank)} ranks after every "
+        f"step; final hash {str(hashes.per_rank[0])[:16]}",
+    )
+
+
+def _speedup(performance, min_speedup: float) -> Check:
+    """An explicit speed requirement, when the run was given one."""
+    name = f"speedup[{performance.arm}]"
+    if performance.interval != "bootstrap" or performance.ci_low is None:
+        return _check(
+            name,
+            "n/a",
+            f"insufficient blocks: {len(performance.blocks)} < "
+            f"{MIN_BLOCKS_FOR_INTERVAL}, no interval to hold to {min_speedup}",
+        )
+    return _check(
+        name,
+        "pass" if performance.ci_low >= min_speedup else "fail",
+        f"median {performance.median_speedup:.4f}x, 95% interval "
+        f"[{performance.ci_low:.4f}, {performance.ci_high:.4f}]; required lower "
+        f"end >= {min_speedup}",
+        median=performance.median_speedup,
+        ci_low=performance.ci_low,
+    )
+
+
+def _update(updates) -> Check:
+    """[Note: exact update check] and [Note: global norm check] (qualify/run/observers.py)."""
+    name = f"update[{updates.arm}]"
+    norm = (
+        f"; the handed gradient's global norm matched min(norm, clip) on "
+        f"{updates.norm_checked} steps (worst {updates.norm_max_ratio:.3g} of the bound)"
+    )
+    if updates.checked == 0 and not updates.missing_steps:
+        return _check(name, "n/a", "no optimizer step was observed")
+    if updates.violations or updates.missing_steps or updates.norm_violations:
+        first = updates.first_violation
+        where = f"first at {_where(first)}: {first.what}" if first else ""
+        norms = (
+            f"; the global norm of the gradient the optimizer was handed was wrong on "
+            f"{updates.norm_violations} of {updates.norm_checked} steps"
+            if updates.norm_violations
+            else ""
+        )
+        return _check(
+            name,
+            "fail",
+            f"{updates.violations} of {updates.checked} sampled master updates differ "
+            f"from AdamW's on the arm's own gradient and state{norms}; {where}",
+            violations=updates.violations,
+            norm_violations=updates.norm_violations,
+            step=first.step if first else None,
+        )
+    return _check(
+        name,
+        "pass",
+        f"{updates.checked} sampled master updates equal AdamW's on the arm's own "
+        f"gradient and state within rounding (worst {updates.max_ratio:.3g} of "
+        f"the bound){norm if updates.norm_checked else ''}; one optimizer step per training "
+        "step on every rank",
+        checked=updates.checked,
+        max_ratio=updates.max_ratio,
+        norm_checked=updates.norm_checked,
+        norm_max_ratio=updates.norm_max_ratio,
+    )
+
+
+def _kernel_fallbacks(own) -> str:
+    """The kernel implementations dropped on any rank (the record's ``kernels``), for the
+    detail: two implementations that disagree must never pass unseen."""
+    reasons = sorted({reason for use in own.kernels for reason in use.fallbacks})
+    return f"; kernel fallbacks: {'; '.join(reasons)}" if reasons else ""
+
+
+def _own_shard(own, quantized: bool, failure) -> Check:
+    """[Note: own shard against the spec] (qualify/run/observers.py): every element equals the
+    spec's decode (qualify/evidence/spec.py), or the exact cast where the spec sends it exactly."""
+    name = f"own-shard[{own.arm}]"
+    if failure is not None and own.first_violation is None:
+        return _check(name, "n/a", "the arm failed; see finite")
+    if own.checked == 0 and own.first_violation is None:
+        return _check(name, "n/a", "no own-shard element was observed")
+    rule = (
+        "the spec's decode of its fp32 master (scale absmax/127 in fp32, codes rounded to "
+        "nearest in [-127, 127]; qwz/qualify/evidence/spec.py) cast to the working dtype"
+        if quantized
+        else "its fp32 master cast to the working dtype"
+    )
+    fallbacks = _kernel_fallbacks(own)
+    if own.mismatches or own.first_violation is not None:
+        first = own.first_violation
+        where = f"; first at {_where(first)}: {first.what}" if first else ""
+        return _check(
+            name,
+            "fail",
+            f"{own.mismatches} of {own.checked} own-shard elements are not {rule}"
+            f"{where}{fallbacks}",
+            mismatches=own.mismatches,
+            max_ratio=own.max_ratio,
+        )
+    ties = (
+        f"; {own.near_ties} near-ties took the other neighbouring code (allowed)"
+        if own.near_ties
+        else ""
+    )
+    return _check(
+        name,
+        "pass",
+        f"after every step all {own.checked} own-shard elements are {rule}, parameters of at "
+        f"most 65,536 elements exact{ties} (worst error {format(own.max_ratio or 0.0, '.4g')} "
+        f"of scale/2 + 2**-15 scale + half-ulp){fallbacks}",
+        checked=own.checked,
+        near_ties=own.near_ties,
+        max_ratio=own.max_ratio,
+    )
+
+
+ALIGNMENT_BYTES = 3
+"""Padding a gather call's row may add to keep the next row's scales aligned."""
+
+
+def wire_bounds(group: WireGroup, group_size: int) -> tuple[int, int]:
+    """[Note: group size from the wire]: the fewest and the most bytes a rank may send per
+    step over one process group when its quantized elements travel in groups of
+    `group_size`."""
+    quantized, exact = group.quantized_numel, group.exact_numel
+    numel = quantized + exact + group.padding_numel
+    calls = max(1, group.calls_per_step)
+    fewest = quantized + SCALE_BYTES * -(-quantized // group_size) + exact * group.element_bytes
+    most = (
+        numel
+        + calls * (group_size - 1)
+        + SCALE_BYTES * (-(-numel // group_size) + calls - 1)
+        + (exact + group.padding_numel) * group.element_bytes
+        + calls * ALIGNMENT_BYTES
+    )
+    return fewest, most
+
+
+def group_bounds(groups: list[WireGroup], group: WireGroup, group_size: int) -> tuple[int, int]:
+    """:func:`wire_bounds` for `group` given every rank's entry in `groups`: a gather sends
+    rows of one size on every rank of the process group, so each rank's row is sized for
+    the rank with the most to send -- the largest of the ranks' fewest and most bytes."""
+    peers = [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+    bounds = [wire_bounds(item, group_size) for item in peers]
+    return max(fewest for fewest, _ in bounds), max(most for _, most in bounds)
+
+
+def wire_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
+    """The group size `group`'s bytes imply by the spec's ``1 + 4/G`` bytes per quantized
+    element -- every byte beyond the codes and the exact elements taken for scales -- with
+    the counts of the fullest rank of its process group in `groups` (the one its row is
+    sized for); None where they leave nothing for scales (an unquantized wire)."""
+    peers = [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+    fullest = max(peers, key=lambda item: wire_bounds(item, 1 << 30)[0])
+    exact_bytes = (fullest.exact_numel + fullest.padding_numel) * fullest.element_bytes
+    overhead = group.bytes_per_step - fullest.quantized_numel - exact_bytes
+    if fullest.quantized_numel == 0 or overhead <= 0:
+        return None
+    return SCALE_BYTES * fullest.quantized_numel / overhead
+
+
+def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
+    """[Note: group size from the wire]."""
+    name = f"probe[{probe.arm}]"
+    requested = probe.requested_group_size
+    reported = probe.reported_group_sizes
+    sources = sorted({source for source in probe.reported_by if source})
+    said = f"; the subject reports {reported}" + (f" ({', '.join(sources)})" if sources else "")
+    if world_size == 1:
+        # One rank gathers exactly (nothing to save on the wire), so no group size is used.
+        wrong = [size for size in reported if size is not None]
+        status = "fail" if wrong else "pass"
+        return _check(name, status, f"one rank: the gather is exact{said}", reported=reported)
+    measured = [group for group in probe.wire if group.quantized_numel > 0]
+    if not measured and failure is not None:
+        return _check(name, "n/a", "the arm failed before a gather was measured")
+    if not measured:
+        return _check(name, "fail", f"no quantized elements on the wire were measured{said}")
+    lines, outside = [], []
+    for group in measured:
+        fewest, most = group_bounds(probe.wire, group, requested)
+        implied = wire_group_size(probe.wire, group)
+        where = f"rank {group.rank} over ranks {group.group_ranks}"
+        lines.append(
+            f"{where}: {group.bytes_per_step:,} B for {group.quantized_numel:,} quantized + "
+            f"{group.exact_numel:,} exact elements, G ~ "
+            + ("none (no bytes for scales)" if implied is None else f"{implied:.0f}")
+        )
+        if not fewest <= group.bytes_per_step <= most:
+            outside.append(f"{where}: {group.bytes_per_step:,} B outside [{fewest:,}, {most:,}]")
+    disagree = [size for size in reported if size is not None and size != requested]
+    status = "fail" if outside or disagree else "pass"
+    if outside:
+        verdict = f"the wire does not carry groups of {requested}: {'; '.join(outside)}"
+    elif disagree:
+        verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
+    else:
+        verdict = f"the wire's bytes fit groups of {requested} on every rank"
+    return _check(
+        name,
+        status,
+        f"requested group size {requested}: {verdict} ({'; '.join(lines[:4])}){said}",
+        requested=requested,
+        reported=reported,
+        wire_group_sizes=[wire_group_size(probe.wire, group) for group in measured],
+    )
+
+
+def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
+    """Quantized weights requested and in effect: the candidate's weight gather sends fewer
+    bytes than the unquantized reference's."""
+    sent, reference_bytes = probe.gather_bytes_per_step, probe.reference_gather_bytes_per_step
+    name = f"in-effect[{probe.arm}]"
+    if world_size == 1:
+        return _check(name, "n/a", "one rank: the weight gather sends nothing")
+    if failure is not None and sent == 0:
+        return _check(name, "n/a", "the arm failed before a gather was measured")
+    if 0 < sent < reference_bytes:
+        return _check(
+            name,
+            "pass",
+            f"weight gather sends {sent} bytes per step vs {reference_bytes} "
+            f"unquantized ({sent / reference_bytes:.4f}x)",
+            bytes=sent,
+            reference_bytes=reference_bytes,
+        )
+    return _check(
+        name,
+        "fail",
+        "quantized weights requested but not in effect: the weight gather sent "
+        f"{sent} bytes per step, the unquantized reference {reference_bytes}",
+        bytes=sent,
+        reference_bytes=reference_bytes,
+    )
+
+
+def _reproduced(hashes) -> Check:
+    name = f"reproduced[{hashes.arm}]"
+    this = hashes.per_rank[0] if hashes.per_rank else None
+    others = "".join(
+        f"; {'same hash as' if other == this else 'differs from'} the {description} arm's "
+        f"{other[:16]}"
+        for description, other in hashes.ledger_siblings.items()
+    )
+    if hashes.ledger_status == "not-checked":
+        return _check(name, "n/a", "no ledger given (--ledger), or the replicas disagree")
+    if hashes.ledger_status == "recorded":
+        return _check(
+            name, "n/a", "first run of this head, environment and arm: hash recorded" + others
+        )
+    if hashes.ledger_status == "reproduced":
+        return _check(
+            name, "pass", f"reproduced the ledger's hash {str(this)[:16]}{others}", this_run=this
+        )
+    return _check(
+        name,
+        "fail",
+        f"MISMATCH: this run {str(this)[:16]}, ledger {str(hashes.ledger_previous)[:16]} for "
+        f"the same head and environment{others}",
+        this_run=this,
+        ledger=hashes.ledger_previous,
+    )
+
+
+def learning_margin(record: Record) -> dict[str, Any]:
+    """The numbers of [Note: learning margin] for this record (floats may be None)."""
+    held_out = _held_out(record)
+    reference = next((arm.name for arm in record.arms if arm.role == "reference"), None)
+    ref = held_out.get(reference or "", {})
+    steps = [step for step in record.learning.eval_steps if step > 0]
+    start, last = ref.get(0), ref.get(max(steps)) if steps else None
+    drop = None if start is None or last is None else start - last
+    calibration = held_out.get(record.learning.calibration_arm or "", {})
+    gaps = [
+        abs(calibration[step] - ref[step])
+        for step in steps
+        if calibration.get(step) is not None and ref.get(step) is not None
+    ]
+    noise_gap = max(gaps) if len(gaps) == len(steps) and steps else None
+    margin = None
+    if drop is not None and drop > 0:
+        margin = MARGIN_FLOOR * drop
+        if noise_gap is not None:
+            margin = max(margin, MARGIN_FACTOR * noise_gap)
+    return {
+        "reference_start": start,
+        "reference_last": last,
+        "reference_drop": drop,
+        "noise_gap": noise_gap,
+        "margin": margin,
+        "margin_factor": MARGIN_FACTOR,
+        "margin_floor": MARGIN_FLOOR,
+        "min_reference_drop": MIN_REFERENCE_DROP,
+    }
+
+
+def _learning(record: Record, reference: str | None, candidates) -> list[Check]:
+    numbers = learning_margin(record)
+    held_out = _held_out(record)
+    steps = [step for step in record.learning.eval_steps if step > 0]
+    start, drop = numbers["reference_start"], numbers["reference_drop"]
+    checks = []
+    name = f"learning[{reference}]"
+    if drop is None or start is None:
+        checks.append(_check(name, "n/a", "the reference has no held-out losses to compare"))
+        learned = False
+    elif drop >= MIN_REFERENCE_DROP * abs(start):
+        checks.append(
+            _check(
+                name,
+                "pass",
+                f"held-out loss fell {start:.4f} -> {numbers['reference_last']:.4f} "
+                f"(>= {MIN_REFERENCE_DROP:.0%} of its start)",
+                **numbers,
+            )
+        )
+        learned = True
+    else:
+        checks.append(
+            _check(
+                name,
+                "inconclusive",
+                f"the reference did not learn: held-out loss {start:.4f} -> "
+                f"{numbers['reference_last']:.4f}, less than {MIN_REFERENCE_DROP:.0%} of its "
+                "start; learning cannot be judged on this run",
+                **numbers,
+            )
+        )
+        learned = False
+    margin = numbers["margin"]
+    calibrated = numbers["noise_gap"] is not None
+    # A run that crashed or never started an arm left it no held-out losses: finite says why.
+    ended = {t.arm: t.failure.kind for t in record.trajectories if t.failure is not None}
+    for arm in candidates:
+        name = f"learning[{arm.name}]"
+        ours = held_out.get(arm.name, {})
+        if ended.get(arm.name) in ("crash", "not-run"):
+            checks.append(_check(name, "n/a", f"the arm ended: {ended[arm.name]}; see finite"))
+            continue
+        if not learned or margin is None:
+            checks.append(
+                _check(name, "inconclusive" if drop is not None else "n/a", "see the reference")
+            )
+            continue
+        if any(ours.get(step) is None for step in steps):
+            checks.append(
+                _check(name, "fail", "held-out loss missing or non-finite at an evaluation step")
+            )
+            continue
+        gaps = {step: ours[step] - held_out[reference][step] for step in steps}
+        worst_step = max(gaps, key=lambda step: gaps[step])
+        how = (
+            f"max({MARGIN_FACTOR:g} x calibration gap {numbers['noise_gap']:.4g}, "
+            f"{MARGIN_FLOOR:.0%} of the reference's drop {drop:.4g})"
+            if calibrated
+            else f"{MARGIN_FLOOR:.0%} of the reference's drop {drop:.4g} (no calibration arm)"
+        )
+        status = "pass" if gaps[worst_step] <= margin else "fail"
+        checks.append(
+            _check(
+                name,
+                status,
+                f"held-out loss minus the reference's: worst {gaps[worst_step]:+.4g} at step "
+                f"{worst_step} (last {gaps[max(steps)]:+.4g}); margin {margin:.4g} = {how}",
+                worst_gap=gaps[worst_step],
+                worst_step=worst_step,
+                margin=margin,
+            )
+        )
+    return checks
+
+
+def summarize_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The derived speed fields of a Performance from its raw block times."""
+    timings = [
+        stats.BlockTiming(block["order"], block["reference_times_s"], block["candidate_times_s"])
+        for block in blocks
+    ]
+    derived_blocks = []
+    for index, (block, timing) in enumerate(zip(blocks, timings, strict=True)):
+        reference_s = statistics.median(timing.reference_times)
+        candidate_s = statistics.median(timing.candidate_times)
+        derived_blocks.append(
+            {
+                "index": index,
+                "order": block["order"],
+                "reference_times_s": list(timing.reference_times),
+                "candidate_times_s": list(timing.candidate_times),
+                "reference_step_s": reference_s,
+                "candidate_step_s": candidate_s,
+                "speedup": reference_s / candidate_s if candidate_s > 0 else math.inf,
+            }
+        )
+    if len(timings) < MIN_BLOCKS_FOR_INTERVAL:
+        return {
+            "blocks": derived_blocks,
+            "interval": "insufficient blocks",
+            "median_speedup": None,
+            "ci_low": None,
+            "ci_high": None,
+            "ci_method": f"none: {len(timings)} blocks < {MIN_BLOCKS_FOR_INTERVAL}",
+            "p_value": None,
+            "test": "none: too few blocks",
+        }
+    summary = stats.summarize(timings)
+    return {
+        "blocks": derived_blocks,
+        "interval": "bootstrap",
+        "median_speedup": summary.median_speedup,
+        "ci_low": summary.ci_low,
+        "ci_high": summary.ci_high,
+        "ci_method": summary.ci_method,
+        "p_value": summary.p_value,
+        "test": summary.test,
+    }

@@ -1,0 +1,499 @@
+"""The evidence record's schema: pydantic models of what a record stores.
+
+A record is written once by ``qwz-qualify run`` and read by ``report`` and
+``compare``. It is bound to the code under test by ``head`` (repository, SHA,
+dirty flag) and to itself by ``digest``: the sha256 of its canonical JSON
+without the digest (seal.py). A record stores raw observations; its checks and verdict
+are derived from them (qualify/evidence/checks.py), at sealing and again on every load
+(record.py).
+
+``python -m qwz.qualify.evidence.schema`` regenerates ``record.schema.json`` (the
+published JSON Schema) from the models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from qwz.qualify.evidence.signing import Signature
+
+SCHEMA_VERSION = 2
+SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
+
+
+class RecordError(ValueError):
+    """A record could not be trusted: unreadable, invalid, edited, or inconsistent."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Head(_Model):
+    """A git checkout: the code under test (``Record.head``: qwz's for the ``qwz`` and
+    ``deepspeed`` subjects, DeepSpeed's for ``deepspeed-native``) or the harness that judged
+    it (``Record.harness``: always qwz's)."""
+
+    repository: str = Field(description="remote.origin.url, else the checkout's directory")
+    sha: str = Field(description="Full git SHA of HEAD, or 'unknown' outside a git checkout")
+    dirty: bool = Field(
+        description="Uncommitted changes: tracked files edited, or untracked files git does "
+        "not ignore"
+    )
+    path: str | None = Field(None, description="The checkout's top directory where it ran")
+    diff_sha256: str | None = Field(
+        None,
+        description="sha256 of the uncommitted changes (git diff HEAD --binary, then each "
+        "untracked file's path and bytes); null when clean",
+    )
+
+
+class Subject(_Model):
+    """Which implementation ran the arms, and where its package was imported from."""
+
+    name: Literal["qwz", "deepspeed", "deepspeed-native"]
+    version: str
+    sha: str | None = Field(
+        None,
+        description="Live git HEAD of the checkout the package was imported from; null "
+        "when it was not imported from one (an installed wheel)",
+    )
+    dirty: bool | None = Field(None, description="That checkout's uncommitted changes")
+    diff_sha256: str | None = Field(None, description="Head.diff_sha256 of that checkout")
+    import_path: str | None = Field(None, description="Directory of the imported package")
+    installed_commit: str | None = Field(
+        None,
+        description="The commit the package recorded about itself when it was installed "
+        "(DeepSpeed's git_version_info); context only, never its identity",
+    )
+    direct_url: dict[str, Any] | None = Field(
+        None, description="The installed distribution's direct_url.json (PEP 610), if any"
+    )
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies the subject's code, for the ledger and ``compare``: the path
+        where it ran is left out (the same commit on two machines is the same code)."""
+        return self.model_dump(exclude={"import_path"})
+
+
+class Determinism(_Model):
+    """The deterministic settings the ranks ran under (qwz/qualify/run/determinism.py); the
+    ``reproduced`` and ``step1-exact`` checks rely on them."""
+
+    deterministic_algorithms: bool = Field(
+        description="torch.use_deterministic_algorithms (warn_only: ops without a "
+        "deterministic implementation warn instead of failing)"
+    )
+    warn_only: bool
+    fill_uninitialized_memory: bool = Field(
+        description="torch.utils.deterministic.fill_uninitialized_memory"
+    )
+    cublas_workspace_config: str | None = Field(
+        description="CUBLAS_WORKSPACE_CONFIG as the ranks saw it"
+    )
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+
+
+class Environment(_Model):
+    python: str
+    torch: str
+    deepspeed: str | None
+    transformers: str | None
+    backend: str
+    device_names: list[str]
+    world_size: int
+    node_count: int
+    platform: str
+    cuda: str | None = Field(None, description="CUDA version torch was built with")
+    cudnn: str | None = Field(None, description="cuDNN version, where torch has cuDNN")
+    nccl: str | None = Field(None, description="NCCL version, where torch has NCCL")
+    driver: str | None = Field(None, description="NVIDIA driver version, where one is loaded")
+    triton: str | None = Field(None, description="Triton version, where installed")
+    compute_capabilities: list[str] = Field(
+        default_factory=list, description="Per rank: the GPU's compute capability (sm_XY)"
+    )
+    determinism: Determinism | None = None
+
+    def fingerprint(self) -> str:
+        """What must match for hashes to be reproducible: versions, backend, devices and
+        their compute capabilities, ranks, deterministic settings. Fields a record written
+        before they existed lacks (None, empty) are left out, so its fingerprint stays."""
+        payload = self.model_dump(exclude={"platform"})
+        for name in _LATER_ENVIRONMENT_FIELDS:
+            if payload[name] in (None, []):
+                del payload[name]
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_LATER_ENVIRONMENT_FIELDS = (
+    "cuda",
+    "cudnn",
+    "nccl",
+    "driver",
+    "triton",
+    "compute_capabilities",
+    "determinism",
+)
+
+
+class Workload(_Model):
+    name: str
+    params: dict[str, Any]
+    num_parameters: int
+    steps: int
+    seed: int
+
+
+class Arm(_Model):
+    """One configuration that was trained: the reference, the calibration arm or a candidate."""
+
+    name: str
+    role: Literal["reference", "calibration", "candidate"]
+    quantized: bool
+    group_size: int | None
+    stage: int
+    dtype: str
+    kernels: Literal["eager", "compiled"] = Field(
+        description='Quantize/dequantize kernels: eager, or fused ("compiled": qwz\'s native C '
+        "kernels on CPU, torch.compile otherwise)"
+    )
+    integration_enabled: bool = Field(
+        description="deepspeed subject: whether qwz's gather was allowed to take over"
+    )
+    config: dict[str, Any] = Field(description="The DeepSpeed-style config given to the engine")
+
+
+class Failure(_Model):
+    """How an arm ended early, or that it never started ([Note: failures] in
+    qualify/run/runner.py): ``non-finite`` -- every rank saw a NaN/Inf loss or gradient norm
+    at the step, the arm ended and the run went on; ``crash`` -- one rank raised, died or
+    hung and the run ended there (the rank that failed first, by the launcher's report);
+    ``not-run`` -- the run ended before this arm started; ``error`` -- records written
+    before crashes ended the run."""
+
+    step: int = Field(description="1-based training step; 0: before the first step")
+    rank: int = Field(description="The first rank that reported the failure; -1 for not-run")
+    ranks: list[int] = Field(description="Every rank that reported it (crash: that failed)")
+    kind: Literal["non-finite", "error", "crash", "not-run"]
+    message: str
+    parameters: list[str] = Field(
+        description="Parameters with a NaN/Inf gradient or weight (the engine's report, else "
+        "the working weights that rank holds)"
+    )
+    last_completed_step: int | None = Field(
+        None, description="crash: the failing rank's last completed step of this arm (0: none)"
+    )
+    phase: str | None = Field(
+        None, description="crash: what the failing rank was doing (build, train, timing, ...)"
+    )
+    signal: str | None = Field(None, description="crash: the signal that killed the rank")
+    exit_code: int | None = Field(
+        None, description="crash: the rank's exit status, when it died without a report"
+    )
+    traceback: list[str] = Field(
+        default_factory=list, description="crash: the innermost lines of the rank's traceback"
+    )
+    context: list[str] = Field(
+        default_factory=list,
+        description="crash: how the other ranks ended (for example their connection reset by "
+        "the failed rank): consequences, not the cause",
+    )
+
+
+class HeldOut(_Model):
+    step: int
+    loss: float | None = Field(description="Mean held-out loss over ranks; null if non-finite")
+
+
+class Trajectory(_Model):
+    arm: str
+    steps_planned: int
+    losses: list[float | None] = Field(
+        description="Loss per completed step, averaged over ranks; null where NaN or infinite"
+    )
+    grad_norms: list[float | None] = Field(
+        description="Global gradient norm per completed step; null where NaN or infinite"
+    )
+    held_out: list[HeldOut] = Field(
+        description="Held-out loss (batches never trained on) at the evaluation steps"
+    )
+    failure: Failure | None = None
+
+
+class Violation(_Model):
+    """The first element a check found out of bounds."""
+
+    step: int
+    rank: int
+    parameter: str
+    index: int = Field(description="Element index in the flattened parameter; -1: none")
+    what: str = ""
+    ratio: float | None = Field(description="error / bound; null where infinite")
+
+
+class Updates(_Model):
+    """[Note: exact update check] (qualify/run/observers.py), summed over ranks."""
+
+    arm: str
+    samples_per_shard: int
+    checked: int
+    violations: int
+    max_ratio: float
+    first_violation: Violation | None
+    missing_steps: list[list[int]] = Field(
+        description="[step, rank] where the optimizer did not step exactly once"
+    )
+    norm_checked: int = Field(
+        0, description="Steps whose global gradient norm and clipping the judge recomputed"
+    )
+    norm_violations: int = Field(
+        0, description="Of those, steps where the gradient handed to the optimizer was wrong"
+    )
+    norm_max_ratio: float = Field(
+        0.0, description="Worst |handed norm - min(norm, clip)| / its bound over the steps"
+    )
+
+
+class StepOneMasters(_Model):
+    """Layout-independent digest of every parameter's fp32 master after step 1
+    ([Note: layout-independent digests])."""
+
+    arm: str
+    digests: dict[str, str] | None = Field(description="null when the arm failed before")
+
+
+class KernelUse(_Model):
+    """The wire kernels one rank's arm ran, and every implementation that was dropped."""
+
+    rank: int
+    kernels: str | None = Field(
+        description='"eager" or "compiled" (fused: the native C kernels where they serve, '
+        "else torch.compile); null: the arm ran none of qwz's kernels"
+    )
+    native: bool = Field(description="Whether the native C kernels served the fused kernels")
+    fallbacks: list[str] = Field(
+        description="Why a kernel implementation was dropped (it did not reproduce the eager "
+        "kernels' bytes, torch.compile failed, a recompile limit): empty when none was"
+    )
+
+
+class OwnShards(_Model):
+    """Every rank's own shard against the spec's decode of its fp32 master after every step
+    ([Note: the spec's decode], qualify/evidence/spec.py; observers.check_own_shards)."""
+
+    arm: str
+    max_ratio: float | None = Field(
+        description="Context: worst |working - master| / (scale/2 + 2**-15 scale + the cast's "
+        "half-ulp), the spec's scale; null where infinite"
+    )
+    first_violation: Violation | None
+    checked: int = Field(0, description="Elements compared, over ranks and steps")
+    mismatches: int = Field(0, description="Elements not equal to the spec's decode (or exact)")
+    near_ties: int = Field(
+        0, description="Elements at a near-tie that took the other neighbouring code (allowed)"
+    )
+    kernels: list[KernelUse] = Field(default_factory=list, description="Per rank")
+
+
+class Drift(_Model):
+    """Context, not a verdict: the sampled parameters' distance from the reference."""
+
+    arm: str
+    samples_per_param: int
+    max_abs_error: list[float] = Field(description="Per step, over the sampled elements")
+    bound: list[float] = Field(
+        description="Per step, the drift any two AdamW trajectories may have (D_t, "
+        "qwz/tolerance.py): why this is context and not a check"
+    )
+
+
+class Divergence(_Model):
+    step: int
+    parameters: list[str]
+
+
+class Hashes(_Model):
+    arm: str
+    per_rank: list[str | None] = Field(description="Final parameter hash; null: no final hash")
+    divergence: Divergence | None = Field(
+        description="First step after which the ranks' working copies differed"
+    )
+    ledger_status: Literal["reproduced", "recorded", "mismatch", "not-checked"]
+    ledger_previous: str | None = None
+    ledger_siblings: dict[str, str] = Field(default_factory=dict)
+
+
+class WireGroup(_Model):
+    """What one rank sent in the weight gather over one process group in the arm's last
+    step, and the spec's counts of the elements it holds there (qualify/evidence/checks.py,
+    [Note: group size from the wire])."""
+
+    rank: int
+    group_ranks: list[int] = Field(description="Global ranks of the process group")
+    bytes_per_step: int = Field(ge=0)
+    calls_per_step: int = Field(ge=0, description="Gather collectives over the group")
+    quantized_numel: int = Field(ge=0, description="Elements of parameters above 65,536")
+    exact_numel: int = Field(ge=0, description="Elements of parameters of at most 65,536")
+    padding_numel: int = Field(ge=0, description="Shard positions no parameter covers")
+    element_bytes: int = Field(ge=1, description="Bytes of one working-dtype element")
+
+
+class Probe(_Model):
+    arm: str
+    requested_group_size: int | None
+    reported_group_sizes: list[int | None]
+    reported_by: list[str | None] = Field(
+        default_factory=list,
+        description="Per rank, where the subject reported its group size (an engine config "
+        "accessor, the optimizer's attribute); null: it reports none",
+    )
+    wire: list[WireGroup] = Field(
+        default_factory=list, description="Every rank's gather bytes per process group"
+    )
+    gather_bytes_per_step: int = Field(description="Bytes rank 0 sent in the weight gather")
+    reference_gather_bytes_per_step: int
+
+
+class Block(_Model):
+    index: int
+    order: Literal["AB", "BA"]
+    reference_times_s: list[float] = Field(description="Every timed reference step")
+    candidate_times_s: list[float]
+    reference_step_s: float = Field(description="Median step time of the reference in the block")
+    candidate_step_s: float
+    speedup: float = Field(description="reference_step_s / candidate_step_s")
+
+
+class Memory(_Model):
+    arm: str
+    rank: int
+    kind: Literal["cuda", "rss"]
+    peak_allocated_bytes: int = Field(ge=0)
+    peak_reserved_bytes: int | None = Field(None, ge=0)
+
+
+class Performance(_Model):
+    arm: str
+    block_steps: int
+    warmup_steps: int
+    blocks: list[Block]
+    interval: Literal["bootstrap", "insufficient blocks"]
+    median_speedup: float | None
+    ci_low: float | None
+    ci_high: float | None
+    ci_method: str
+    p_value: float | None
+    test: str
+    memory: list[Memory] = Field(description="This candidate arm's peak memory per rank")
+
+
+class Learning(_Model):
+    """The raw numbers of [Note: learning margin] (qualify/evidence/checks.py)."""
+
+    eval_steps: list[int]
+    held_out_batches_per_rank: int
+    calibration_arm: str | None
+    calibration_group_size: int | None
+
+
+CheckStatus = Literal["pass", "fail", "n/a", "inconclusive"]
+
+
+class Check(_Model):
+    name: str
+    status: CheckStatus
+    detail: str
+    numbers: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def evidence(self) -> bool:
+        """Whether the check tested something (pass or fail), not n/a or inconclusive."""
+        return self.status in ("pass", "fail")
+
+
+class Verdict(_Model):
+    status: Literal["PASS", "FAIL", "INCONCLUSIVE"]
+    passed: bool
+    failed: list[str]
+    inconclusive: list[str]
+    evidence: list[str] = Field(description="Checks that tested something (pass or fail)")
+    not_applicable: list[str] = Field(description="Checks with nothing to test, and why")
+
+
+class Plan(BaseModel):
+    """The run plan (qwz.qualify.plan.RunPlan) as data; the one key a check reads is typed."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    min_speedup: float | None = Field(
+        None, description="The lower end the speed-up interval must reach; null: not judged"
+    )
+
+
+class Record(_Model):
+    schema_version: Literal[2] = SCHEMA_VERSION
+    created_at: str
+    head: Head
+    harness: Head | None = Field(
+        None, description="qwz's own checkout, which ran the harness (equal to head for qwz)"
+    )
+    subject: Subject
+    environment: Environment
+    workload: Workload
+    plan: Plan
+    arms: list[Arm]
+    trajectories: list[Trajectory]
+    learning: Learning
+    step_one: list[StepOneMasters]
+    updates: list[Updates]
+    own_shards: list[OwnShards]
+    drift: list[Drift]
+    hashes: list[Hashes]
+    probes: list[Probe]
+    memory: list[Memory]
+    performance: list[Performance]
+    checks: list[Check]
+    verdict: Verdict
+    digest: str = Field(description="sha256 of the canonical JSON of the record without digest")
+
+    @model_validator(mode="after")
+    def _arms_agree(self) -> Record:
+        """Every section names arms the record has: each arm once in its own sections, one
+        reference (the checks are derived per arm and compare with the reference)."""
+        names = [arm.name for arm in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names repeat: {names}")
+        if [arm.role for arm in self.arms].count("reference") != 1:
+            raise ValueError("a record has exactly one arm with role 'reference'")
+        for section in ("trajectories", "step_one", "updates", "hashes"):
+            listed = [item.arm for item in getattr(self, section)]
+            if sorted(listed) != sorted(names):
+                raise ValueError(f"{section} names arms {listed}, the record has {names}")
+        for section in ("own_shards", "drift", "probes", "memory", "performance"):
+            unknown = {item.arm for item in getattr(self, section)} - set(names)
+            if unknown:
+                raise ValueError(f"{section} names arms the record does not have: {unknown}")
+        return self
+
+    signature: Signature | None = Field(
+        None, exclude=True, description="Keyed signature of the digest; outside the digest"
+    )
+
+
+def json_schema() -> dict[str, Any]:
+    return Record.model_json_schema()
+
+
+if __name__ == "__main__":
+    SCHEMA_PATH.write_text(json.dumps(json_schema(), indent=2) + "\n")
+    print(f"wrote {SCHEMA_PATH}")

@@ -1,0 +1,179 @@
+"""Pre-flight: everything that can be known wrong about a ``run`` before the first rank
+starts -- the subject's flags, ``--out``, the ledger, the signing key, group sizes against
+the shards, local cores and host memory, GPU memory (gpu_memory.py) -- so a bad request
+costs nothing (exit 2), never a finished run's evidence; and the plan the arguments ask for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from qwz.qualify.plan import RunPlan
+
+RANKS_PER_CORE = 4
+"""Local ranks allowed per CPU core: beyond this a run only thrashes (gloo ranks spin)."""
+RANK_OVERHEAD_BYTES = 400 * 2**20
+"""Host memory of one idle rank: the interpreter, torch and its allocator."""
+BYTES_PER_PARAMETER = 20
+"""Host memory per parameter per CPU rank, conservatively: working copy and gradient
+(fp32, unsharded), fp32 master and two Adam moments (counted unsharded)."""
+
+
+def check_run_request(args: argparse.Namespace) -> list[str]:
+    """Every reason ``run`` would fail after training or cannot be served; one line each.
+
+    Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
+    resource request costs nothing (exit 2), never a finished run's evidence."""
+    from qwz.qualify.evidence import ledger, signing
+    from qwz.qualify.files import writable_directory_problem
+
+    problems = []
+    if args.no_integration and args.subject != "deepspeed":
+        problems.append("--no-integration applies to --subject deepspeed only")
+    problems += _deepspeed_problems(args)
+    out_problem = writable_directory_problem(args.out, "--out")
+    if out_problem:
+        problems.append(out_problem)
+    elif (args.out / "record.json").exists() and not args.force:
+        problems.append(
+            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
+            "or choose another directory"
+        )
+    if args.ledger is not None:
+        problems += ledger.validate_directory(args.ledger)
+    try:
+        signing.configured_key()
+    except signing.SigningKeyError as error:
+        problems.append(str(error))
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+    numel = _workload_numel(args.workload, args.seed)
+    largest_shard = -(-numel // world_size)
+    largest_group = -(-largest_shard // 8) * 8
+    for group_size in args.group_sizes or ():
+        if group_size > largest_group:
+            problems.append(
+                f"--group-size {group_size}: larger than a rank's whole shard of the "
+                f"{args.workload} model ({numel:,} parameters / {world_size} ranks = "
+                f"{largest_shard:,}); at most {largest_group:,}"
+            )
+    if not under_torchrun():
+        problems += _local_resource_problems(world_size, numel)
+    problems += _gpu_memory_problems(args, world_size, numel)
+    return problems
+
+
+def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) -> list[str]:
+    """[Note: GPU memory estimate] (qualify/gpu_memory.py) on every GPU the ranks use."""
+    from qwz.qualify import gpu_memory
+
+    return gpu_memory.problems(
+        world_size=world_size,
+        numel=numel,
+        dtype=args.dtype,
+        one_arm_at_a_time=args.one_arm_at_a_time,
+        indices=gpu_memory.indices_for_run(world_size, under_torchrun()),
+    )
+
+
+def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
+    """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject; for
+    ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
+    subprocess with the ranks' import path, qualify/run/subjects.py)."""
+    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.run.subjects import deepspeed_native_problems
+
+    source = args.deepspeed_src
+    if source is not None and args.subject not in DEEPSPEED_SUBJECTS:
+        return [f"--deepspeed-src applies to --subject {' or '.join(DEEPSPEED_SUBJECTS)} only"]
+    if source is not None and not (source / "deepspeed" / "__init__.py").is_file():
+        return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
+    if args.subject != "deepspeed-native":
+        return []
+    plan = plan_of(args)
+    configs = {arm.name: plan.arm_config(arm) for arm in plan.arms}
+    return deepspeed_native_problems(str(source) if source else None, configs)
+
+
+def _workload_numel(name: str, seed: int) -> int:
+    """Parameters of the workload's model, counted on the meta device (no memory)."""
+    import torch
+
+    from qwz.qualify.run.workloads import get_workload
+
+    with torch.device("meta"):
+        model = get_workload(name).build_model(seed)
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def _local_resource_problems(world_size: int, numel: int) -> list[str]:
+    from qwz.launch import pick_backend
+
+    problems = []
+    cores = available_cores()
+    if world_size > RANKS_PER_CORE * cores:
+        problems.append(
+            f"--world-size {world_size}: this machine has {cores} CPU core"
+            f"{'s' if cores != 1 else ''}; local ranks are limited to {RANKS_PER_CORE} per "
+            f"core ({RANKS_PER_CORE * cores}); use torchrun across machines for more"
+        )
+    available = available_memory_bytes()
+    if available is not None and pick_backend(world_size) == "gloo":
+        needed = world_size * (RANK_OVERHEAD_BYTES + BYTES_PER_PARAMETER * numel)
+        if needed > available:
+            problems.append(
+                f"--world-size {world_size}: about {needed / 2**30:.1f} GiB of host memory "
+                f"needed for {world_size} CPU ranks of {numel:,} parameters, "
+                f"{available / 2**30:.1f} GiB available"
+            )
+    return problems
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan_of(args: argparse.Namespace) -> RunPlan:
+    """The run the parsed ``run`` arguments ask for."""
+    from qwz.qualify.run.workloads import get_workload
+
+    return RunPlan(
+        workload=get_workload(args.workload),
+        subject=args.subject,
+        stage=args.stage,
+        dtype=args.dtype,
+        group_sizes=tuple(args.group_sizes or (64,)),
+        steps=args.steps,
+        blocks=args.blocks,
+        block_steps=args.block_steps,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        eval_every=args.eval_every,
+        calibrate=not args.no_calibration,
+        one_arm_resident=args.one_arm_at_a_time,
+        allgather_bucket_size=args.bucket_size,
+        compile_kernels=args.compile,
+        integration_enabled=not args.no_integration,
+        deepspeed_src=str(args.deepspeed_src.resolve()) if args.deepspeed_src else None,
+    )
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -1,0 +1,1 @@
+"""Reading records: the report of one record, the comparison of two, the history of many."""

@@ -1,0 +1,869 @@
+"""A record as the evidence section of a pull request: markdown tables, two plots, the method.
+
+``render_markdown`` only reads the record: every number it prints is in the
+record, so a reviewer can check the report against the file (whose digest the
+report prints). ``write_plots`` draws the loss curves and the per-block
+speed-ups with matplotlib's Agg canvas, without pyplot, so it never touches a
+global backend or opens a window.
+
+Number formats, used by ``compare`` as well: speed-ups with three decimals
+(``1.037x [1.036, 1.039]``), times and losses with four significant digits,
+memory in MiB or GiB, hashes shortened to 12 hex digits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from qwz.qualify.evidence.schema import Arm, Record
+from qwz.qualify.evidence.stats import METHOD_NOTE
+
+SHORT_HASH_CHARS = 12
+MIB = 1024**2
+GIB = 1024**3
+
+# --------------------------------------------------------------------------- #
+# Number formats
+# --------------------------------------------------------------------------- #
+
+
+def format_sig(value: float, digits: int = 4) -> str:
+    """``value`` with ``digits`` significant digits, positional (no exponent) unless tiny."""
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0.0 and abs(value) < 1e-3:
+        return f"{value:.{digits - 1}e}"
+    text = np.format_float_positional(
+        value, precision=digits, unique=False, fractional=False, trim="k"
+    )
+    return text.rstrip(".")
+
+
+def format_speedup(value: float) -> str:
+    return f"{value:.3f}x"
+
+
+def format_interval(low: float, high: float) -> str:
+    return f"[{low:.3f}, {high:.3f}]"
+
+
+def format_p(value: float) -> str:
+    return f"{value:.2g}" if value >= 1e-4 else f"{value:.1e}"
+
+
+def format_bytes(count: int | float) -> str:
+    if abs(count) >= GIB:
+        return f"{count / GIB:.2f} GiB"
+    if abs(count) >= MIB:
+        return f"{count / MIB:.1f} MiB"
+    return f"{count:,.0f} B"
+
+
+def short_hash(value: str | None) -> str:
+    return "—" if value is None else value[:SHORT_HASH_CHARS]
+
+
+def reference_arm(record: Record) -> Arm | None:
+    """The arm that gathers unquantized (DESIGN.md: the reference of every comparison)."""
+    return next((arm for arm in record.arms if not arm.quantized), None)
+
+
+# --------------------------------------------------------------------------- #
+# Plots
+# --------------------------------------------------------------------------- #
+
+
+def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
+    """Write ``loss.png`` and (when the record has performance blocks) ``speedup.png``.
+
+    Returns plot name -> file name relative to ``out_dir``, as ``render_markdown``
+    takes it.
+    """
+    # matplotlib is an optional dependency (the ``qualify`` extra): import it only here.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {}
+
+    figure = Figure(figsize=(8.0, 6.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    _draw_losses(figure, record)
+    figure.savefig(out_dir / "loss.png", dpi=110)
+    plots["loss"] = "loss.png"
+
+    if record.performance:
+        columns = len(record.performance)
+        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
+        FigureCanvasAgg(figure)
+        _draw_speedups(figure, record)
+        figure.savefig(out_dir / "speedup.png", dpi=110)
+        plots["speedup"] = "speedup.png"
+    return plots
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _floats(values: Sequence[float | None]) -> list[float]:
+    return [math.nan if value is None else value for value in values]
+
+
+def _draw_losses(figure, record: Record) -> None:
+    reference = reference_arm(record)
+    reference_losses = next(
+        (t.losses for t in record.trajectories if reference and t.arm == reference.name), None
+    )
+    candidates = [t for t in record.trajectories if reference is None or t.arm != reference.name]
+    with_difference = reference_losses is not None and bool(candidates)
+    if with_difference:
+        loss_axes, difference_axes = figure.subplots(
+            2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+        )
+    else:
+        loss_axes, difference_axes = figure.subplots(), None
+
+    for index, trajectory in enumerate(record.trajectories):
+        steps = np.arange(1, len(trajectory.losses) + 1)
+        is_reference = reference is not None and trajectory.arm == reference.name
+        loss_axes.plot(
+            steps,
+            _floats(trajectory.losses),
+            label=trajectory.arm,
+            color="black" if is_reference else f"C{index}",
+            linewidth=2.4 if is_reference else 1.4,
+            linestyle="-" if is_reference else "--",
+            marker=None if is_reference else "o",
+            markersize=3,
+        )
+    loss_axes.set_ylabel("loss (mean over ranks)")
+    loss_axes.legend(title="arm")
+    loss_axes.grid(alpha=0.3)
+    loss_axes.set_title(
+        f"Loss per step: {record.workload.name}, {record.environment.world_size} ranks, "
+        f"head {short_hash(record.head.sha)}"
+    )
+
+    if difference_axes is not None:
+        for index, trajectory in enumerate(record.trajectories):
+            if trajectory in candidates and len(trajectory.losses) == len(reference_losses):
+                steps = np.arange(1, len(trajectory.losses) + 1)
+                difference = np.subtract(_floats(trajectory.losses), _floats(reference_losses))
+                difference_axes.plot(steps, difference, color=f"C{index}", marker="o", markersize=3)
+        difference_axes.axhline(0.0, color="black", linewidth=0.8)
+        difference_axes.set_ylabel(f"loss − {reference.name}")
+        difference_axes.grid(alpha=0.3)
+        difference_axes.set_xlabel("step")
+    else:
+        loss_axes.set_xlabel("step")
+    (difference_axes or loss_axes).xaxis.get_major_locator().set_params(integer=True)
+
+
+def _draw_speedups(figure, record: Record) -> None:
+    all_axes = figure.subplots(1, len(record.performance), sharey=True, squeeze=False)[0]
+    for axes, performance in zip(all_axes, record.performance, strict=True):
+        blocks = np.array([block.index for block in performance.blocks])
+        speedups = np.array([block.speedup for block in performance.blocks])
+        if performance.median_speedup is not None:
+            axes.axhspan(
+                performance.ci_low,
+                performance.ci_high,
+                color="C0",
+                alpha=0.18,
+                label=f"95% interval {format_interval(performance.ci_low, performance.ci_high)}",
+            )
+            axes.axhline(
+                performance.median_speedup,
+                color="C0",
+                linewidth=1.8,
+                label=f"median {format_speedup(performance.median_speedup)}",
+            )
+        axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1.2, label="1.0 (no change)")
+        for order, marker, color in (("AB", "o", "C1"), ("BA", "s", "C2")):
+            chosen = np.array([block.order == order for block in performance.blocks], bool)
+            if chosen.any():
+                axes.scatter(
+                    blocks[chosen],
+                    speedups[chosen],
+                    marker=marker,
+                    color=color,
+                    s=48,
+                    zorder=3,
+                    label=f"block, {order} order",
+                )
+        p_text = "n/a" if performance.p_value is None else format_p(performance.p_value)
+        axes.set_title(f"{performance.arm} (p = {p_text})")
+        axes.set_xlabel("block")
+        axes.set_xticks(blocks)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small", loc="best")
+        axes.margins(x=0.15)
+    # One y scale for every arm (the axes share it), with 1.0 in view so the distance to
+    # "no change" reads at a glance.
+    values = [1.0]
+    for performance in record.performance:
+        values += [block.speedup for block in performance.blocks]
+        values += [
+            value
+            for value in (performance.ci_low, performance.ci_high, performance.median_speedup)
+            if value is not None
+        ]
+    margin = 0.15 * (max(values) - min(values)) or 0.01
+    all_axes[0].set_ylim(min(values) - margin, max(values) + margin)
+    all_axes[0].set_ylabel("speed-up (reference / candidate step time)")
+    figure.suptitle(
+        f"Per-block speed-up: {record.workload.name}, {record.environment.world_size} ranks "
+        "(> 1: candidate faster)"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Markdown
+# --------------------------------------------------------------------------- #
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _devices(names: Sequence[str]) -> str:
+    return ", ".join(f"{count} × {name}" for name, count in Counter(names).items()) or "—"
+
+
+def _group_size(size: int | None) -> str:
+    return "off" if size is None else str(size)
+
+
+_STATUS = {"pass": "PASS", "fail": "**FAIL**", "n/a": "n/a", "inconclusive": "*inconclusive*"}
+
+
+def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
+    """The record as markdown; ``plots`` (from ``write_plots``) are linked relative to it."""
+    verdict = record.verdict
+    environment = record.environment
+    arm_names = [arm.name for arm in record.arms]
+    lines = [
+        f"# {title(record)}: {verdict.status}",
+        "",
+        f"**{record.workload.name}**, arms {', '.join(f'`{name}`' for name in arm_names)}, "
+        f"{_devices(environment.device_names)} ({environment.backend}), "
+        f"head `{short_hash(record.head.sha)}`{' (dirty)' if record.head.dirty else ''}.",
+        "",
+    ]
+    evidence = len(verdict.evidence)
+    if verdict.status == "PASS":
+        lines += [f"All {evidence} checks that carried evidence passed.", ""]
+    if verdict.failed:
+        failed = ", ".join(f"`{name}`" for name in verdict.failed)
+        lines += [f"**Failed checks:** {failed}.", ""]
+    if verdict.inconclusive:
+        names = ", ".join(f"`{name}`" for name in verdict.inconclusive)
+        lines += [f"**Inconclusive:** {names}: the run cannot judge learning.", ""]
+    lines += [
+        f"Checks with evidence: {evidence}; not applicable: {len(verdict.not_applicable)}"
+        + (" (" + "; ".join(verdict.not_applicable) + ")" if verdict.not_applicable else "")
+        + ".",
+        "",
+        f"Record written {record.created_at}, schema version {record.schema_version}, "
+        f"digest `{short_hash(record.digest)}`.",
+        "",
+    ]
+    lines += _failures_section(record)
+    lines += _code_section(record)
+    lines += _environment_section(record)
+    lines += _workload_section(record)
+    lines += _arms_section(record)
+    lines += _trajectory_section(record)
+    lines += _learning_section(record)
+    lines += _exactness_section(record)
+    lines += _drift_section(record)
+    lines += _hashes_section(record)
+    lines += _probe_section(record)
+    lines += _memory_section(record)
+    lines += _performance_section(record)
+    lines += ["## Checks", ""]
+    lines += _table(
+        ["check", "result", "detail"],
+        [(f"`{check.name}`", _STATUS[check.status], check.detail) for check in record.checks],
+    )
+    if plots:
+        titles = {"loss": "Loss per step", "speedup": "Speed-up per block"}
+        lines += ["## Plots", ""]
+        for name, file_name in plots.items():
+            lines += [f"![{titles.get(name, name)}]({file_name})", ""]
+    lines += ["---", "", f"*Method.* {METHOD_NOTE}", ""]
+    return "\n".join(lines)
+
+
+SUBJECT_TITLES = {
+    "qwz": "qwz qualification",
+    "deepspeed": "DeepSpeed + qwz's gather qualification",
+    "deepspeed-native": "DeepSpeed qualification (DeepSpeed's own code)",
+}
+
+
+def title(record: Record) -> str:
+    """Which subject ran, and in which mode: the drop-in with the takeover disabled runs
+    stock DeepSpeed for every arm."""
+    subject = record.subject
+    if subject.name == "deepspeed" and not any(arm.integration_enabled for arm in record.arms):
+        return "Stock DeepSpeed qualification (qwz's gather disabled)"
+    text = SUBJECT_TITLES[subject.name]
+    if subject.name != "qwz":
+        text += f", deepspeed {subject.version}"
+        if subject.sha:
+            text += f" at {short_hash(subject.sha)}{' (dirty)' if subject.dirty else ''}"
+    return text
+
+
+def _quantized(record: Record, arm: Arm) -> str:
+    """ "yes" where qwz's code quantizes; "requested" where the subject's own code decides
+    (stock DeepSpeed, DeepSpeed's own implementation) -- the probe says what it did."""
+    if not arm.quantized:
+        return "no"
+    qwz_decides = record.subject.name == "qwz" or (
+        record.subject.name == "deepspeed" and arm.integration_enabled
+    )
+    return "yes" if qwz_decides else "requested"
+
+
+def _failures_section(record: Record) -> list[str]:
+    ended = [t for t in record.trajectories if t.failure is not None]
+    failed = [t for t in ended if t.failure.kind != "not-run"]
+    not_run = [f"`{t.arm}`" for t in ended if t.failure.kind == "not-run"]
+    if not ended:
+        return []
+    rows = [
+        (
+            f"`{t.arm}`",
+            t.failure.step,
+            ", ".join(str(rank) for rank in t.failure.ranks),
+            t.failure.kind,
+            ", ".join(t.failure.parameters) or "—",
+            t.failure.message,
+        )
+        for t in failed
+    ]
+    lines = ["## Failures", ""]
+    if rows:
+        lines += _table(["arm", "step", "ranks", "kind", "non-finite parameters", "message"], rows)
+    for t in failed:
+        lines += _crash_lines(t.arm, t.failure) if t.failure.kind == "crash" else []
+    if not_run:
+        lines += [f"Not run (the run ended before they started): {', '.join(not_run)}.", ""]
+    return lines
+
+
+def _crash_lines(arm: str, failure) -> list[str]:
+    """What the launcher knows of the rank that failed first, and of the others."""
+    details = {
+        "phase": failure.phase,
+        "last completed step": failure.last_completed_step,
+        "signal": failure.signal,
+        "exit code": failure.exit_code,
+    }
+    how = [f"{name} {value}" for name, value in details.items() if value is not None]
+    lines = [f"`{arm}` crashed on rank {failure.rank}: {'; '.join(how) or 'no details'}.", ""]
+    if failure.traceback:
+        lines += ["```", *failure.traceback, "```", ""]
+    if failure.context:
+        lines += ["Then (consequences, not the cause):", ""]
+        lines += [f"- {item}" for item in failure.context] + [""]
+    return lines
+
+
+def _code_section(record: Record) -> list[str]:
+    head, subject, harness = record.head, record.subject, record.harness
+    dirty = "**yes**: the SHA alone does not identify the code" if head.dirty else "no"
+    if head.dirty and head.diff_sha256:
+        dirty += f" (diff sha256 `{short_hash(head.diff_sha256)}`)"
+    package = "qwz" if subject.name == "qwz" else "deepspeed"
+    rows = [
+        ("subject", f"`{subject.name}`: {package} {subject.version}"),
+        ("repository", head.repository),
+        ("head SHA", f"`{head.sha}`"),
+        ("uncommitted changes", dirty),
+        ("imported from", subject.import_path or "—"),
+    ]
+    if subject.name != "qwz":
+        rows.append(("deepspeed commit", f"`{subject.sha}`" if subject.sha else "no checkout"))
+    if subject.installed_commit:
+        rows.append(("commit recorded at install (context)", f"`{subject.installed_commit}`"))
+    if subject.direct_url:
+        rows.append(("direct_url.json", f"`{json.dumps(subject.direct_url, sort_keys=True)}`"))
+    if harness is not None:
+        harness_dirty = " (dirty)" if harness.dirty else ""
+        rows.append(("harness (qwz)", f"`{short_hash(harness.sha)}`{harness_dirty}"))
+    return ["## Code under test", "", *_table(["", ""], rows)]
+
+
+def _environment_section(record: Record) -> list[str]:
+    environment = record.environment
+    return [
+        "## Environment",
+        "",
+        *_table(
+            ["", ""],
+            [
+                ("python", environment.python),
+                ("torch", environment.torch),
+                ("deepspeed", environment.deepspeed or "not installed"),
+                ("transformers", environment.transformers or "not installed"),
+                ("backend", environment.backend),
+                ("devices", _devices(environment.device_names)),
+                (
+                    "world size",
+                    f"{environment.world_size} ranks on {environment.node_count} "
+                    f"node{'s' if environment.node_count != 1 else ''}",
+                ),
+                ("platform", environment.platform),
+                ("fingerprint", f"`{environment.fingerprint()}`"),
+            ],
+        ),
+    ]
+
+
+def _workload_section(record: Record) -> list[str]:
+    workload = record.workload
+    return [
+        "## Workload",
+        "",
+        f"`{workload.name}`: {workload.num_parameters:,} parameters, {workload.steps} steps, "
+        f"seed {workload.seed}.",
+        "",
+        *_table(
+            ["parameter", "value"],
+            [(f"`{key}`", json.dumps(value)) for key, value in workload.params.items()],
+        ),
+    ]
+
+
+def _arms_section(record: Record) -> list[str]:
+    lines = ["## Arms", "", f"Subject `{record.subject.name}`: {_mode(record)}.", ""]
+    lines += _table(
+        ["arm", "quantized", "group size", "ZeRO stage", "dtype"],
+        [
+            (f"`{arm.name}`", _quantized(record, arm), _group_size(arm.group_size), arm.stage,
+             arm.dtype)
+            for arm in record.arms
+        ],
+    )  # fmt: skip
+    for arm in record.arms:
+        lines += [
+            f"<details><summary>config of <code>{arm.name}</code></summary>",
+            "",
+            "```json",
+            json.dumps(arm.config, indent=2, sort_keys=True),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
+    return lines
+
+
+def _mode(record: Record) -> str:
+    name = record.subject.name
+    if name == "qwz":
+        return "every arm is qwz's engine; candidates quantize with qwz's gather"
+    if name == "deepspeed-native":
+        return (
+            "every arm is DeepSpeed's own ZeRO-1/2 (a plain deepspeed.initialize, nothing of qwz "
+            "inside), each config passed through untouched; whether a candidate quantizes is "
+            "DeepSpeed's code's to decide, and the probe reads it off the wire"
+        )
+    if any(arm.integration_enabled for arm in record.arms):
+        return "stock DeepSpeed is the reference; candidates are DeepSpeed with qwz's gather"
+    return "stock DeepSpeed for every arm (qwz's gather disabled): candidates only request it"
+
+
+def _trajectory_section(record: Record) -> list[str]:
+    reference = reference_arm(record)
+    reference_losses = next(
+        (t.losses for t in record.trajectories if reference and t.arm == reference.name), None
+    )
+    rows = []
+    for trajectory in record.trajectories:
+        losses, norms = trajectory.losses, trajectory.grad_norms
+        finite = all(_finite(value) for value in [*losses, *norms])
+        finite_losses = [value for value in losses if _finite(value)]
+        finite_norms = [value for value in norms if _finite(value)]
+        if finite_losses:
+            min_loss = min(finite_losses)
+            min_text = f"{format_sig(min_loss)} (step {losses.index(min_loss) + 1})"
+        else:
+            min_text = "—"
+        norm_range = (
+            f"{format_sig(min(finite_norms))} – {format_sig(max(finite_norms))}"
+            if finite_norms
+            else "—"
+        )
+        if reference_losses is None or trajectory.arm == reference.name:
+            difference = "—"
+        elif (
+            not losses
+            or len(losses) != len(reference_losses)
+            or not finite
+            or not all(_finite(value) for value in reference_losses)
+        ):
+            difference = "n/a"
+        else:
+            difference = format_sig(
+                max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)), 3
+            )
+        rows.append(
+            (
+                f"`{trajectory.arm}`",
+                len(losses),
+                format_sig(losses[0]) if losses and _finite(losses[0]) else "—",
+                format_sig(losses[-1]) if losses and _finite(losses[-1]) else "—",
+                min_text,
+                "yes" if finite else "**no**",
+                norm_range,
+                difference,
+            )
+        )
+    reference_name = reference.name if reference else "reference"
+    return [
+        "## Trajectory",
+        "",
+        *_table(
+            [
+                "arm",
+                "steps",
+                "first loss",
+                "last loss",
+                "min loss",
+                "all finite",
+                "grad norm range",
+                f"max abs loss difference vs `{reference_name}`",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _own_shard(ratio: float | None) -> str:
+    return "**inf** (an exact element was not exact)" if ratio is None else format_sig(ratio, 4)
+
+
+def _learning_section(record: Record) -> list[str]:
+    from qwz.qualify.evidence.checks import learning_margin
+
+    learning = record.learning
+    lines = ["## Learning (held-out loss)", ""]
+    series = {t.arm: {h.step: h.loss for h in t.held_out} for t in record.trajectories}
+    lines += [
+        f"Mean loss over {learning.held_out_batches_per_rank} held-out batches per rank "
+        "(never trained on), at each evaluation step.",
+        "",
+    ]
+    lines += _table(
+        ["step", *(f"`{arm}`" for arm in series)],
+        [
+            (step, *("—" if values.get(step) is None else format_sig(values[step], 5)
+                     for values in series.values()))
+            for step in learning.eval_steps
+        ],
+    )  # fmt: skip
+    numbers = learning_margin(record)
+    if numbers["margin"] is not None:
+        calibration = learning.calibration_arm
+        lines += [
+            f"Margin {format_sig(numbers['margin'], 4)} = max({numbers['margin_factor']:g} × "
+            f"the `{calibration}` arm's largest gap "
+            f"{'—' if numbers['noise_gap'] is None else format_sig(numbers['noise_gap'], 3)}, "
+            f"{numbers['margin_floor']:.0%} of the reference's held-out drop "
+            f"{format_sig(numbers['reference_drop'], 4)}); the calibration arm is the "
+            "reference with uniform noise of ±scale/2 per group "
+            f"(G = {learning.calibration_group_size}) added to its working weights after "
+            "every step ([Note: learning margin], qwz/qualify/evidence/checks.py).",
+            "",
+        ]
+    return lines
+
+
+def _exactness_section(record: Record) -> list[str]:
+    step_one = {item.arm: item.digests for item in record.step_one}
+    own = {item.arm: item for item in record.own_shards}
+    rows = []
+    for updates in record.updates:
+        first = updates.first_violation
+        own_item = own.get(updates.arm)
+        rows.append(
+            (
+                f"`{updates.arm}`",
+                "—"
+                if step_one.get(updates.arm) is None
+                else f"{len(step_one[updates.arm])} digests",
+                f"{updates.checked:,}",
+                f"**{updates.violations:,}**" if updates.violations else "0",
+                format_sig(updates.max_ratio, 3),
+                "—"
+                if first is None
+                else f"step {first.step}, rank {first.rank}, {first.parameter}: {first.what}",
+                "—" if own_item is None else _own_shard(own_item.max_ratio),
+            )
+        )
+    return [
+        "## Exactness",
+        "",
+        "Step-1 masters: a layout-independent digest per parameter, compared with the "
+        "reference's by the `step1-exact` checks. Updates: sampled master elements per rank "
+        "and step against AdamW recomputed in float64 from the arm's own gradient and state "
+        "([Note: exact update check], qwz/qualify/run/observers.py). Own shard: every rank's own "
+        "shard against the spec's decode of its master (qwz/qualify/evidence/spec.py), after every "
+        "step; the column is the worst error / (scale/2 + 2**-15 scale + cast half-ulp), "
+        "context (<= 1).",
+        "",
+        *_table(
+            ["arm", "step-1 masters", "updates checked", "violations", "worst ratio",
+             "first violation", "own shard vs master (<= 1)"],
+            rows,
+        ),
+        *_kernels_lines(record),
+    ]  # fmt: skip
+
+
+def _kernels_lines(record: Record) -> list[str]:
+    """Which wire kernels each arm ran on each rank, and every implementation dropped: two
+    kernel implementations that disagree are never hidden in a log."""
+    lines = []
+    for own in record.own_shards:
+        ran = sorted(
+            {f"{use.kernels or 'none'}{' (native C)' if use.native else ''}" for use in own.kernels}
+        )
+        dropped = sorted({f"rank {use.rank}: {r}" for use in own.kernels for r in use.fallbacks})
+        if ran:
+            lines.append(f"Kernels of `{own.arm}`: {', '.join(ran)}.")
+        if dropped:
+            lines.append(f"**Kernel fallbacks of `{own.arm}`:** {'; '.join(dropped)}.")
+    return ["", *lines, ""] if lines else []
+
+
+def _drift_section(record: Record) -> list[str]:
+    if not record.drift:
+        return []
+    rows = [
+        (
+            f"`{drift.arm}`",
+            drift.samples_per_param,
+            "—" if not drift.max_abs_error else format_sig(max(drift.max_abs_error), 3),
+            "—" if not drift.bound else format_sig(drift.bound[-1], 3),
+        )
+        for drift in record.drift
+    ]
+    return [
+        "## Drift from the reference (context)",
+        "",
+        "Sampled working weights against the reference's at the same step. The bound holds "
+        "for any two AdamW trajectories (qwz/tolerance.py), so it is context, not a check.",
+        "",
+        *_table(["arm", "samples/parameter", "max abs difference", "bound at last step"], rows),
+    ]
+
+
+def _memory_section(record: Record) -> list[str]:
+    if not record.memory:
+        return []
+    return [
+        "## Peak memory per arm",
+        "",
+        "Each arm runs alone, from a reset of the peak (CUDA peak statistics, or the "
+        "process's peak RSS): one arm's own peak per rank.",
+        "",
+        *_table(
+            ["arm", "rank", "kind", "peak allocated", "peak reserved"],
+            [
+                (
+                    f"`{memory.arm}`",
+                    memory.rank,
+                    memory.kind,
+                    format_bytes(memory.peak_allocated_bytes),
+                    "—"
+                    if memory.peak_reserved_bytes is None
+                    else format_bytes(memory.peak_reserved_bytes),
+                )
+                for memory in record.memory
+            ],
+        ),
+    ]
+
+
+def _hashes_section(record: Record) -> list[str]:
+    rows = []
+    for hashes in record.hashes:
+        distinct = list(dict.fromkeys(hashes.per_rank))
+        if hashes.divergence is not None:
+            per_rank = f"**diverged after step {hashes.divergence.step}**"
+        elif len(distinct) == 1:
+            per_rank = f"`{short_hash(distinct[0])}` on all {len(hashes.per_rank)} ranks"
+        else:
+            per_rank = ", ".join(
+                f"rank {rank}: `{short_hash(value)}`" for rank, value in enumerate(hashes.per_rank)
+            )
+        rows.append(
+            (
+                f"`{hashes.arm}`",
+                per_rank,
+                _yes_no(len(distinct) == 1),
+                hashes.ledger_status,
+                f"`{short_hash(hashes.ledger_previous)}`" if hashes.ledger_previous else "—",
+            )
+        )
+    return [
+        "## Replica hashes",
+        "",
+        "Final parameter hash per rank; the ledger holds earlier records' hashes for the "
+        "same head and environment (`reproduced`: equal to an earlier one).",
+        "",
+        *_table(["arm", "final hash", "ranks agree", "ledger", "earlier hash"], rows),
+    ]
+
+
+def _probe_section(record: Record) -> list[str]:
+    rows = []
+    for probe in record.probes:
+        reported = ", ".join(
+            f"rank {rank}: {_group_size(size)}"
+            for rank, size in enumerate(probe.reported_group_sizes)
+        )
+        sources = sorted({source for source in probe.reported_by if source})
+        if sources:
+            reported += f" ({', '.join(f'`{source}`' for source in sources)})"
+        reference_bytes = probe.reference_gather_bytes_per_step
+        ratio = f"{probe.gather_bytes_per_step / reference_bytes:.3f}x" if reference_bytes else "—"
+        rows.append(
+            (
+                f"`{probe.arm}`",
+                _group_size(probe.requested_group_size),
+                reported,
+                f"{probe.gather_bytes_per_step:,}",
+                f"{reference_bytes:,}",
+                ratio,
+            )
+        )
+    return [
+        "## Config probe",
+        "",
+        "The group size each rank's subject reports (where it reports one), and the bytes "
+        "rank 0 sends in the weight gather per step.",
+        "",
+        *_table(
+            [
+                "arm",
+                "requested group size",
+                "reported group size",
+                "gather bytes/step (rank 0)",
+                "reference gather bytes/step",
+                "ratio",
+            ],
+            rows,
+        ),
+        *_wire_table(record),
+    ]
+
+
+def _wire_table(record: Record) -> list[str]:
+    """Per arm, rank and process group: the group size the bytes imply and the bytes that
+    groups of the requested size allow ([Note: group size from the wire])."""
+    from qwz.qualify.evidence.checks import group_bounds, wire_group_size
+
+    rows = []
+    for probe in record.probes:
+        for group in probe.wire:
+            implied = wire_group_size(probe.wire, group)
+            fewest, most = group_bounds(probe.wire, group, probe.requested_group_size or 1)
+            rows.append(
+                (
+                    f"`{probe.arm}`",
+                    group.rank,
+                    ", ".join(map(str, group.group_ranks)),
+                    f"{group.quantized_numel:,} / {group.exact_numel:,}",
+                    f"{group.bytes_per_step:,}",
+                    "—" if implied is None else f"{implied:.1f}",
+                    _group_size(probe.requested_group_size),
+                    f"{fewest:,} – {most:,}",
+                )
+            )
+    if not rows:
+        return []
+    return [
+        "The group size the wire's bytes imply (the spec's 1 + 4/G bytes per quantized "
+        "element), per rank and process group, and the bytes groups of the requested size "
+        "allow (qualify/evidence/checks.py, [Note: group size from the wire]).",
+        "",
+        *_table(
+            [
+                "arm",
+                "rank",
+                "process group",
+                "quantized / exact elements",
+                "gather bytes/step",
+                "G from the wire",
+                "requested G",
+                "bytes allowed",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _performance_section(record: Record) -> list[str]:
+    lines = ["## Performance", ""]
+    if not record.performance:
+        return [*lines, "No performance blocks in this record.", ""]
+    reference = reference_arm(record)
+    reference_name = reference.name if reference else "reference"
+    for performance in record.performance:
+        lines += [
+            f"### `{performance.arm}` vs `{reference_name}`",
+            "",
+            f"{len(performance.blocks)} blocks; in each, every arm runs "
+            f"{performance.warmup_steps} untimed warm-up steps, then {performance.block_steps} "
+            f"timed steps (A = `{reference_name}`, B = `{performance.arm}`). "
+            "Step times are the block medians.",
+            "",
+        ]
+        lines += _table(
+            ["block", "order", "reference ms/step", "candidate ms/step", "speed-up"],
+            [
+                (
+                    block.index,
+                    block.order,
+                    format_sig(block.reference_step_s * 1e3),
+                    format_sig(block.candidate_step_s * 1e3),
+                    format_speedup(block.speedup),
+                )
+                for block in performance.blocks
+            ],
+        )
+        if performance.median_speedup is None:
+            lines += [f"**Insufficient blocks** for an interval ({performance.ci_method}).", ""]
+        else:
+            lines += [
+                f"**Median speed-up {format_speedup(performance.median_speedup)} "
+                f"{format_interval(performance.ci_low, performance.ci_high)}** "
+                f"({performance.ci_method}); p = {format_p(performance.p_value)}: "
+                f"{performance.test}.",
+                "",
+            ]
+    return lines

@@ -1,0 +1,612 @@
+"""What the harness watches on every rank and every step, through the public seam only.
+
+Everything here reads an engine through [Note: own shards] (qwz/shards.py) --
+``own_shards()`` and ``shard_optimizer`` -- and the model's parameters, never
+an engine's internals, so the same observers serve qwz's engine and the
+DeepSpeed drop-in (stock DeepSpeed included, for the reference arm).
+
+[Note: exact update check]
+Given the gradient the optimizer is handed (this arm's own reduced and clipped
+gradient) and its state before the step, an AdamW step is a fixed formula of
+the run's hyperparameters (the plan's lr, betas, eps, weight decay -- not what
+the optimizer object says, so a candidate that changed its own learning rate
+is caught). ``UpdateCheck`` hooks the torch optimizer that steps the master
+shards, captures a fixed, seeded sample of master elements, gradients and
+moments before each step and the same elements after it, and recomputes the
+step in float64::
+
+    p1 = p0 * (1 - lr * wd)
+    m1 = b1 * m0 + (1 - b1) * g          v1 = b2 * v0 + (1 - b2) * g**2
+    p2 = p1 - lr / (1 - b1**t) * m1 / (sqrt(v1) / sqrt(1 - b2**t) + eps)
+
+torch computes the same in float32. Each operation rounds once (relative
+error <= 2**-24), so with ``u`` the update term and ``e`` = float32 epsilon::
+
+    |p2_torch - p2| <= e * (|p1| + |p2|) + 16e * |u|
+                       + 16e * lr / bc1 * (b1|m0| + (1-b1)|g|) / d + 2**-126
+
+(the first term: the decay factor, the decayed weight and the final
+subtraction, each rounded once; then the update's own roundings, and the
+moments' roundings propagated through the division by ``d``, the float64
+denominator). The moments get ``8e * (|old| + |new|)``.
+Any error in the formula -- a learning rate off by any factor, a dropped weight
+decay, a flipped or stale moment -- is far outside this, and the bound never
+loosens with the step. Two more exact facts are checked on the same sample:
+*continuity* (the master before step ``t`` equals, bit for bit, the master
+after step ``t - 1``: nothing but the optimizer writes a master) and *one step
+per step* (the optimizer stepped exactly once on every rank for every training
+step; a silent skip is a failure).
+
+[Note: global norm check]
+The update check takes the gradient the optimizer is handed as given, so an
+engine that computes the global norm wrongly -- and clips with it -- would pass
+it on every arm alike. The judge recomputes what was applied instead: in the
+shard optimizer's pre-step hook each rank sums the squares of every gradient it
+is handed (float64: a float32 square is exact there), the sums are all-reduced
+after the step, and the root ``H`` is the norm of the gradient that stepped.
+With the engine's reported (pre-clip) norm ``N`` and the run's clipping ``c``::
+
+    H == N * min(1, c / (N + 1e-6))     (H == N without clipping)
+
+within ``2**-16 * H`` (an engine may sum in float32 in any tree order, DeepSpeed
+does, and the clip coefficient and the scaled gradient round a few times more).
+A norm computed wrongly and used to clip (the 2.21-instead-of-2.97 of kernels
+compiled under another CPU capability), a wrong coefficient, or a clip that did
+not happen all break it; a violation fails ``update``, named "(global gradient
+norm)". What it cannot see: a *reported* norm that is wrong while the applied
+coefficient is right, when both lie above ``c`` (the handed gradient's norm is
+``c`` either way, and no number of the training changes).
+
+[Note: own shard against the spec]
+After every step, every element of every rank's own shard is compared with
+what the spec says the gather must write there ([Note: the spec's decode],
+qualify/evidence/spec.py): the spec's decode of the fp32 master, with the *requested*
+group size, cast to the working dtype -- equality, not a bound, so a candidate
+whose scales or codes are not the spec's fails even where its error would stay
+within half a scale. The only freedom is the spec's own: at a near-tie either
+neighbouring code (counted as ``near_ties``). Elements the spec sends exactly
+(parameters of at most 65,536 elements, everything when nothing is quantized)
+must equal the master cast to the working dtype. The worst error over
+``scale/2 + 2**-15 scale + half-ulp`` is kept as context. The shards are checked
+in bounded pieces of whole groups on every device (:func:`piece_numel`), with
+one host synchronisation per shard.
+
+[Note: layout-independent digests]
+Two arms may shard differently (the group size changes the padding), so the
+harness compares masters and replicas by per-parameter digests that do not
+depend on who owns which element: for element ``i`` of a parameter with value
+bits ``b``, ``term = ((b xor (i * K1)) * K2) mod 2**32`` (K2 odd), summed over
+the elements each rank owns and then over ranks (int64, no overflow below 2**31
+elements per parameter). Two parameters that differ in exactly one element
+always get different digests (the term is a bijection of ``b`` for fixed
+``i``), and any other difference is missed with probability about 2**-32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from qwz import kernels
+from qwz import shards as seam
+from qwz.qualify.evidence import spec
+from qwz.qualify.plan import AdamWSettings
+
+K1 = 0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF
+K2 = 0x85EBCA6B
+MASK32 = 0xFFFFFFFF
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor
+
+
+CPU_PIECE_NUMEL = 1 << 16
+"""Elements per piece of a check on CPU: its temporaries stay in cache."""
+DEVICE_PIECE_NUMEL = 1 << 22
+"""Elements per piece of a check on an accelerator: a few 16 MiB temporaries at a time,
+never whole-shard copies, in pieces large enough that kernel launches do not dominate."""
+
+
+def piece_numel(device: torch.device, group_size: int = 1) -> int:
+    """Elements per piece of a check of tensors on `device`, a whole number of groups of
+    `group_size` (at least one group)."""
+    numel = CPU_PIECE_NUMEL if device.type == "cpu" else DEVICE_PIECE_NUMEL
+    return max(1, numel // group_size) * group_size
+
+
+def _digest_sum(values: torch.Tensor, first_index: int) -> torch.Tensor:
+    """int64 sum of the terms of [Note: layout-independent digests] of flat `values`, whose
+    first element is element `first_index` of its parameter.
+
+    The term is computed modulo 2**32 in int32, whose products wrap modulo 2**32 as the
+    definition's do; a term read as int32 is its unsigned value minus 2**32 when negative,
+    so the unsigned sum is the int32 sum plus 2**32 per negative term."""
+    bits = values.detach().float().contiguous().view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=values.device)
+    piece = piece_numel(values.device)  # bounded temporaries on every device
+    # (j * K1) mod 2**32 for j in a piece, by the same int32 wrap.
+    offsets = torch.arange(min(bits.numel(), piece), dtype=torch.int32, device=values.device)
+    offsets *= _as_int32(K1 & MASK32)
+    for start in range(0, bits.numel(), piece):
+        chunk = bits[start : start + piece]
+        # ((first + start + j) * K1) mod 2**32 = (first + start) * K1 + j * K1, mod 2**32.
+        base = _as_int32(((first_index + start) * K1) & MASK32)
+        terms = (offsets[: chunk.numel()] + base) ^ chunk
+        terms *= _as_int32(K2)
+        total += terms.sum(dtype=torch.int64) + (terms < 0).sum() * (MASK32 + 1)
+    return total
+
+
+def _as_int32(value: int) -> int:
+    """`value` in [0, 2**32) as the int32 with the same bits."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+@torch.no_grad()
+def master_digests(shards: Sequence[seam.OwnShard], names: Sequence[str]) -> dict[str, str]:
+    """Per parameter, the digest of its fp32 master over all ranks ([Note: layout-independent
+    digests]); collective: every rank must call it."""
+    position = {name: index for index, name in enumerate(names)}
+    device = shards[0].master.device if shards else torch.device("cpu")
+    sums = torch.zeros(len(names), dtype=torch.int64, device=device)
+    for shard in shards:
+        master = shard.master.detach().reshape(-1)
+        for slot in shard.slots:
+            sums[position[slot.name]] += _digest_sum(
+                master[slot.start : slot.end], slot.param_offset
+            )
+    _all_reduce(sums)
+    return {name: f"{int(value):016x}" for name, value in zip(names, sums.tolist(), strict=True)}
+
+
+@torch.no_grad()
+def replica_digests(module: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
+    """(names, int64 digest per parameter) of this rank's working copy (not collective)."""
+    names, digests = [], []
+    for name, param in module.named_parameters():
+        names.append(name)
+        digests.append(_digest_sum(param.detach().reshape(-1), 0))
+    return names, torch.stack(digests)
+
+
+@torch.no_grad()
+def replica_divergence(module: torch.nn.Module) -> list[str]:
+    """Names of the parameters whose working copies differ between ranks (collective)."""
+    names, digests = replica_digests(module)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return []
+    low, high = digests.clone(), digests.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return [name for name, differs in zip(names, (low != high).tolist(), strict=True) if differs]
+
+
+def exact_masks(
+    shards: Sequence[seam.OwnShard],
+    group_size: int | None,
+    param_numel: dict[str, int],
+) -> list[torch.Tensor]:
+    """Per shard, (n,) bool: the elements that must travel exactly whatever the engine says
+    -- those of parameters the spec sends exactly (:func:`spec.travels_exactly`), and every
+    element when nothing is quantized (`group_size` None)."""
+    masks = []
+    for shard in shards:
+        mask = torch.zeros(shard.master.numel(), dtype=torch.bool, device=shard.master.device)
+        for slot in shard.slots:
+            if group_size is None or spec.travels_exactly(param_numel[slot.name]):
+                mask[slot.start : slot.end] = True
+        masks.append(mask)
+    return masks
+
+
+@dataclass
+class OwnShardResult:
+    """Totals of [Note: own shard against the spec] on one rank for one arm."""
+
+    checked: int = 0
+    mismatches: int = 0
+    near_ties: int = 0
+    max_ratio: float = 0.0
+    first_violation: dict[str, Any] | None = None
+
+
+class _PieceVerdict(NamedTuple):
+    mismatch: torch.Tensor
+    """(n,) bool: the working value is neither the spec's decode nor (exact) the cast."""
+    near_tie: torch.Tensor
+    """(n,) bool: the working value took the other code of a near-tie (allowed)."""
+    ratio: torch.Tensor
+    """(n,) fp32: context, |working - master| / (scale/2 + allowance + half-ulp)."""
+    expected: torch.Tensor
+    """(n,) the spec's nearest decode (or the exact cast), in the working dtype."""
+    element_scales: torch.Tensor
+
+
+def _judge_piece(
+    master: torch.Tensor, working: torch.Tensor, group_size: int | None, exact: torch.Tensor
+) -> _PieceVerdict:
+    """[Note: own shard against the spec] for whole groups of one shard (fp32 `master`,
+    `working` in the working dtype, bool `exact`, all (n,))."""
+    dtype = working.dtype
+    cast = master.to(dtype)
+    if group_size is None:
+        element_scales = torch.zeros_like(master)
+        nearest = other = cast
+    else:
+        values = torch.where(exact, torch.zeros_like(master), master)  # exact: not in the stream
+        element_scales = spec.scales(values, group_size).repeat_interleave(group_size)
+        element_scales = element_scales[: master.numel()]
+        decoded, decoded_other = spec.decode_alternatives(master, element_scales)
+        nearest = torch.where(exact, cast, decoded.to(dtype))
+        other = torch.where(exact, cast, decoded_other.to(dtype))
+    matches_nearest = working == nearest
+    mismatch = ~(matches_nearest | (working == other))
+    near_tie = ~matches_nearest & ~mismatch
+    error = (working.float() - master).abs()
+    magnitude = torch.maximum(master.abs(), working.float().abs())
+    bound = element_scales * (0.5 + spec.TIE_ALLOWANCE) + spec.half_ulp(magnitude, dtype)
+    ratio = torch.where(error == 0, torch.zeros_like(error), error / bound)
+    infinite = torch.isnan(ratio) | (mismatch & exact)  # an exact element that is not exact
+    ratio = torch.where(infinite, torch.full_like(ratio, math.inf), ratio)
+    return _PieceVerdict(mismatch, near_tie, ratio, nearest, element_scales)
+
+
+@torch.no_grad()
+def check_own_shards(
+    shards: Sequence[seam.OwnShard],
+    exact: Sequence[torch.Tensor],
+    group_size: int | None,
+    step: int,
+    rank: int,
+    result: OwnShardResult,
+) -> None:
+    """[Note: own shard against the spec] for every own shard, with the *requested* group size
+    and the spec's exactness rule (`exact`, from :func:`exact_masks`), never the engine's
+    claims; bounded pieces of whole groups, one host synchronisation per shard."""
+    for shard, mask in zip(shards, exact, strict=True):
+        master = shard.master.detach().reshape(-1).float()
+        working = shard.working.detach().reshape(-1)
+        numel = master.numel()
+        if working.numel() != numel or mask.numel() != numel:
+            raise ValueError(
+                f"{shard.name}: working ({working.numel()} elements) and exact mask "
+                f"({mask.numel()}) must match the master ({numel})"
+            )
+        if numel == 0:
+            continue
+        piece = piece_numel(master.device, group_size or 1)
+        pieces = [(start, min(start + piece, numel)) for start in range(0, numel, piece)]
+        totals = torch.zeros(3, dtype=torch.float64, device=master.device)
+        for start, end in pieces:
+            verdict = _judge_piece(
+                master[start:end], working[start:end], group_size, mask[start:end]
+            )
+            totals[0] += verdict.mismatch.sum()
+            totals[1] += verdict.near_tie.sum()
+            totals[2] = torch.maximum(totals[2], verdict.ratio.max().double())
+        mismatches, near_ties, worst = totals.tolist()
+        result.checked += numel
+        result.mismatches += int(mismatches)
+        result.near_ties += int(near_ties)
+        result.max_ratio = max(result.max_ratio, worst)
+        if mismatches and result.first_violation is None:
+            result.first_violation = _first_mismatch(
+                shard, master, working, mask, group_size, pieces, step, rank
+            )
+
+
+def _first_mismatch(shard, master, working, mask, group_size, pieces, step, rank) -> dict:
+    """The first element of a shard that differs from the spec's decode (the rare path)."""
+    for start, end in pieces:
+        verdict = _judge_piece(master[start:end], working[start:end], group_size, mask[start:end])
+        if bool(verdict.mismatch.any()):
+            at = int(verdict.mismatch.nonzero()[0])
+            name, index = seam.slot_of(shard, start + at)
+            ratio = float(verdict.ratio[at])
+            exact_required = bool(mask[start + at])
+            what = (
+                f"master {float(master[start + at]):.9g}: the spec decodes to "
+                f"{float(verdict.expected[at]):.9g}"
+                + ("" if exact_required else f" (scale {float(verdict.element_scales[at]):.6g})")
+                + f", the working copy holds {float(working[start + at]):.9g}"
+            )
+            return {
+                "step": step,
+                "rank": rank,
+                "parameter": name,
+                "index": index,
+                "ratio": ratio if math.isfinite(ratio) else None,
+                "exact_required": exact_required,
+                "what": what,
+            }
+    raise AssertionError("a mismatch was counted but not found again")  # pragma: no cover
+
+
+@dataclass
+class UpdateResult:
+    """Totals of the update check on one rank for one arm."""
+
+    checked: int = 0
+    violations: int = 0
+    max_ratio: float = 0.0
+    first_violation: dict[str, Any] | None = None
+    missing_steps: list[int] = field(default_factory=list)
+    """Training steps at which the optimizer did not step exactly once."""
+    norm_checked: int = 0
+    """Steps whose global gradient norm was recomputed ([Note: global norm check])."""
+    norm_violations: int = 0
+    norm_max_ratio: float = 0.0
+
+
+class UpdateCheck:
+    """[Note: exact update check] on a fixed sample of this rank's master elements."""
+
+    def __init__(
+        self,
+        shards: Sequence[seam.OwnShard],
+        optimizer: torch.optim.Optimizer,
+        settings: AdamWSettings,
+        *,
+        samples_per_shard: int,
+        seed: int,
+        rank: int,
+    ):
+        self.settings = settings
+        self.rank = rank
+        self.optimizer = optimizer
+        self.shards = list(shards)
+        self.samples: list[torch.Tensor] = []
+        generator = torch.Generator().manual_seed(seed * 7_919 + rank)
+        for shard in self.shards:
+            covered = torch.cat(
+                [torch.arange(slot.start, slot.end) for slot in shard.slots]
+                or [torch.empty(0, dtype=torch.int64)]
+            )
+            pick = torch.randperm(covered.numel(), generator=generator)[:samples_per_shard]
+            self.samples.append(covered[pick].sort().values.to(shard.master.device))
+        self.result = UpdateResult()
+        self.step = 0
+        self._calls = 0
+        self._before: list[dict[str, torch.Tensor]] | None = None
+        self._last_after: list[torch.Tensor] | None = None
+        self._grad_squares: torch.Tensor | None = None
+        """float64 sum of squares of this rank's handed gradients at this step's first call."""
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre),
+            optimizer.register_step_post_hook(self._post),
+        ]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._calls = 0
+        self._grad_squares = None
+
+    def end_step(self) -> None:
+        if self._calls != 1:
+            self.result.missing_steps.append(self.step)
+            self.result.violations += 1
+            self._violation(-1, 0, f"the optimizer stepped {self._calls} times", math.inf)
+
+    def _state(self, param: torch.Tensor, key: str, index: torch.Tensor) -> torch.Tensor:
+        state = self.optimizer.state.get(param, {})
+        value = state.get(key)
+        if value is None:
+            return torch.zeros(index.numel(), dtype=torch.float64)
+        return value.detach().reshape(-1)[index].double().cpu()
+
+    def _step_count(self, param: torch.Tensor) -> int:
+        value = self.optimizer.state.get(param, {}).get("step", 0)
+        return int(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._calls += 1
+        if self._calls == 1:
+            self._grad_squares = _handed_squares(self.shards)
+        before = []
+        for shard_index, (shard, index) in enumerate(zip(self.shards, self.samples, strict=True)):
+            param = shard.master
+            grad = param.grad
+            values = param.detach().reshape(-1)[index].double().cpu()
+            if self._last_after is not None:
+                moved = values != self._last_after[shard_index]
+                at = self._count(moved)
+                if at is not None:
+                    what = "master changed outside the optimizer step"
+                    self._violation(shard_index, int(index[at]), what, math.inf)
+            before.append(
+                {
+                    "p": values,
+                    "g": (
+                        torch.zeros_like(values)
+                        if grad is None
+                        else grad.detach().reshape(-1)[index].double().cpu()
+                    ),
+                    "m": self._state(param, "exp_avg", index),
+                    "v": self._state(param, "exp_avg_sq", index),
+                    "t": torch.tensor(self._step_count(param) + 1),
+                }
+            )
+        self._before = before
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._before is None:
+            return
+        after = []
+        lr, (beta1, beta2), eps, wd = (
+            self.settings.lr,
+            self.settings.betas,
+            self.settings.eps,
+            self.settings.weight_decay,
+        )
+        for shard_index, (shard, index, before) in enumerate(
+            zip(self.shards, self.samples, self._before, strict=True)
+        ):
+            param = shard.master
+            actual = param.detach().reshape(-1)[index].double().cpu()
+            after.append(actual)
+            m_new = self._state(param, "exp_avg", index)
+            v_new = self._state(param, "exp_avg_sq", index)
+            p0, g, m0, v0 = before["p"], before["g"], before["m"], before["v"]
+            t = int(before["t"])
+            bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+            p1 = p0 * (1 - lr * wd)
+            m1 = beta1 * m0 + (1 - beta1) * g
+            v1 = beta2 * v0 + (1 - beta2) * g * g
+            denom = v1.sqrt() / math.sqrt(bc2) + eps
+            update = lr / bc1 * m1 / denom
+            expected = p1 - update
+            moment_terms = lr / bc1 * (beta1 * m0.abs() + (1 - beta1) * g.abs()) / denom
+            bound = (
+                FLOAT32_EPS * (p1.abs() + expected.abs())
+                + 16 * FLOAT32_EPS * (update.abs() + moment_terms)
+                + FLOAT32_TINY
+            )
+            error = (actual - expected).abs()
+            ratios = [error / bound]
+            ratios.append((m_new - m1).abs() / (8 * FLOAT32_EPS * (m0.abs() + m1.abs()) + 1e-45))
+            ratios.append((v_new - v1).abs() / (8 * FLOAT32_EPS * (v0.abs() + v1.abs()) + 1e-45))
+            ratio = torch.stack(ratios).amax(dim=0)
+            self.result.checked += int(index.numel())
+            if ratio.numel():
+                worst = float(ratio.max())
+                self.result.max_ratio = max(self.result.max_ratio, worst)
+                at = self._count(ratio > 1)
+                if at is not None:
+                    what = (
+                        f"expected {float(expected[at]):.9g}, got {float(actual[at]):.9g} "
+                        f"(bound {float(bound[at]):.3g})"
+                    )
+                    self._violation(shard_index, int(index[at]), what, float(ratio[at]))
+        self._last_after = after
+        self._before = None
+
+    @torch.no_grad()
+    def check_norm(self, reported_norm: float, gradient_clipping: float) -> None:
+        """[Note: global norm check] for the step just taken; collective: every rank calls it
+        after every step on which no rank failed."""
+        device = self.shards[0].master.device if self.shards else torch.device("cpu")
+        squares = self._grad_squares
+        local = torch.zeros(2, dtype=torch.float64, device=device)
+        if squares is not None:
+            local[0] = squares
+            local[1] = 1.0  # this rank's optimizer stepped
+        handed_squares, ranks_stepped = _all_reduce(local).tolist()
+        self._grad_squares = None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if int(ranks_stepped) != world or not math.isfinite(reported_norm):
+            return  # a missing step is a violation already; a non-finite norm ends the arm
+        handed = math.sqrt(handed_squares)
+        expected, bound = expected_handed_norm(reported_norm, gradient_clipping)
+        ratio = abs(handed - expected) / bound
+        result = self.result
+        result.norm_checked += 1
+        result.norm_max_ratio = max(result.norm_max_ratio, ratio)
+        if ratio > 1:
+            result.norm_violations += 1
+            what = (
+                f"the optimizer was handed a gradient of global norm {handed:.9g}; the engine "
+                f"reports a norm of {reported_norm:.9g}, so with clipping at "
+                f"{gradient_clipping:g} it must be {expected:.9g} (bound {bound:.3g})"
+            )
+            self._violation(-1, 0, what, ratio, parameter="(global gradient norm)")
+
+    def _count(self, bad: torch.Tensor) -> int | None:
+        """Add the sampled elements flagged in `bad` to the violations; the first one's
+        sample position (None when none is flagged)."""
+        if not bool(bad.any()):
+            return None
+        self.result.violations += int(bad.sum())
+        return int(bad.nonzero()[0])
+
+    def _violation(
+        self, shard_index: int, position: int, what: str, ratio: float, parameter: str = ""
+    ) -> None:
+        if self.result.first_violation is not None:
+            return
+        name, index = (parameter or "(optimizer)", -1)
+        if shard_index >= 0:
+            name, index = seam.slot_of(self.shards[shard_index], position)
+        self.result.first_violation = {
+            "step": self.step,
+            "rank": self.rank,
+            "parameter": name,
+            "index": index,
+            "what": what,
+            "ratio": ratio if math.isfinite(ratio) else None,
+        }
+
+
+NORM_RELATIVE_SLACK = 2.0**-16
+"""[Note: global norm check]: how far, relative to it, the norm of the handed gradient may
+lie from ``min(norm, clip)``."""
+
+
+def expected_handed_norm(reported_norm: float, gradient_clipping: float) -> tuple[float, float]:
+    """(the global norm the clipped gradient must have, the bound on its distance) given the
+    engine's reported norm and the run's clipping threshold ([Note: global norm check])."""
+    coefficient = 1.0
+    if gradient_clipping > 0:
+        coefficient = min(1.0, gradient_clipping / (reported_norm + 1e-6))
+    expected = reported_norm * coefficient
+    return expected, NORM_RELATIVE_SLACK * expected + FLOAT32_TINY
+
+
+def _handed_squares(shards: Sequence[seam.OwnShard]) -> torch.Tensor:
+    """float64 sum of squares of the gradients the optimizer is handed for `shards` (this
+    rank's part of the global norm), in bounded pieces, without a host synchronisation."""
+    device = shards[0].master.device if shards else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for shard in shards:
+        grad = shard.master.grad
+        if grad is None:
+            continue
+        flat = grad.detach().reshape(-1)
+        piece = piece_numel(flat.device)
+        for start in range(0, flat.numel(), piece):
+            widened = flat[start : start + piece].double()  # fp32 squares are exact in fp64
+            total += torch.dot(widened, widened)
+    return total
+
+
+def kernels_used(engine: Any, rank: int) -> dict[str, Any]:
+    """What wire kernels this rank's arm ran, and every implementation dropped on the way
+    (the record's ``KernelUse``). Reads the optimizer's public ``kernels`` /
+    ``kernel_fallback`` (qwz's engine) or those of its ``qwz`` state (the DeepSpeed
+    drop-in, [Note: drop-in state]); stock DeepSpeed runs none of qwz's kernels."""
+    optimizer = engine.optimizer
+    holder = getattr(optimizer, "qwz", optimizer)
+    chosen = getattr(holder, "kernels", None)
+    fallback = getattr(holder, "kernel_fallback", None)
+    name = getattr(chosen, "name", None)
+    fallbacks = [f"fused kernels unusable, eager instead: {fallback}"] if fallback else []
+    native = False
+    if name == "compiled":  # the fused kernels' probes ran: asking costs nothing now
+        native_kernels, native_reason = kernels.native_kernels()
+        native = native_kernels is not None
+        if native_reason:
+            fallbacks.append(f"native kernels dropped, torch.compile instead: {native_reason}")
+        fallbacks += [f"fused kernel dropped: {reason}" for reason in kernels.kernel_fallbacks()]
+    return {"rank": rank, "kernels": name, "native": native, "fallbacks": fallbacks}
+
+
+def non_finite_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of the parameters holding a NaN or Inf on this rank."""
+    return [
+        name
+        for name, param in module.named_parameters()
+        if not bool(torch.isfinite(param.detach()).all())
+    ]

@@ -1,0 +1,625 @@
+"""The rank side of a qualification: train the arms one after another, observe every step,
+then time them.
+
+``qualify_rank(plan)`` runs on every rank of an initialised process group
+(spawned by ``qwz.launch`` or started by torchrun) and returns, on rank 0, the
+list of every rank's observations; other ranks return None. It drives engines
+only through ``subjects.ArmEngine`` (the seam of [Note: own shards]).
+
+[Note: arms one at a time]
+The arms -- the unquantized ``reference``, the ``calibration`` arm (the
+reference with quantization-sized noise, [Note: learning margin] in
+qualify/evidence/checks.py) and one candidate per group size -- train one after another,
+each from the same seed and on the same batches; only one is resident at a
+time, and each arm's peak memory is measured from a reset (CUDA peak stats, or
+the process's peak RSS via /proc/self/clear_refs), so a configuration that
+fits the cards with one arm can be qualified on them. What must be compared
+across arms is kept as observations: per-step losses and gradient norms,
+held-out losses at fixed steps, step-1 master digests, sampled parameter values
+(drift, context only). The speed blocks then pair the reference with each
+candidate ([Note: order-balanced blocks], evidence/stats.py; timed by run/timing.py); with
+``one_arm_resident`` the arm is rebuilt at every switch, during the untimed
+warm-up, so even the timing holds one arm at a time.
+
+Per arm and step, on every rank:
+1. train one step (the probe counts the gather's bytes);
+2. [Note: exact update check] on a sample of this rank's master elements;
+3. every own shard against the spec's decode of its master, with the requested group size,
+   and the global norm of the gradient the optimizer was handed (observers.py);
+4. the replicas' per-parameter digests agree across ranks;
+5. at step 1, layout-independent digests of every parameter's master;
+6. at the evaluation steps, the held-out loss.
+A non-finite loss or gradient norm ends the arm and the run goes on with the next
+one; any other exception ends the run at once, without a collective, naming the
+rank, the arm and the last completed step ([Note: failures]).
+
+[Note: failures]
+Two kinds, told apart by who sees them:
+- Seen by every rank together: a non-finite loss (the loss is averaged over the
+  ranks) or gradient norm (a global norm), raised here as NonFiniteStep, and
+  qwz's NonFiniteError (raised on every rank with the same text, after its own
+  all-gather). Every rank stands at the same point, so ``_agree`` (an
+  all_gather_object) is safe: the failure is recorded with the step, the ranks
+  and the parameters, the arm ends, the next arm runs.
+- Seen by one rank: anything else raised while building an arm, in a step, in a
+  check, while timing (a CUDA OOM, a bug, a rank's lost peer). Its peers may be
+  inside a collective this rank will never enter, so no collective may follow:
+  the rank reports the exception and where it was (``_Progress.at``: arm, phase,
+  step, last completed step) through the launcher's side channel and aborts the
+  process group (qwz.rank_reports.crash). The launcher stops the others and
+  names the rank that failed first ([Note: the rank that failed first]); the
+  CLI writes a "crash" record, keeping the arms every rank finished (reported
+  with rank_reports.report_result) and marking those never started "not run".
+  A rank that dies (SIGKILL) or hangs is found by the launcher the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import math
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qwz import devices, rank_reports
+from qwz.hashing import param_hash
+from qwz.optimizer import WORKING_DTYPES, NonFiniteError
+from qwz.probe import WireProbe
+from qwz.qualify.evidence import provenance, spec, stats
+from qwz.qualify.evidence.observation import ArmObservation
+from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
+from qwz.qualify.run import determinism, observers, timing
+from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
+
+
+class NonFiniteStep(FloatingPointError):
+    """A step's loss or gradient norm is NaN/Inf: every rank sees it ([Note: failures])."""
+
+
+AGREED_FAILURES = (NonFiniteStep, NonFiniteError)
+"""Failures every rank raises at the same step, so agreeing on them cannot hang."""
+
+
+class _Progress:
+    """Rank 0 prints a line now and then; other ranks stay quiet. Every rank tells its
+    launcher where it is ([Note: failures])."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.started = time.perf_counter()
+        self.where: dict[str, Any] = {"phase": "start"}
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            elapsed = time.perf_counter() - self.started
+            print(f"[qwz-qualify {elapsed:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    def at(self, **where: Any) -> None:
+        """Replace where this rank is (``phase``, ``arm``, ``step``, ``last_completed_step``)."""
+        self.where = where
+        rank_reports.report_progress(**where)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    """[Note: collectives on the group's device] (qwz/devices.py): the all-reduce gets a
+    tensor on the group's device, wherever `value` was computed."""
+    value = value.detach().float().reshape(1).to(devices.group_device(), copy=True)
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def _agree(local: Any) -> list[Any]:
+    """Every rank's `local` value, on every rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return gathered
+    return [local]
+
+
+def _sample_indices(module: torch.nn.Module, count: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 7919)
+    return {
+        name: torch.randperm(param.numel(), generator=generator)[: min(count, param.numel())]
+        for name, param in module.named_parameters()
+    }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def _release_memory() -> None:
+    """Return freed memory to the device and the OS, so the next arm's peak is its own."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_peak_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def _peak_memory() -> dict[str, Any]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "kind": "cuda",
+            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        }
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+                    return {
+                        "kind": "rss",
+                        "peak_allocated_bytes": peak,
+                        "peak_reserved_bytes": None,
+                    }
+    except OSError:
+        pass
+    # ru_maxrss (KiB on Linux) cannot be reset: the process-wide peak.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"kind": "rss", "peak_allocated_bytes": int(rss), "peak_reserved_bytes": None}
+
+
+class _StepPeak:
+    """[Note: peak around the train step]
+    An arm's memory is its training step's: forward, backward, reductions, optimizer step
+    and gather, with the arm's resident state. The counter is reset before each step's
+    forward and read right after its gather, and the record keeps the largest step; the
+    harness's own checks (own-shard decode, digests, held-out loss) run outside that
+    window, so what they allocate is not charged to the subject. An arm that never
+    completed a step reports the peak since the arm began instead."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.peak: dict[str, Any] | None = None
+
+    @contextlib.contextmanager
+    def around_step(self):
+        _reset_peak_memory()
+        yield
+        measured = _peak_memory()
+        self.steps += 1
+        if self.peak is None:
+            self.peak = measured
+            return
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            if measured[key] is not None:
+                self.peak[key] = max(self.peak[key] or 0, measured[key])
+
+    def result(self) -> dict[str, Any]:
+        assert self.peak is not None
+        return dict(self.peak)
+
+
+# ------------------------------------------------------------------- arms
+
+
+def _call_hook(plan: RunPlan, arm: ArmSpec, engine: ArmEngine) -> ArmEngine:
+    """The plan's ``arm_hook`` may change a candidate arm's engine or return a replacement."""
+    if plan.arm_hook is None or not arm.quantized:
+        return engine
+    import importlib
+
+    module_name, _, function_name = plan.arm_hook.partition(":")
+    hook = getattr(importlib.import_module(module_name), function_name)
+    return hook(arm, engine, plan) or engine
+
+
+def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
+    # Built where it trains and in the dtype it trains in: no fp32 copy on the GPU.
+    model = plan.workload.build_model(
+        plan.seed, device=devices.group_device(), dtype=WORKING_DTYPES[plan.dtype]
+    )
+    engine = make_arm(
+        plan.subject,
+        model,
+        plan.arm_config(arm),
+        quantized=arm.quantized,
+        compile_kernels=plan.compile_kernels,
+        integration_enabled=plan.integration_enabled,
+        shard_alignment=plan.shard_alignment,
+    )
+    return _call_hook(plan, arm, engine)
+
+
+@torch.no_grad()
+def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int) -> float:
+    module = engine.module
+    was_training = module.training
+    module.eval()
+    try:
+        losses = []
+        for index in range(plan.held_out_batches):
+            batch = plan.workload.held_out_batch(seed=plan.seed, index=index, rank=rank)
+            losses.append(plan.workload.loss(module, batch).detach().float())
+        total = torch.stack(losses).sum()  # on the model's device, summed in order
+    finally:
+        module.train(was_training)
+    return _mean_over_ranks(total / plan.held_out_batches)
+
+
+@torch.no_grad()
+def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
+    """[Note: learning margin]: add noise of the quantization error's size to the working
+    copy of every quantized parameter -- uniform in [-scale/2, scale/2] per group of
+    `group_size` elements of the parameter, drawn from one seed on every rank, so the
+    replicas stay identical and the masters are untouched (the next gather overwrites it)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_033 + step)
+    for param in engine.module.parameters():
+        if spec.travels_exactly(param.numel()):
+            continue
+        flat = param.detach().reshape(-1)
+        padded = -(-flat.numel() // group_size) * group_size
+        values = torch.nn.functional.pad(flat.float().cpu(), (0, padded - flat.numel()))
+        scales = spec.scales(values, group_size).repeat_interleave(group_size)
+        noise = (torch.rand(padded, generator=generator) - 0.5) * scales
+        flat.add_(noise[: flat.numel()].to(flat.device, flat.dtype))
+
+
+def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module) -> dict:
+    """One rank's record of an AGREED_FAILURES error ([Note: failures])."""
+    message = f"{type(error).__name__}: {error}".splitlines()[0][:2000]
+    return {
+        "step": step,
+        "rank": rank,
+        "kind": "non-finite",
+        "message": message,
+        "parameters": list(
+            getattr(error, "parameters", ()) or observers.non_finite_parameters(module)
+        )[:20],
+    }
+
+
+def _wire_layout(
+    shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int]
+) -> dict[tuple[int, ...], dict[str, int]]:
+    """Per process group, the spec's counts of this rank's own-shard elements there
+    ([Note: group size from the wire], qualify/evidence/checks.py): quantized (parameters above
+    spec.EXACT_MAX_NUMEL), exact (at most), padding (no parameter) and the working element size."""
+    layout: dict[tuple[int, ...], dict[str, int]] = {}
+    for shard, ranks in zip(shards, group_ranks, strict=True):
+        counts = layout.setdefault(
+            ranks,
+            {"quantized_numel": 0, "exact_numel": 0, "padding_numel": 0, "element_bytes": 0},
+        )
+        covered = 0
+        for slot in shard.slots:
+            kind = "exact_numel" if spec.travels_exactly(numel[slot.name]) else "quantized_numel"
+            counts[kind] += slot.end - slot.start
+            covered += slot.end - slot.start
+        counts["padding_numel"] += shard.master.numel() - covered
+        counts["element_bytes"] = shard.working.element_size()
+    return layout
+
+
+def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
+    """This step's gather bytes and calls per process group, with the group's counts."""
+    return [
+        {
+            "rank": rank,
+            "group_ranks": list(ranks),
+            "bytes_per_step": int(probe.gather_bytes_by_group[ranks]),
+            "calls_per_step": int(probe.gather_calls_by_group[ranks]),
+            **counts,
+        }
+        for ranks, counts in layout.items()
+    ]
+
+
+class _ArmRun:
+    """One arm on this rank: built, trained for ``plan.steps`` steps and observed after each
+    (module docstring, steps 1-6). ``observed`` holds the fields of the ArmObservation the
+    arm ends with, as they are observed; ``sampled`` its sampled values per step."""
+
+    def __init__(
+        self,
+        plan: RunPlan,
+        arm: ArmSpec,
+        rank: int,
+        progress: _Progress,
+        samples: dict[str, torch.Tensor] | None,
+        reference_samples: dict[str, list[torch.Tensor]] | None,
+    ):
+        self.plan, self.arm, self.rank, self.progress = plan, arm, rank, progress
+        self.samples, self.reference_samples = samples, reference_samples
+        self.observed: dict[str, Any] = {"losses": [], "grad_norms": [], "held_out": []}
+        self.observed["drift_max_abs"] = []
+        self.sampled: dict[str, list[torch.Tensor]] = {}
+        self.peak = _StepPeak()
+        self.engine: ArmEngine | None = None
+        self.update_check: observers.UpdateCheck | None = None
+        self.shards: list | None = None
+        self.exact_masks: list | None = None
+        self.own_result = observers.OwnShardResult()
+        self.check_own = arm.noise_group_size is None
+
+    def build(self) -> None:
+        plan, arm = self.plan, self.arm
+        engine = self.engine = _build(plan, arm)
+        self.observed.update(group_size=engine.group_size, reported_by=engine.reported_by)
+        named = list(engine.module.named_parameters())
+        self.names = [name for name, _ in named]
+        numel = {name: param.numel() for name, param in named}
+        # The shards' tensors are live views, so one call serves every step; which of their
+        # elements must travel exactly never changes either.
+        self.shards = engine.own_shards()
+        self.wire_layout = _wire_layout(self.shards, engine.shard_group_ranks(), numel)
+        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel)
+        self.update_check = observers.UpdateCheck(
+            self.shards,
+            engine.shard_optimizer,
+            plan.adamw,
+            samples_per_shard=plan.update_samples,
+            seed=plan.seed,
+            rank=self.rank,
+        )
+
+    def train(self) -> None:
+        """Every step, until the last or the first failure every rank agrees on."""
+        plan, arm, progress = self.plan, self.arm, self.progress
+        self.build()
+        if 0 in plan.eval_steps:
+            self.observed["held_out"].append([0, _held_out_loss(plan, self.engine, self.rank)])
+        for step in range(1, plan.steps + 1):
+            progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
+            trained = self.train_step(step)
+            if trained is None:
+                break
+            loss_value, grad_norm, probe = trained
+            self.observe(step, loss_value, grad_norm, probe)
+            if step % 5 == 0 or step == plan.steps:
+                progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
+        if self.check_own:
+            self.observed["own_shard"] = dataclasses.asdict(self.own_result)
+        self.observed["final_hash"] = param_hash(self.engine.module)
+
+    def train_step(self, step: int) -> tuple[float, float, WireProbe] | None:
+        """One step: its loss and gradient norm and the probe of its gather; None when every
+        rank raised an AGREED_FAILURES error (recorded; the arm ends)."""
+        plan, engine, update_check = self.plan, self.engine, self.update_check
+        error: dict[str, Any] | None = None
+        # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
+        try:
+            update_check.begin_step(step)
+            with self.peak.around_step():
+                batch = plan.workload.batch(seed=plan.seed, step=step, rank=self.rank)
+                loss = plan.workload.loss(engine.module, batch)
+                with WireProbe() as probe:
+                    engine.train_step(loss)
+            update_check.end_step()
+            loss_value = _mean_over_ranks(loss)
+            grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                raise NonFiniteStep(
+                    f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}"
+                )
+        except AGREED_FAILURES as raised:  # every rank raised it: agreed on, the arm ends
+            error = _failure(step, self.rank, raised, engine.module)
+        errors = [item for item in _agree(error) if item is not None]
+        if errors:
+            self.observed["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
+            message = errors[0]["message"][:200]
+            self.progress.say(f"{self.arm.name}: FAILED at step {step}: {message}")
+            return None
+        update_check.check_norm(grad_norm, plan.gradient_clipping)
+        return loss_value, grad_norm, probe
+
+    def observe(self, step: int, loss_value: float, grad_norm: float, probe: WireProbe) -> None:
+        """What the harness checks after a completed step, outside the step's memory window."""
+        plan, arm, engine, observed = self.plan, self.arm, self.engine, self.observed
+        module = engine.module
+        observed["losses"].append(loss_value)
+        observed["grad_norms"].append(grad_norm)
+        observed["gather_bytes"] = int(probe.bytes["gather"])
+        observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+        if arm.noise_group_size is not None:
+            _perturb(engine, arm.noise_group_size, plan.seed, step)
+        if self.check_own:
+            observers.check_own_shards(
+                self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
+            )
+        divergent = observers.replica_divergence(module)
+        if divergent and observed.get("replica_divergence") is None:
+            observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
+        if step == 1:
+            observed["step1_digests"] = observers.master_digests(self.shards, self.names)
+        if self.samples is not None:
+            self.sample(step, module)
+        if step in plan.eval_steps:
+            observed["held_out"].append([step, _held_out_loss(plan, engine, self.rank)])
+
+    def sample(self, step: int, module: torch.nn.Module) -> None:
+        """The sampled parameter values, and their drift from the reference's (context)."""
+        params = dict(module.named_parameters())
+        values = {
+            name: params[name].detach().reshape(-1)[index.to(params[name].device)].float().cpu()
+            for name, index in self.samples.items()
+        }
+        for name, value in values.items():
+            self.sampled.setdefault(name, []).append(value)
+        if self.reference_samples is not None:
+            self.observed["drift_max_abs"].append(
+                max(
+                    float((value - self.reference_samples[name][step - 1]).abs().max())
+                    for name, value in values.items()
+                )
+            )
+
+    def finish(self) -> ArmObservation:
+        """The arm's observation; releases its engine (also after a failure that ends the run)."""
+        observed = self.observed
+        if self.engine is not None:
+            observed["kernels"] = observers.kernels_used(self.engine, self.rank)
+        if self.update_check is not None:
+            observed["update"] = dataclasses.asdict(self.update_check.result)
+            self.update_check.close()
+        observed["steps_completed"] = len(observed["losses"])
+        observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
+        self.engine = self.update_check = self.shards = self.exact_masks = None
+        return ArmObservation(**observed)
+
+
+def _train_arm(
+    plan: RunPlan,
+    arm: ArmSpec,
+    rank: int,
+    reference_samples: dict[str, list[torch.Tensor]] | None,
+    samples: dict[str, torch.Tensor] | None,
+    progress: _Progress,
+) -> tuple[ArmObservation, dict[str, list[torch.Tensor]]]:
+    """Train one arm for plan.steps steps; its observations, and its sampled values per step."""
+    _release_memory()
+    _reset_peak_memory()
+    run = _ArmRun(plan, arm, rank, progress, samples, reference_samples)
+    progress.at(phase="build", arm=arm.name, step=0, last_completed_step=0)
+    try:
+        run.train()
+    finally:
+        observation = run.finish()
+        _release_memory()
+    return observation, run.sampled
+
+
+def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Progress) -> dict:
+    workload = plan.workload
+    timings: dict[str, list[dict[str, Any]]] = {}
+    perf_steps = len(candidates) * plan.blocks * 2 * (plan.warmup_steps + plan.block_steps)
+    # Batches are made before the clock starts: data generation is not the step under test.
+    batches = iter(
+        [
+            workload.batch(seed=plan.seed, step=plan.steps + offset, rank=rank)
+            for offset in range(1, perf_steps + 1)
+        ]
+    )
+    reference_spec = plan.arms[0]
+    for arm in candidates:
+        progress.at(phase="timing", arm=arm.name)
+        resident: dict[str, ArmEngine] = {}
+
+        def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident) -> None:
+            if spec.name not in resident:
+                if plan.one_arm_resident:
+                    resident.clear()
+                    _release_memory()
+                resident[spec.name] = _build(plan, spec)
+            engine = resident[spec.name]
+            engine.train_step(workload.loss(engine.module, next(batches)))
+
+        blocks = timing.measure_blocks(
+            lambda: step_of(reference_spec),
+            lambda arm=arm: step_of(arm),
+            blocks=plan.blocks,
+            block_steps=plan.block_steps,
+            warmup_steps=plan.warmup_steps,
+            sync=_sync,
+        )
+        resident.clear()
+        _release_memory()
+        timings[arm.name] = [block._asdict() for block in blocks]
+        speedups = stats.block_speedups(blocks)
+        progress.say(f"{arm.name}: block speed-ups " + ", ".join(f"{v:.3f}" for v in speedups))
+    return timings
+
+
+def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
+    """Run the plan on this rank under [Note: deterministic ranks] (determinism.py); rank 0
+    gets every rank's observations. A failure only this rank sees ends the run through
+    rank_reports.crash ([Note: failures])."""
+    rank, world_size = _rank_and_world()
+    if plan.subject in DEEPSPEED_SUBJECTS:
+        use_deepspeed_source(plan.deepspeed_src)
+    progress = _Progress(rank == 0)
+    if dist.is_initialized():
+        devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
+    try:
+        with determinism.deterministic() as settings:
+            return _qualify(plan, rank, world_size, progress, settings)
+    except Exception as error:
+        rank_reports.crash(error, **progress.where)
+
+
+def _qualify(
+    plan: RunPlan, rank: int, world_size: int, progress: _Progress, settings: Any
+) -> list[dict[str, Any]] | None:
+    progress.say(
+        f"{plan.subject}: {len(plan.arms)} arms one after another, {plan.steps} steps each, "
+        f"then {plan.blocks} blocks x {plan.block_steps} steps per candidate"
+    )
+    with torch.device("meta"):  # shapes only: the sample indices and the parameter count
+        probe_model = plan.workload.build_model(plan.seed)
+    samples = _sample_indices(probe_model, plan.samples_per_param, plan.seed)
+    num_parameters = sum(p.numel() for p in probe_model.parameters())
+    del probe_model
+    arms: dict[str, ArmObservation] = {}
+    reference_samples: dict[str, list[torch.Tensor]] | None = None
+    for arm in plan.arms:
+        obs, sampled = _train_arm(
+            plan,
+            arm,
+            rank,
+            None if arm.name == REFERENCE else reference_samples,
+            samples,
+            progress,
+        )
+        if arm.name == REFERENCE:
+            reference_samples = sampled if obs.failure is None else None
+        arms[arm.name] = obs
+        rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
+
+    # Arms that failed are not timed; without a working reference nothing is.
+    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
+    timings = {}
+    if arms[REFERENCE].failure is None and plan.blocks > 0:
+        timings = _timing(plan, timed, rank, progress)
+
+    observation: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world_size,
+        "num_parameters": num_parameters,
+        "device_name": provenance.device_name(),
+        "compute_capability": provenance.compute_capability(),
+        "arms": arms,
+        "timings": timings,
+    }
+    if rank == 0:
+        observation.update(provenance.code_under_test(plan.subject))
+    progress.at(phase="gather observations")
+    gathered = _agree(observation)
+    if rank == 0:
+        names = [item["device_name"] for item in gathered]
+        capabilities = [item["compute_capability"] for item in gathered]
+        environment = provenance.environment(names, capabilities, settings)
+        gathered[0]["environment"] = environment.model_dump()
+        return gathered
+    return None
