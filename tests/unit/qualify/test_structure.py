@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
-
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[3] / "qwz"
 MAX_FUNCTION_LINES = 80
 
@@ -165,10 +163,6 @@ def test_no_function_in_qualify_is_longer_than_80_lines():
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines: {offenders}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the core's long functions are shortened on another branch (issue 21, core part)",
-)
 def test_no_function_in_qwz_is_longer_than_80_lines():
     offenders = long_functions()
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines: {offenders}"
