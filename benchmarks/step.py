@@ -112,8 +112,21 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[64, 8192])
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds for the whole run (DeepSpeed's start-up is slow)",
+    )
     args = parser.parse_args()
-    times = launch(_bench_rank, args.world_size, args.width, args.repeats, args.group_sizes)[0]
+    times = launch(
+        _bench_rank,
+        args.world_size,
+        args.width,
+        args.repeats,
+        args.group_sizes,
+        timeout_s=args.timeout,
+    )[0]
     params = 2 * (args.width * args.width + args.width)
     print(f"{params / 1e6:.1f}M parameters, world size {args.world_size}, bf16 ZeRO-2")
     for kind, title in (("step", "(c) engine.step()"), ("full", "(d) full train step")):

@@ -14,8 +14,12 @@
 #
 # Environment: QWZ_NIGHTLY_WORKLOAD (default qwen3-tiny; qwen3-0.6b on GPU runners),
 # QWZ_NIGHTLY_DIR (default runs/nightly), QWZ_WORLD_SIZE (default: GPU count if >= 2, else 2),
-# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_RECORD_KEY or
-# QWZ_RECORD_KEY_FILE (sign the records; the gate then requires verified signatures).
+# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_BASELINE_DIR
+# (default <dir>/baseline; the workflow keeps them in the repository, ci/baselines/nightly),
+# QWZ_LEDGER_DIR (default <dir>/ledger), QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE (sign the
+# records; the gate then requires verified signatures). Without a key the night fails at
+# once (exit 2) unless QWZ_ALLOW_UNSIGNED=1 says unsigned records are meant.
+# Tonight's report paths are listed in <dir>/tonight.txt (the workflow's job summary).
 #
 # DeepSpeed's own implementation instead of qwz's (README "Requalify a DeepSpeed pull
 # request"): QWZ_DEEPSPEED_SRC=PATH (a DeepSpeed checkout) or QWZ_DEEPSPEED_REF=REF (a
@@ -25,6 +29,17 @@
 # baselines in <dir>/baseline/deepspeed-native/stage<N>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# [Note: signing guard] Checked before anything is installed or run: a night whose records
+# nobody can verify must be a decision (QWZ_ALLOW_UNSIGNED=1), never a lost secret.
+if [ -z "${QWZ_RECORD_KEY:-}${QWZ_RECORD_KEY_FILE:-}" ]; then
+  if [ "${QWZ_ALLOW_UNSIGNED:-0}" != "1" ]; then
+    echo "nightly: no signing key: set QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE, or" \
+      "QWZ_ALLOW_UNSIGNED=1 to run unsigned on purpose (the gate then cannot require" \
+      "signatures)" >&2
+    exit 2
+  fi
+  echo "nightly: QWZ_ALLOW_UNSIGNED=1: records are unsigned; the gate does not require signatures" >&2
+fi
 source ci/env.sh
 workload="${QWZ_NIGHTLY_WORKLOAD:-qwen3-tiny}"
 root="${QWZ_NIGHTLY_DIR:-runs/nightly}"
@@ -62,18 +77,19 @@ fi
 extra=()
 [ -n "${QWZ_MIN_SPEEDUP:-}" ] && extra+=(--min-speedup "$QWZ_MIN_SPEEDUP")
 gate=()
-if [ -n "${QWZ_RECORD_KEY:-}${QWZ_RECORD_KEY_FILE:-}" ]; then
-  gate+=(--require-signature)
-else
-  echo "nightly: no QWZ_RECORD_KEY: records are unsigned and the gate cannot require signatures" >&2
-fi
+[ -n "${QWZ_RECORD_KEY:-}${QWZ_RECORD_KEY_FILE:-}" ] && gate+=(--require-signature)
+baseline_root="${QWZ_BASELINE_DIR:-$root/baseline}"
+ledger="${QWZ_LEDGER_DIR:-$root/ledger}"
+mkdir -p "$root"
+: > "$root/tonight.txt"
 failed=0
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
 for stage in 1 2; do
   out="$root/history/$today/${subject_dir}stage$stage"
   args=(run --out "$out" --stage "$stage" --group-size 64 --group-size 8192
-        --workload "$workload" --ledger "$root/ledger" "${subject_args[@]}" "${extra[@]}")
+        --workload "$workload" --ledger "$ledger" "${subject_args[@]}" "${extra[@]}")
+  echo "$out/report.md" >> "$root/tonight.txt"
   status=0
   if [ "$gpus" -ge "$world" ] && [ "$gpus" -ge 2 ]; then
     # python -m torch.distributed.run: the workers use this venv's interpreter.
@@ -87,7 +103,7 @@ for stage in 1 2; do
     failed=1
     continue
   fi
-  baseline_dir="$root/baseline/${subject_dir}stage$stage"
+  baseline_dir="$baseline_root/${subject_dir}stage$stage"
   if [ -f "$baseline_dir/record.json" ]; then
     status=0
     qwz-qualify compare "${gate[@]}" "$baseline_dir/record.json" "$out/record.json" || status=$?

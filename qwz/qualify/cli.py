@@ -123,6 +123,13 @@ def _path(text: str) -> pathlib.Path:
     return pathlib.Path(text)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every default; where the default is None its help says what that means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,12 +143,21 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
     from qwz.qualify.plan import SUBJECTS
     from qwz.qualify.run.workloads import WORKLOAD_NAMES
 
-    run = commands.add_parser("run", help="qualify reference vs quantized arms; write evidence")
+    run = commands.add_parser(
+        "run",
+        help="qualify reference vs quantized arms; write evidence",
+        formatter_class=_DefaultsFormatter,
+    )
     run.add_argument("--out", type=_path, required=True, help="output directory")
     run.add_argument("--force", action="store_true", help="overwrite a record already in --out")
-    run.add_argument("--world-size", type=_positive, default=None, help="local ranks (default 2)")
-    run.add_argument("--steps", type=_positive, default=20, help="lockstep steps (default 20)")
-    run.add_argument("--stage", type=_stage, default=2, help="ZeRO stage: 1 or 2 (default 2)")
+    run.add_argument(
+        "--world-size",
+        type=_positive,
+        default=None,
+        help="local ranks (default 2; under torchrun its world)",
+    )
+    run.add_argument("--steps", type=_positive, default=20, help="lockstep steps")
+    run.add_argument("--stage", type=_stage, default=2, help="ZeRO stage: 1 or 2")
     run.add_argument(
         "--group-size",
         type=_group_size,
@@ -149,8 +165,10 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         dest="group_sizes",
         help="candidate group size; repeat for several arms (default 64)",
     )
-    run.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    run.add_argument("--workload", choices=WORKLOAD_NAMES, default="qwen3-tiny")
+    run.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="working dtype")
+    run.add_argument(
+        "--workload", choices=WORKLOAD_NAMES, default="qwen3-tiny", help="model and data"
+    )
     run.add_argument(
         "--subject",
         choices=SUBJECTS,
@@ -165,7 +183,7 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="DeepSpeed subjects: import deepspeed from the source checkout at PATH on every "
-        "rank (checked); an editable install needs no flag",
+        "rank (checked); an editable install needs no flag (default: the installed deepspeed)",
     )
     return run
 
@@ -177,14 +195,19 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--warmup-steps", type=_non_negative, default=2, help="untimed steps per arm/block"
     )
-    run.add_argument("--ledger", type=_path, default=None, help="hash ledger directory")
-    run.add_argument("--seed", type=_seed, default=0)
-    run.add_argument("--lr", type=_positive_finite, default=1e-3)
+    run.add_argument(
+        "--ledger",
+        type=_path,
+        default=None,
+        help="hash ledger directory (default: none, no reproduction check)",
+    )
+    run.add_argument("--seed", type=_seed, default=0, help="data and init seed")
+    run.add_argument("--lr", type=_positive_finite, default=1e-3, help="AdamW learning rate")
     run.add_argument(
         "--weight-decay",
         type=_non_negative_finite,
         default=0.1,
-        help="AdamW weight decay (default 0.1)",
+        help="AdamW weight decay",
     )
     run.add_argument(
         "--eval-every",
@@ -218,7 +241,7 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
         "--min-speedup",
         type=_finite,
         default=None,
-        help="fail unless the speed-up interval's lower end reaches this",
+        help="fail unless the speed-up interval's lower end reaches this (default: not judged)",
     )
     run.add_argument(
         "--no-integration",
