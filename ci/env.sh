@@ -28,3 +28,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 export PATH="$venv/bin:$PATH"
 export PYTHONUNBUFFERED=1
+# A JIT build of a torch extension (DeepSpeed's CPU comm op) that was killed half-way leaves
+# its `lock` file behind, and every later build of that op waits on it forever. No build takes
+# 15 minutes, so a lock that old is stale: remove it (it names the op it blocked).
+for extensions in "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" "$HOME/.cache/qwz/torch_extensions"; do
+  [ -d "$extensions" ] || continue
+  find "$extensions" -name lock -type f -mmin +15 -print -delete 2>/dev/null |
+    sed 's/^/ci\/env.sh: removed a stale JIT build lock: /' >&2 || true
+done
