@@ -258,9 +258,13 @@ def environment(
     device_names: list[str],
     compute_capabilities: list[str | None] | None = None,
     determinism: Determinism | None = None,
+    machines: list[dict] | None = None,
 ) -> Environment:
     """Versions, backend, device names and compute capabilities (one per rank), the
-    deterministic settings and the world shape of this run."""
+    deterministic settings, the world shape of this run, and every rank's machine
+    ([Note: where it ran], qualify/machine.py; default: this process's, for every rank)."""
+    from qwz.qualify import machine
+
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     capabilities = [item for item in compute_capabilities or [] if item is not None]
@@ -277,4 +281,5 @@ def environment(
         compute_capabilities=capabilities,
         determinism=determinism,
         **gpu_versions(),
+        **machine.environment_fields(machines or [machine.rank_machine()] * world_size),
     )

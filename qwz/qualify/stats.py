@@ -64,6 +64,10 @@ class BlockTiming(NamedTuple):
     """Seconds per timed step of the reference, in run order."""
     candidate_times: list[float]
     """Seconds per timed step of the candidate, in run order."""
+    reference_gather_times: Sequence[float | None] = ()
+    """Per timed reference step, what its step function's reading returned: the seconds of
+    its weight gather ([Note: gather phase timing], qualify/gather_timing.py), or None."""
+    candidate_gather_times: Sequence[float | None] = ()
 
 
 class SpeedSummary(NamedTuple):
@@ -100,7 +104,8 @@ def measure_blocks(
     ``i`` runs the reference first when ``i`` is even (``AB``) and the candidate
     first when it is odd (``BA``). Per arm and block: ``warmup_steps`` untimed
     steps, then ``block_steps`` steps each timed as ``sync(); t0 = clock();
-    step(); sync(); t1 = clock()``.
+    step(); sync(); t1 = clock()``. A step function may return a reading, a callable
+    called after that closing sync whose value is the step's gather seconds (or None).
     """
     _require("blocks", blocks, 1)
     _require("block_steps", block_steps, 1)
@@ -109,25 +114,27 @@ def measure_blocks(
     def timed_steps(run_step: Callable[[], object]) -> list[float]:
         for _ in range(warmup_steps):
             run_step()
-        step_times_s = []
+        step_times_s, gather_times_s = [], []
         for _ in range(block_steps):
             sync()
             start_s = clock()
-            run_step()
+            reading = run_step()
             sync()
             step_times_s.append(clock() - start_s)
-        return step_times_s
+            gather_times_s.append(reading() if callable(reading) else None)
+        return step_times_s, gather_times_s
 
     timings = []
     for block_index in range(blocks):
         if block_index % 2 == 0:
-            reference_times = timed_steps(run_reference)
-            candidate_times = timed_steps(run_candidate)
-            timings.append(BlockTiming("AB", reference_times, candidate_times))
+            reference = timed_steps(run_reference)
+            candidate = timed_steps(run_candidate)
+            order = "AB"
         else:
-            candidate_times = timed_steps(run_candidate)
-            reference_times = timed_steps(run_reference)
-            timings.append(BlockTiming("BA", reference_times, candidate_times))
+            candidate = timed_steps(run_candidate)
+            reference = timed_steps(run_reference)
+            order = "BA"
+        timings.append(BlockTiming(order, reference[0], candidate[0], reference[1], candidate[1]))
     return timings
 
 
