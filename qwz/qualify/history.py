@@ -34,8 +34,8 @@ class Night:
 
     @property
     def label(self) -> str:
-        """Day and head; two records of one head on one day differ in their time."""
-        return f"{self.record.created_at[:16].replace('T', ' ')} {self.record.head.sha[:8]}"
+        """Time and head: two records of one head on one day are two points."""
+        return f"{self.record.created_at[:19].replace('T', ' ')} {self.record.head.sha[:8]}"
 
 
 def collect(directory: pathlib.Path) -> tuple[list[Night], list[str]]:
