@@ -72,10 +72,10 @@ from qwz import devices, rank_reports
 from qwz.hashing import param_hash
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
-from qwz.qualify.evidence import provenance, spec, stats
+from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, observers, timing
+from qwz.qualify.run import determinism, gather_timing, observers, timing
 from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
 
 
@@ -527,14 +527,16 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
         progress.at(phase="timing", arm=arm.name)
         resident: dict[str, ArmEngine] = {}
 
-        def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident) -> None:
+        def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident):
             if spec.name not in resident:
                 if plan.one_arm_resident:
                     resident.clear()
                     _release_memory()
                 resident[spec.name] = _build(plan, spec)
             engine = resident[spec.name]
-            engine.train_step(workload.loss(engine.module, next(batches)))
+            with gather_timing.timed_gather(engine) as clock:
+                engine.train_step(workload.loss(engine.module, next(batches)))
+            return clock.read  # read after the step's sync ([Note: gather phase timing])
 
         blocks = timing.measure_blocks(
             lambda: step_of(reference_spec),
@@ -609,6 +611,7 @@ def _qualify(
         "num_parameters": num_parameters,
         "device_name": provenance.device_name(),
         "compute_capability": provenance.compute_capability(),
+        "machine": machine.rank_machine(),
         "arms": arms,
         "timings": timings,
     }
@@ -619,7 +622,8 @@ def _qualify(
     if rank == 0:
         names = [item["device_name"] for item in gathered]
         capabilities = [item["compute_capability"] for item in gathered]
-        environment = provenance.environment(names, capabilities, settings)
+        machines = [item["machine"] for item in gathered]
+        environment = provenance.environment(names, capabilities, settings, machines)
         gathered[0]["environment"] = environment.model_dump()
         return gathered
     return None
