@@ -374,8 +374,11 @@ class _ArmRun:
         # The shards' tensors are live views, so one call serves every step; which of their
         # elements must travel exactly never changes either.
         self.shards = engine.own_shards()
-        self.wire_layout = _wire_layout(self.shards, engine.shard_group_ranks(), numel)
-        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel)
+        group_ranks = engine.shard_group_ranks()
+        self.wire_layout = _wire_layout(self.shards, group_ranks, numel)
+        # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
+        gather_ranks = [len(ranks) for ranks in group_ranks]
+        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
         self.update_check = observers.UpdateCheck(
             self.shards,
             engine.shard_optimizer,
