@@ -10,11 +10,12 @@ rank runs it and rank 0 writes the files::
 
 Exit codes: ``run`` 0 PASS, 1 FAIL (a check failed, an arm diverged or a rank
 crashed), 3 INCONCLUSIVE (the reference did not learn, so learning could not be
-judged) -- the record and report are written in every one of these cases; 2
-when the request is refused before any rank starts (a bad flag value, an
-unusable ``--out`` or ``--ledger``, an existing record without ``--force``, more
-ranks or memory than the machine has, a group size larger than a rank's shard),
-130/143 when SIGINT/SIGTERM stopped it (every rank is killed, nothing is
+judged; or one rank, where nothing was quantized or sent) -- the record and report
+are written in every one of these cases; 2 when the request is refused before any
+rank starts (a bad flag value, an unusable ``--out`` or ``--ledger``, an existing
+record without ``--force``, a missing optional package, a bucket size needing too
+many collectives, more ranks or memory than the machine has, a group size larger
+than a rank's shard), 130/143 when SIGINT/SIGTERM stopped it (every rank is killed, nothing is
 written); ``report`` 0, or 2 for a record that cannot be trusted; ``compare`` 0
 no regression, 1 regression, 2 not comparable or invalid; ``history`` 0, or 2
 when a record under the directory cannot be loaded (it is listed); ``promote``
@@ -25,19 +26,19 @@ everywhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
 import pathlib
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from qwz.config import validate_group_size
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
-from qwz.qualify.files import atomic_write_text, move_into
+from qwz.qualify.files import atomic_write_text
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
@@ -260,6 +261,14 @@ def _add_review_commands(commands) -> None:
     """``report``, ``compare``, ``history`` and ``promote``: commands that read records."""
     report = commands.add_parser("report", help="print the markdown report of a record")
     report.add_argument("record", type=pathlib.Path)
+    report.add_argument(
+        "--format",
+        choices=("markdown", "junit", "summary"),
+        default="markdown",
+        help="markdown: the full report; junit: every check as a JUnit test case "
+        "(qualify/review/junit.py); summary: the short markdown of a CI job summary "
+        "(default: markdown)",
+    )
 
     compare = commands.add_parser("compare", help="regression gate between two records")
     compare.add_argument("baseline", type=pathlib.Path)
@@ -271,11 +280,25 @@ def _add_review_commands(commands) -> None:
         help="refuse (exit 2) a record not signed by the configured key "
         "(QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE)",
     )
+    compare.add_argument(
+        "--format",
+        choices=("text", "junit", "summary"),
+        default="text",
+        help="text: one finding a line; junit: the gate as a JUnit test case; summary: "
+        "markdown for a CI job summary (default: text; the exit status is the same)",
+    )
 
     history = commands.add_parser("history", help="trend of every record under a directory")
     history.add_argument("directory", type=_path)
     history.add_argument(
         "--out", type=_path, default=None, help="write history.md and history.png here"
+    )
+    history.add_argument(
+        "--format",
+        choices=("markdown", "junit"),
+        default="markdown",
+        help="what to print: the markdown table, or every record as a JUnit test case "
+        "(default: markdown)",
     )
 
     promote = commands.add_parser(
@@ -319,6 +342,7 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
     from qwz.qualify.evidence import build as evidence
+    from qwz.qualify.evidence import machine
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.run.runner import qualify_rank
     from qwz.qualify.run.subjects import use_deepspeed_source
@@ -346,6 +370,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # identity is read in this process.
         use_deepspeed_source(plan.deepspeed_src)
     world_size = args.world_size or 2
+    invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
     try:
         if preflight.under_torchrun():
             launched = int(os.environ["WORLD_SIZE"])
@@ -366,34 +391,33 @@ def cmd_run(args: argparse.Namespace) -> int:
         if failure.cause is None:
             raise
         built = evidence.build_failure_record(
-            plan, world_size, failure.cause, failure.context, failure.results
+            plan, world_size, failure.cause, failure.context, failure.results, invocation
         )
     else:
         if observations is None:  # not rank 0
             return 0
         built = evidence.build_record(
-            plan, observations, ledger_dir=args.ledger, min_speedup=args.min_speedup
+            plan,
+            observations,
+            ledger_dir=args.ledger,
+            min_speedup=args.min_speedup,
+            invocation=invocation,
         )
     return _write_evidence(built, args.out)
 
 
 def _write_evidence(built, out: pathlib.Path) -> int:
     """The plots, the report and the record of a run in `out`; the run's exit code."""
-    from qwz.qualify.evidence import record, signing
-    from qwz.qualify.review import report
+    from qwz.qualify.evidence import signing
+    from qwz.qualify.review import outputs
 
-    out.mkdir(parents=True, exist_ok=True)
-    # Plots, then the report, then the record, each atomically: a run cut short leaves
-    # no record.json, or the previous one, never a partial one (qwz.qualify.files).
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=".plots-", dir=out))
-    plots = report.write_plots(built, staging)
-    move_into(staging, list(plots.values()), out)
     key = signing.configured_key()  # usable: check_run_request tried it
     if key is not None:
         built = built.model_copy(update={"signature": signing.sign(built.digest, key)})
-    text = report.render_markdown(built, plots) + _signature_section(built, key)
-    atomic_write_text(out / "report.md", text)
-    record.save(built, out / "record.json")
+    # Plots, then the report, then the record, each atomically: a run cut short leaves
+    # no record.json, or the previous one, never a partial one (qwz.qualify.files); a
+    # plot that fails costs neither ([Note: nothing lost after a run], review/outputs.py).
+    plots = outputs.write_run_outputs(built, out, key, _signature_section(built, key)).plots
     verdict = built.verdict
     status = verdict.status
     if verdict.failed:
@@ -406,7 +430,7 @@ def _write_evidence(built, out: pathlib.Path) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import record, schema, signing
-    from qwz.qualify.review import report
+    from qwz.qualify.review import junit, report, summary
 
     try:
         key = signing.configured_key()
@@ -414,8 +438,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     except (schema.RecordError, signing.SigningKeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(report.render_markdown(loaded))
-    print(_signature_section(loaded, key))
+    if args.format == "junit":
+        print(junit.record_junit(loaded), end="")
+    elif args.format == "summary":
+        print(summary.record_summary(loaded), end="")
+    else:
+        print(report.render_markdown(loaded))
+        print(_signature_section(loaded, key))
     return 0
 
 
@@ -428,7 +457,7 @@ def _signature_section(built, key) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import signing
-    from qwz.qualify.review import compare
+    from qwz.qualify.review import compare, junit, outputs, summary
 
     try:
         key = signing.configured_key()
@@ -443,17 +472,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
         key=key,
     )
     if result.status != compare.Status.NOT_COMPARABLE:
+        signatures = []
         for role, path in (("baseline", args.baseline), ("candidate", args.candidate)):
             loaded = compare.load(path)
-            print(f"{role} signature: {signing.describe(loaded.digest, loaded.signature, key)}")
-    for line in result.lines:
-        print(line)
+            described = signing.describe(loaded.digest, loaded.signature, key)
+            signatures.append(f"{role} signature: {described}")
+        result = dataclasses.replace(result, lines=[*signatures, *result.lines])
+    outputs.append_job_summary(summary.comparison_summary(result))
+    if args.format == "junit":
+        print(junit.comparison_junit(result), end="")
+    elif args.format == "summary":
+        print(summary.comparison_summary(result), end="")
+    else:
+        print(result.text())
     return result.status
 
 
 def cmd_history(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import signing
-    from qwz.qualify.review import history
+    from qwz.qualify.review import history, junit, outputs
 
     if not args.directory.is_dir():
         print(f"error: {args.directory}: not a directory", file=sys.stderr)
@@ -464,18 +501,17 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     nights, problems = history.collect(args.directory)
-    plot = None
+    plot, drawn = None, None
     if args.out is not None and nights:
-        args.out.mkdir(parents=True, exist_ok=True)
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".plots-", dir=args.out))
-        history.write_plot(nights, staging / history.HISTORY_PLOT)
-        move_into(staging, [history.HISTORY_PLOT], args.out)
-        plot = history.HISTORY_PLOT
+        drawn = outputs.draw_into(args.out, lambda staging: history.draw_plot(nights, staging))
+        plot = drawn.plots.get("history")
     text = history.render_markdown(nights, problems, key, plot)
+    text += drawn.note() if drawn is not None else ""
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out / "history.md", text)
-    print(text, end="")
+    outputs.append_job_summary(text)
+    print(junit.history_junit(nights, problems) if args.format == "junit" else text, end="")
     return 2 if problems or not nights else 0
 
 
@@ -499,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     from qwz.launch import Interrupted
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # [Note: reproduce]
     handlers = {
         "run": cmd_run,
         "report": cmd_report,

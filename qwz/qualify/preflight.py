@@ -1,6 +1,7 @@
 """Pre-flight: everything that can be known wrong about a ``run`` before the first rank
 starts -- the subject's flags, ``--out``, the ledger, the signing key, group sizes against
-the shards, local cores and host memory, GPU memory (gpu_memory.py) -- so a bad request
+the shards, the optional packages and the bucket size (requirements.py), local cores and
+host memory, GPU memory (gpu_memory.py) -- so a bad request
 costs nothing (exit 2), never a finished run's evidence; and the plan the arguments ask for.
 """
 
@@ -25,10 +26,14 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
 
     Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
     resource request costs nothing (exit 2), never a finished run's evidence."""
+    from qwz.qualify import requirements
     from qwz.qualify.evidence import ledger, signing
     from qwz.qualify.files import writable_directory_problem
 
-    problems = []
+    wanted = requirements.needed(workload=args.workload, subject=args.subject, blocks=args.blocks)
+    problems = requirements.missing_packages(wanted)
+    if problems:  # [Note: optional dependencies]: what follows may import them
+        return problems
     if args.no_integration and args.subject != "deepspeed":
         problems.append("--no-integration applies to --subject deepspeed only")
     problems += _deepspeed_problems(args)
@@ -57,6 +62,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
                 f"{args.workload} model ({numel:,} parameters / {world_size} ranks = "
                 f"{largest_shard:,}); at most {largest_group:,}"
             )
+    problems += requirements.bucket_size_problems(numel, world_size, args.bucket_size)
     if not under_torchrun():
         problems += _local_resource_problems(world_size, numel)
     problems += _gpu_memory_problems(args, world_size, numel)

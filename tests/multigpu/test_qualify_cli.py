@@ -184,13 +184,19 @@ def test_a_reference_that_does_not_learn_is_inconclusive_exit_3(tmp_path):
 
 
 def test_one_rank_has_nothing_to_gather_and_says_so(tmp_path):
+    """[Note: one rank] (qualify/evidence/checks.py): nothing is quantized or sent, so the
+    quantized gather is untested and the run is INCONCLUSIVE (exit 3), with no check failed:
+    the one-rank gather copies exactly and the spec says exact there (own-shard passes)."""
     args = list(SMALL_RUN)
     args[args.index("--world-size") + 1] = "1"
     done = _cli("run", "--out", str(tmp_path / "one"), *args)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.returncode == 3, done.stdout + done.stderr[-3000:]
     loaded = record.load(tmp_path / "one" / "record.json")
     checks = {check.name: check for check in loaded.checks}
-    assert checks["in-effect[candidate-g64]"].status == "n/a"
+    assert loaded.verdict.status == "INCONCLUSIVE" and loaded.verdict.failed == []
+    assert loaded.verdict.inconclusive == ["in-effect[candidate-g64]"]
+    assert "--world-size 2 or more" in checks["in-effect[candidate-g64]"].detail
+    assert checks["own-shard[candidate-g64]"].status == "pass"
     assert checks["replicas[candidate-g64]"].status == "n/a"
     assert "in-effect[candidate-g64]" not in loaded.verdict.evidence
 

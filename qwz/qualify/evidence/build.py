@@ -204,6 +204,8 @@ def _performance(plan: RunPlan, name: str, blocks: list[dict], memory: list[dict
             "order": block["order"],
             "reference_times_s": block["reference_times"],
             "candidate_times_s": block["candidate_times"],
+            "reference_gather_s": list(block.get("reference_gather_times", [])),
+            "candidate_gather_s": list(block.get("candidate_gather_times", [])),
         }
         for block in blocks
     ]
@@ -260,8 +262,10 @@ def build_record(
     *,
     ledger_dir: pathlib.Path | None = None,
     min_speedup: float | None = None,
+    invocation: dict[str, Any] | None = None,
 ) -> Record:
-    """Assemble the raw observations of every rank, derive the checks, seal the record."""
+    """Assemble the raw observations of every rank, derive the checks, seal the record;
+    `invocation`: how the run was started ([Note: reproduce], qualify/evidence/machine.py)."""
     first = observations[0]
     environment = Environment(**first["environment"])
     arms = _arms(plan)
@@ -278,6 +282,7 @@ def build_record(
         "harness": first["harness"],
         "subject": first["subject"],
         "environment": environment.model_dump(),
+        "invocation": invocation,
         "workload": {
             "name": plan.workload.name,
             "params": plan.workload.params,
@@ -333,6 +338,7 @@ def build_failure_record(
     cause: RankEnd,
     context: tuple[RankEnd, ...] = (),
     results: dict[int, dict[str, Any]] | None = None,
+    invocation: dict[str, Any] | None = None,
 ) -> Record:
     """A FAIL record for a run that crashed ([Note: failures] in qualify/run/runner.py).
 
@@ -382,4 +388,4 @@ def build_failure_record(
         }
         for rank in range(world_size)
     ]
-    return build_record(plan, observations)
+    return build_record(plan, observations, invocation=invocation)

@@ -62,7 +62,7 @@ import math
 import statistics
 from typing import Any
 
-from qwz.qualify.evidence import stats
+from qwz.qualify.evidence import gather_speed, stats
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
 
@@ -71,6 +71,13 @@ MIN_REFERENCE_DROP = 0.02
 MARGIN_FACTOR = 3.0
 MARGIN_FLOOR = 0.01
 """Share of the reference's held-out improvement a correct candidate may always lose."""
+ONE_RANK = (
+    "one rank: nothing was quantized or sent (the weight gather is a local copy), so "
+    "the quantized gather was not tested; run with --world-size 2 or more"
+)
+"""[Note: one rank] (DESIGN.md: "one rank is INCONCLUSIVE"): with one rank the candidate
+arms run no quantized gather at all, so every check of them passes vacuously; each
+candidate's ``in-effect`` is inconclusive, and so is the verdict."""
 MIN_BLOCKS_FOR_INTERVAL = 4
 """Fewer blocks give no interval: a percentile bootstrap of the median of n < 4 values can
 only return the sample's own extremes, a width that says nothing about noise."""
@@ -371,9 +378,10 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     sources = sorted({source for source in probe.reported_by if source})
     said = f"; the subject reports {reported}" + (f" ({', '.join(sources)})" if sources else "")
     if world_size == 1:
-        # One rank gathers exactly (nothing to save on the wire), so no group size is used.
+        # One rank gathers exactly (nothing to save on the wire), so no group size is used:
+        # nothing to test unless the subject claims one ([Note: one rank], below).
         wrong = [size for size in reported if size is not None]
-        status = "fail" if wrong else "pass"
+        status = "fail" if wrong else "n/a"
         return _check(name, status, f"one rank: the gather is exact{said}", reported=reported)
     measured = [group for group in probe.wire if group.quantized_numel > 0]
     if not measured and failure is not None:
@@ -416,7 +424,7 @@ def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
     sent, reference_bytes = probe.gather_bytes_per_step, probe.reference_gather_bytes_per_step
     name = f"in-effect[{probe.arm}]"
     if world_size == 1:
-        return _check(name, "n/a", "one rank: the weight gather sends nothing")
+        return _check(name, "inconclusive", ONE_RANK)
     if failure is not None and sent == 0:
         return _check(name, "n/a", "the arm failed before a gather was measured")
     if 0 < sent < reference_bytes:
@@ -593,8 +601,10 @@ def summarize_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
                 "reference_step_s": reference_s,
                 "candidate_step_s": candidate_s,
                 "speedup": reference_s / candidate_s if candidate_s > 0 else math.inf,
+                **gather_speed.block_fields(block),
             }
         )
+    gather = gather_speed.summary(derived_blocks, MIN_BLOCKS_FOR_INTERVAL)
     if len(timings) < MIN_BLOCKS_FOR_INTERVAL:
         return {
             "blocks": derived_blocks,
@@ -605,6 +615,7 @@ def summarize_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
             "ci_method": f"none: {len(timings)} blocks < {MIN_BLOCKS_FOR_INTERVAL}",
             "p_value": None,
             "test": "none: too few blocks",
+            **gather,
         }
     summary = stats.summarize(timings)
     return {
@@ -616,4 +627,5 @@ def summarize_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         "ci_method": summary.ci_method,
         "p_value": summary.p_value,
         "test": summary.test,
+        **gather,
     }

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from qwz.native import cpu_flags as _cpu_flags
+from qwz.qualify.evidence import machine
 from qwz.qualify.evidence.schema import Determinism, Environment, Head, Subject
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[2]
@@ -255,9 +256,11 @@ def environment(
     device_names: list[str],
     compute_capabilities: list[str | None] | None = None,
     determinism: Determinism | None = None,
+    machines: list[dict] | None = None,
 ) -> Environment:
     """Versions, backend, device names and compute capabilities (one per rank), the
-    deterministic settings and the world shape of this run."""
+    deterministic settings, the world shape of this run, and every rank's machine
+    ([Note: where it ran], qualify/evidence/machine.py; default: this process's, for every rank)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     capabilities = [item for item in compute_capabilities or [] if item is not None]
@@ -274,4 +277,5 @@ def environment(
         compute_capabilities=capabilities,
         determinism=determinism,
         **gpu_versions(),
+        **machine.environment_fields(machines or [machine.rank_machine()] * world_size),
     )

@@ -119,17 +119,33 @@ class Environment(_Model):
         default_factory=list, description="Per rank: the GPU's compute capability (sm_XY)"
     )
     determinism: Determinism | None = None
+    cpu_model: str | None = Field(
+        None,
+        description="Rank 0's CPU model name ([Note: where it ran], qualify/evidence/machine.py)",
+    )
+    cpu_flags: list[str] = Field(default_factory=list, description="Rank 0's CPU feature flags")
+    device_memory_bytes: list[int | None] = Field(
+        default_factory=list,
+        description="Per rank: total memory of its GPU, or of its host for a CPU rank",
+    )
+    host_count: int | None = Field(None, description="Distinct host names over the ranks")
+    hosts_sha256: str | None = Field(
+        None, description="sha256 of the ranks' sorted distinct host names, one per line"
+    )
 
     def fingerprint(self) -> str:
         """What must match for hashes to be reproducible: versions, backend, devices and
         their compute capabilities, ranks, deterministic settings. Fields a record written
-        before they existed lacks (None, empty) are left out, so its fingerprint stays."""
-        payload = self.model_dump(exclude={"platform"})
+        before they existed lacks (None, empty) are left out, so its fingerprint stays;
+        where it ran (the machine's names, memory) is context, never part of it."""
+        payload = self.model_dump(exclude={"platform", *_MACHINE_FIELDS})
         for name in _LATER_ENVIRONMENT_FIELDS:
             if payload[name] in (None, []):
                 del payload[name]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
+
+_MACHINE_FIELDS = ("cpu_model", "cpu_flags", "device_memory_bytes", "host_count", "hosts_sha256")
 
 _LATER_ENVIRONMENT_FIELDS = (
     "cuda",
@@ -140,6 +156,15 @@ _LATER_ENVIRONMENT_FIELDS = (
     "compute_capabilities",
     "determinism",
 )
+
+
+class Invocation(_Model):
+    """How the run was started ([Note: reproduce], qualify/evidence/machine.py)."""
+
+    argv: list[str] = Field(description="The qwz-qualify arguments, as given")
+    environment: dict[str, str] = Field(
+        description="The environment variables that change what or where it ran (no secrets)"
+    )
 
 
 class Workload(_Model):
@@ -368,6 +393,19 @@ class Block(_Model):
     reference_step_s: float = Field(description="Median step time of the reference in the block")
     candidate_step_s: float
     speedup: float = Field(description="reference_step_s / candidate_step_s")
+    reference_gather_s: list[float | None] = Field(
+        default_factory=list,
+        description="Per timed reference step, the seconds of its weight gather ([Note: "
+        "gather phase timing], qualify/run/gather_timing.py); null: not measured",
+    )
+    candidate_gather_s: list[float | None] = Field(default_factory=list)
+    reference_gather_step_s: float | None = Field(
+        None, description="Median of the reference's measured gather seconds in the block"
+    )
+    candidate_gather_step_s: float | None = None
+    gather_speedup: float | None = Field(
+        None, description="reference_gather_step_s / candidate_gather_step_s"
+    )
 
 
 class Memory(_Model):
@@ -391,6 +429,13 @@ class Performance(_Model):
     p_value: float | None
     test: str
     memory: list[Memory] = Field(description="This candidate arm's peak memory per rank")
+    gather_interval: Literal["bootstrap", "insufficient blocks", "not measured"] = Field(
+        "not measured",
+        description="The weight gather's speed-up (qualify/evidence/gather_speed.py)",
+    )
+    gather_median_speedup: float | None = None
+    gather_ci_low: float | None = None
+    gather_ci_high: float | None = None
 
 
 class Learning(_Model):
@@ -449,6 +494,9 @@ class Record(_Model):
     )
     subject: Subject
     environment: Environment
+    invocation: Invocation | None = Field(
+        None, description="The command line and environment; null in records before it"
+    )
     workload: Workload
     plan: Plan
     arms: list[Arm]

@@ -22,7 +22,8 @@ def canonical_digest(payload: dict[str, Any]) -> str:
 
 def verdict_of(checks: list[Check]) -> Verdict:
     """FAIL if any check failed; else INCONCLUSIVE if any was inconclusive (the reference did
-    not learn, so learning could not be judged); else PASS."""
+    not learn, so learning could not be judged; or one rank, where nothing was quantized or
+    sent: [Note: one rank], qualify/evidence/checks.py); else PASS."""
     failed = [check.name for check in checks if check.status == "fail"]
     inconclusive = [check.name for check in checks if check.status == "inconclusive"]
     status = "FAIL" if failed else "INCONCLUSIVE" if inconclusive else "PASS"

@@ -45,6 +45,10 @@ correctly rounded division: ``fl(x / scale)`` differs from the exact quotient
 by at most ``127 * 2**-24`` (below the allowance's margin over the kernels'
 ``127 * 2**-23``), so every code a reciprocal kernel may produce is accepted.
 
+A gather over a process group of one rank has nothing to send (it is a local copy), so
+nothing is quantized there: every element of such a shard travels exactly, whatever group
+size was requested (:func:`gather_travels_exactly`; qwz's engine reports no group size).
+
 Wire bytes: a quantized element costs ``1 + 4 / G`` bytes (its int8 code and
 its share of the group's fp32 scale), against the working dtype's size when
 it travels exactly.
@@ -84,6 +88,14 @@ def wire_bytes_per_element(group_size: int) -> float:
 def travels_exactly(param_numel: int) -> bool:
     """Whether a parameter of `param_numel` elements travels exactly."""
     return param_numel <= EXACT_MAX_NUMEL
+
+
+def gather_travels_exactly(gather_ranks: int) -> bool:
+    """Whether a weight gather over a process group of `gather_ranks` ranks travels exactly:
+    one rank sends nothing, so nothing is quantized (module docstring)."""
+    if isinstance(gather_ranks, bool) or not isinstance(gather_ranks, int) or gather_ranks < 1:
+        raise ValueError(f"gather_ranks: {gather_ranks!r} is invalid: must be an integer >= 1")
+    return gather_ranks == 1
 
 
 def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -62,6 +62,10 @@ class BlockTiming(NamedTuple):
     """Seconds per timed step of the reference, in run order."""
     candidate_times: list[float]
     """Seconds per timed step of the candidate, in run order."""
+    reference_gather_times: Sequence[float | None] = ()
+    """Per timed reference step, what its step function's reading returned: the seconds of
+    its weight gather ([Note: gather phase timing], run/gather_timing.py), or None."""
+    candidate_gather_times: Sequence[float | None] = ()
 
 
 class SpeedSummary(NamedTuple):

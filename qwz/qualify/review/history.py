@@ -35,7 +35,8 @@ class Night:
 
     @property
     def label(self) -> str:
-        return f"{self.record.created_at[:10]} {self.record.head.sha[:8]}"
+        """Time and head: two records of one head on one day are two points."""
+        return f"{self.record.created_at[:19].replace('T', ' ')} {self.record.head.sha[:8]}"
 
 
 def collect(directory: pathlib.Path) -> tuple[list[Night], list[str]]:
@@ -62,6 +63,18 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _speed_cells(performance) -> tuple[str, str]:
+    """The speed-up and interval cells: every valid record has them, measured or not."""
+    if performance is None:
+        return "not measured (no blocks)", "—"
+    if performance.median_speedup is None:
+        return f"not measured ({len(performance.blocks)} blocks)", "—"
+    return (
+        f"{performance.median_speedup:.3f}x",
+        f"[{performance.ci_low:.3f}, {performance.ci_high:.3f}]",
+    )
+
+
 def render_markdown(
     nights: list[Night],
     problems: list[str],
@@ -85,14 +98,14 @@ def render_markdown(
             reference = _final_loss(record, record.arms[0].name) if record.arms else None
             signature = describe(record.digest, record.signature, key).split(";")[0]
             signature = signature.split(":")[0]
-            verdict = "PASS" if record.verdict.passed else "FAIL"
-            for performance in record.performance or []:
+            verdict = record.verdict.status
+            for performance in record.performance or [None]:
+                arm = "—" if performance is None else performance.arm
+                speed, interval = _speed_cells(performance)
                 lines.append(
-                    f"| {night.label} | {night.stage} | {performance.arm} "
-                    f"| {performance.median_speedup:.3f}x "
-                    f"| [{performance.ci_low:.3f}, {performance.ci_high:.3f}] "
+                    f"| {night.label} | {night.stage} | {arm} | {speed} | {interval} "
                     f"| {_number(reference)} / "
-                    f"{_number(_final_loss(record, performance.arm))} "
+                    f"{_number(None if performance is None else _final_loss(record, arm))} "
                     f"| {verdict} | {signature} |"
                 )
     if plot:
@@ -101,6 +114,12 @@ def render_markdown(
         lines += ["", "Records that could not be loaded:", ""]
         lines += [f"- {problem}" for problem in problems]
     return "\n".join(lines) + "\n"
+
+
+def draw_plot(nights: list[Night], out_dir: pathlib.Path) -> dict[str, str]:
+    """`write_plot` into `out_dir`, as qualify/review/outputs.py's ``draw_into`` takes it."""
+    write_plot(nights, out_dir / HISTORY_PLOT)
+    return {"history": HISTORY_PLOT}
 
 
 def write_plot(nights: list[Night], path: pathlib.Path) -> None:
@@ -112,11 +131,12 @@ def write_plot(nights: list[Night], path: pathlib.Path) -> None:
     figure = Figure(figsize=(9.0, 6.5), layout="constrained")
     FigureCanvasAgg(figure)
     speed_axes, loss_axes = figure.subplots(2, 1, sharex=True)
-    labels = list(dict.fromkeys(night.label for night in nights))
+    labels = [night.label for night in nights]  # one x position per record
     series: dict[str, list[tuple[int, float, float, float, float | None]]] = {}
-    for night in nights:
-        x = labels.index(night.label)
+    for x, night in enumerate(nights):
         for performance in night.record.performance or []:
+            if performance.median_speedup is None:  # no interval: nothing to draw
+                continue
             series.setdefault(f"stage {night.stage} {performance.arm}", []).append(
                 (
                     x,
@@ -150,9 +170,18 @@ def promote(record_path: pathlib.Path, baseline_dir: pathlib.Path) -> Record:
     is copied last and atomically, so a baseline directory never holds a partial one."""
     record = load(record_path)
     if not record.verdict.passed:
+        why = record.verdict.failed or record.verdict.inconclusive
         raise RecordError(
-            f"{record_path}: a failing record cannot become the baseline "
-            f"(failed: {', '.join(record.verdict.failed)})"
+            f"{record_path}: a record that did not pass cannot become the baseline "
+            f"(verdict {record.verdict.status}: {', '.join(why)})"
+        )
+    unmeasured = [item.arm for item in record.performance if item.interval != "bootstrap"]
+    if not record.performance or unmeasured:
+        raise RecordError(
+            f"{record_path}: a baseline needs a speed-up interval for every candidate, or "
+            "compare's speed gate is off against it; this record has "
+            + (f"none for {', '.join(unmeasured)}" if unmeasured else "no speed blocks")
+            + " (run with --blocks 4 or more)"
         )
     baseline_dir.mkdir(parents=True, exist_ok=True)
     source_dir = record_path.parent

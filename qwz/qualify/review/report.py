@@ -23,6 +23,8 @@ import numpy as np
 
 from qwz.qualify.evidence.schema import Arm, Record
 from qwz.qualify.evidence.stats import METHOD_NOTE
+from qwz.qualify.review import report_sections
+from qwz.qualify.review.banner import banner
 
 SHORT_HASH_CHARS = 12
 MIB = 1024**2
@@ -89,6 +91,8 @@ def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from qwz.qualify.review import plots as plots_module
+
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = {}
@@ -99,6 +103,13 @@ def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
     figure.savefig(out_dir / "loss.png", dpi=110)
     plots["loss"] = "loss.png"
 
+    if record.learning.eval_steps:
+        figure = Figure(figsize=(8.0, 6.0), layout="constrained")
+        FigureCanvasAgg(figure)
+        plots_module.draw_held_out(figure, record)
+        figure.savefig(out_dir / "held_out.png", dpi=110)
+        plots["held_out"] = "held_out.png"
+
     if record.performance:
         columns = len(record.performance)
         figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
@@ -106,6 +117,11 @@ def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
         _draw_speedups(figure, record)
         figure.savefig(out_dir / "speedup.png", dpi=110)
         plots["speedup"] = "speedup.png"
+        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
+        FigureCanvasAgg(figure)
+        plots_module.draw_step_times(figure, record)
+        figure.savefig(out_dir / "step_times.png", dpi=110)
+        plots["step_times"] = "step_times.png"
     return plots
 
 
@@ -267,6 +283,8 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
         f"{_devices(environment.device_names)} ({environment.backend}), "
         f"head `{short_hash(record.head.sha)}`{' (dirty)' if record.head.dirty else ''}.",
         "",
+        f"> **{banner(record)}**",  # [Note: verdict banner], qualify/review/banner.py
+        "",
     ]
     evidence = len(verdict.evidence)
     if verdict.status == "PASS":
@@ -276,7 +294,8 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
         lines += [f"**Failed checks:** {failed}.", ""]
     if verdict.inconclusive:
         names = ", ".join(f"`{name}`" for name in verdict.inconclusive)
-        lines += [f"**Inconclusive:** {names}: the run cannot judge learning.", ""]
+        why = "; ".join(check.detail for check in record.checks if check.status == "inconclusive")
+        lines += [f"**Inconclusive:** {names}: {why}.", ""]
     lines += [
         f"Checks with evidence: {evidence}; not applicable: {len(verdict.not_applicable)}"
         + (" (" + "; ".join(verdict.not_applicable) + ")" if verdict.not_applicable else "")
@@ -299,13 +318,19 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     lines += _probe_section(record)
     lines += _memory_section(record)
     lines += _performance_section(record)
+    lines += report_sections.reproduce_section(record)
     lines += ["## Checks", ""]
     lines += _table(
         ["check", "result", "detail"],
         [(f"`{check.name}`", _STATUS[check.status], check.detail) for check in record.checks],
     )
     if plots:
-        titles = {"loss": "Loss per step", "speedup": "Speed-up per block"}
+        titles = {
+            "loss": "Loss per step",
+            "held_out": "Held-out loss per evaluation, with the margin",
+            "speedup": "Speed-up per block",
+            "step_times": "ms per step and per gather, per block",
+        }
         lines += ["## Plots", ""]
         for name, file_name in plots.items():
             lines += [f"![{titles.get(name, name)}]({file_name})", ""]
@@ -435,6 +460,7 @@ def _environment_section(record: Record) -> list[str]:
                     f"node{'s' if environment.node_count != 1 else ''}",
                 ),
                 ("platform", environment.platform),
+                *report_sections.machine_rows(record),
                 ("fingerprint", f"`{environment.fingerprint()}`"),
             ],
         ),
@@ -866,4 +892,5 @@ def _performance_section(record: Record) -> list[str]:
                 f"{performance.test}.",
                 "",
             ]
+        lines += report_sections.gather_lines(record, performance)
     return lines

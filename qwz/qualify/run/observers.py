@@ -195,15 +195,23 @@ def exact_masks(
     shards: Sequence[seam.OwnShard],
     group_size: int | None,
     param_numel: dict[str, int],
+    gather_ranks: Sequence[int],
 ) -> list[torch.Tensor]:
     """Per shard, (n,) bool: the elements that must travel exactly whatever the engine says
     -- those of parameters the spec sends exactly (:func:`spec.travels_exactly`), and every
-    element when nothing is quantized (`group_size` None)."""
+    element when nothing is quantized (`group_size` None) or when the shard's gather group
+    has one rank (`gather_ranks`: per shard, the ranks of that group;
+    :func:`spec.gather_travels_exactly`)."""
+    if len(gather_ranks) != len(shards):
+        raise ValueError(
+            f"gather_ranks: {len(gather_ranks)} entries for {len(shards)} own shards; one per shard"
+        )
     masks = []
-    for shard in shards:
+    for shard, ranks in zip(shards, gather_ranks, strict=True):
         mask = torch.zeros(shard.master.numel(), dtype=torch.bool, device=shard.master.device)
+        exact_shard = group_size is None or spec.gather_travels_exactly(ranks)
         for slot in shard.slots:
-            if group_size is None or spec.travels_exactly(param_numel[slot.name]):
+            if exact_shard or spec.travels_exactly(param_numel[slot.name]):
                 mask[slot.start : slot.end] = True
         masks.append(mask)
     return masks

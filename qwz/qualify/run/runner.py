@@ -72,10 +72,10 @@ from qwz import devices, rank_reports
 from qwz.hashing import param_hash
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
-from qwz.qualify.evidence import provenance, spec, stats
+from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, observers, timing
+from qwz.qualify.run import determinism, gather_timing, observers, timing
 from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
 
 
@@ -374,8 +374,11 @@ class _ArmRun:
         # The shards' tensors are live views, so one call serves every step; which of their
         # elements must travel exactly never changes either.
         self.shards = engine.own_shards()
-        self.wire_layout = _wire_layout(self.shards, engine.shard_group_ranks(), numel)
-        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel)
+        group_ranks = engine.shard_group_ranks()
+        self.wire_layout = _wire_layout(self.shards, group_ranks, numel)
+        # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
+        gather_ranks = [len(ranks) for ranks in group_ranks]
+        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
         self.update_check = observers.UpdateCheck(
             self.shards,
             engine.shard_optimizer,
@@ -527,14 +530,16 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
         progress.at(phase="timing", arm=arm.name)
         resident: dict[str, ArmEngine] = {}
 
-        def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident) -> None:
+        def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident):
             if spec.name not in resident:
                 if plan.one_arm_resident:
                     resident.clear()
                     _release_memory()
                 resident[spec.name] = _build(plan, spec)
             engine = resident[spec.name]
-            engine.train_step(workload.loss(engine.module, next(batches)))
+            with gather_timing.timed_gather(engine) as clock:
+                engine.train_step(workload.loss(engine.module, next(batches)))
+            return clock.read  # read after the step's sync ([Note: gather phase timing])
 
         blocks = timing.measure_blocks(
             lambda: step_of(reference_spec),
@@ -609,6 +614,7 @@ def _qualify(
         "num_parameters": num_parameters,
         "device_name": provenance.device_name(),
         "compute_capability": provenance.compute_capability(),
+        "machine": machine.rank_machine(),
         "arms": arms,
         "timings": timings,
     }
@@ -619,7 +625,8 @@ def _qualify(
     if rank == 0:
         names = [item["device_name"] for item in gathered]
         capabilities = [item["compute_capability"] for item in gathered]
-        environment = provenance.environment(names, capabilities, settings)
+        machines = [item["machine"] for item in gathered]
+        environment = provenance.environment(names, capabilities, settings, machines)
         gathered[0]["environment"] = environment.model_dump()
         return gathered
     return None

@@ -29,32 +29,35 @@ def measure_blocks(
     ``i`` runs the reference first when ``i`` is even (``AB``) and the candidate
     first when it is odd (``BA``). Per arm and block: ``warmup_steps`` untimed
     steps, then ``block_steps`` steps each timed as ``sync(); t0 = clock();
-    step(); sync(); t1 = clock()``.
+    step(); sync(); t1 = clock()``. A step function may return a reading, a callable
+    called after that closing sync whose value is the step's gather seconds (or None).
     """
     require_count("blocks", blocks, 1)
     require_count("block_steps", block_steps, 1)
     require_count("warmup_steps", warmup_steps, 0)
 
-    def timed_steps(run_step: Callable[[], object]) -> list[float]:
+    def timed_steps(run_step: Callable[[], object]) -> tuple[list[float], list[float | None]]:
         for _ in range(warmup_steps):
             run_step()
-        step_times_s = []
+        step_times_s, gather_times_s = [], []
         for _ in range(block_steps):
             sync()
             start_s = clock()
-            run_step()
+            reading = run_step()
             sync()
             step_times_s.append(clock() - start_s)
-        return step_times_s
+            gather_times_s.append(reading() if callable(reading) else None)
+        return step_times_s, gather_times_s
 
     timings = []
     for block_index in range(blocks):
         if block_index % 2 == 0:
-            reference_times = timed_steps(run_reference)
-            candidate_times = timed_steps(run_candidate)
-            timings.append(BlockTiming("AB", reference_times, candidate_times))
+            reference = timed_steps(run_reference)
+            candidate = timed_steps(run_candidate)
+            order = "AB"
         else:
-            candidate_times = timed_steps(run_candidate)
-            reference_times = timed_steps(run_reference)
-            timings.append(BlockTiming("BA", reference_times, candidate_times))
+            candidate = timed_steps(run_candidate)
+            reference = timed_steps(run_reference)
+            order = "BA"
+        timings.append(BlockTiming(order, reference[0], candidate[0], reference[1], candidate[1]))
     return timings

@@ -120,17 +120,19 @@ def test_one_rank_has_no_replicas_and_no_wire():
                              "reference_gather_bytes_per_step": 0}  # fmt: skip
     record = make_record(**payload)
     names = by_name(record)
-    assert names[f"probe[{CANDIDATE}]"].status == "pass"
+    assert names[f"probe[{CANDIDATE}]"].status == "n/a"
     reporting = copy.deepcopy(payload)
     reporting["probes"][0]["reported_group_sizes"] = [64]
     assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "fail"
     # The DeepSpeed drop-in gathers one rank exactly as well: a reported size is a failure.
     reporting["subject"] = {"name": "deepspeed", "version": "0.19.8", "sha": None}
     assert by_name(make_record(**reporting))[f"probe[{CANDIDATE}]"].status == "fail"
-    assert names[f"in-effect[{CANDIDATE}]"].status == "n/a"
+    # [Note: one rank]: nothing was quantized or sent, so nothing vacuous passes.
+    assert names[f"in-effect[{CANDIDATE}]"].status == "inconclusive"
+    assert "nothing was quantized or sent" in names[f"in-effect[{CANDIDATE}]"].detail
     assert names[f"replicas[{CANDIDATE}]"].status == "n/a"
-    assert record.verdict.status == "PASS"
-    assert any(item.startswith(f"in-effect[{CANDIDATE}]") for item in record.verdict.not_applicable)
+    assert record.verdict.status == "INCONCLUSIVE"
+    assert record.verdict.inconclusive == [f"in-effect[{CANDIDATE}]"]
     assert f"in-effect[{CANDIDATE}]" not in record.verdict.evidence
 
 

@@ -272,7 +272,7 @@ def _quantized_shard(working_of, numel=1000, group_size=64, small=None, seed=0):
     working = torch.where(exact, master, working_of(quantized, group_size)).to(torch.bfloat16)
     shard = make_own_shard("s", master, working, group_size, exact, slots)
     numel_of = {"w": 1 << 20, "b": small or 0}  # the shard holds part of a large "w"
-    masks = observers.exact_masks([shard], group_size, numel_of)
+    masks = observers.exact_masks([shard], group_size, numel_of, gather_ranks=[2])
     return shard, masks
 
 
@@ -328,6 +328,39 @@ def test_a_small_parameter_that_was_quantized_fails_as_exact_required():
     result = _judged(shard, masks)
     assert result.first_violation["parameter"] == "b" and result.first_violation["exact_required"]
     assert result.max_ratio == math.inf
+
+
+def _one_rank_shard(working_of, numel=1000, seed=0):
+    """A shard of a large parameter "w" whose working copy is `working_of(master)`."""
+    master = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 0.02
+    working = working_of(master).to(torch.bfloat16)
+    exact = torch.zeros(numel, dtype=torch.bool)
+    return make_own_shard("s", master, working, 64, exact, [ShardSlot("w", 0, numel, 0)])
+
+
+def test_a_one_rank_gather_group_is_judged_exact_with_a_group_size_requested():
+    """At one rank the gather copies (no int8 on the wire, the engine reports no group size):
+    the spec says exact, so the exact cast passes there although 64 was requested, and the
+    same shard judged as if two ranks gathered it fails (the bug one-rank runs had)."""
+    shard = _one_rank_shard(lambda master: master)
+    one_rank = observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1])
+    result = _judged(shard, one_rank)
+    assert result.checked == 1000 and result.mismatches == 0, result.first_violation
+    two_ranks = observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[2])
+    assert _judged(shard, two_ranks).mismatches > 100
+
+
+def test_a_one_rank_shard_that_was_quantized_fails_as_exact_required():
+    shard = _one_rank_shard(lambda master: _qwz_eager_decode(master, 64))
+    masks = observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1])
+    result = _judged(shard, masks)
+    assert result.mismatches > 100 and result.first_violation["exact_required"]
+
+
+def test_exact_masks_need_one_gather_group_per_shard():
+    shard = _one_rank_shard(lambda master: master)
+    with pytest.raises(ValueError, match="gather_ranks: 2 entries for 1 own shards"):
+        observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1, 1])
 
 
 def test_bounded_pieces_give_the_same_verdict_and_find_a_late_mismatch(monkeypatch):

@@ -132,7 +132,12 @@ def test_table_cells_are_escaped():
 
 def test_plots_are_written_and_linked(tmp_path, passing):
     plots = report.write_plots(passing, tmp_path / "plots")
-    assert plots == {"loss": "loss.png", "speedup": "speedup.png"}
+    assert plots == {
+        "loss": "loss.png",
+        "held_out": "held_out.png",
+        "speedup": "speedup.png",
+        "step_times": "step_times.png",
+    }
     for file_name in plots.values():
         content = (tmp_path / "plots" / file_name).read_bytes()
         assert content.startswith(PNG_MAGIC) and len(content) > 10_000
@@ -143,7 +148,7 @@ def test_plots_are_written_and_linked(tmp_path, passing):
 
 def test_plots_of_a_record_without_performance(tmp_path):
     plots = report.write_plots(make_record(performance=[]), tmp_path)
-    assert plots == {"loss": "loss.png"}
+    assert plots == {"loss": "loss.png", "held_out": "held_out.png"}
     assert "No performance blocks" in report.render_markdown(make_record(performance=[]))
 
 

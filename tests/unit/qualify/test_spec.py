@@ -92,3 +92,10 @@ def test_the_wire_cost_and_the_exactness_threshold():
     assert spec.travels_exactly(65_536) and not spec.travels_exactly(65_537)
     with pytest.raises(ValueError, match="group_size: 0 is invalid"):
         spec.wire_bytes_per_element(0)
+
+
+def test_a_gather_over_one_rank_travels_exactly():
+    assert spec.gather_travels_exactly(1) and not spec.gather_travels_exactly(2)
+    for bad in (0, True, 1.0):
+        with pytest.raises(ValueError, match="gather_ranks"):
+            spec.gather_travels_exactly(bad)
