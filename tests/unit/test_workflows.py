@@ -23,7 +23,7 @@ import subprocess
 from typing import Any
 
 import pytest
-import yaml  # PyYAML: installed with transformers and huggingface_hub (the qualify extra)
+import yaml  # PyYAML: the test extra
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
