@@ -31,23 +31,46 @@ def _side_text(cell: MatrixCell | None) -> str:
     return cell.status + (f" ({cell.reason})" if cell.reason else "")
 
 
+TALLY = {
+    Status.NO_REGRESSION: "compared without regression",
+    Status.REGRESSION: "regressed",
+    Status.NOT_COMPARABLE: "not comparable",
+    "lost": "lost",
+    "new": "new",
+    "neither": "without a record on either side",
+}
+"""How the result line counts the cells: each pair compared by its status, the rest by kind."""
+
+
 def _one_sided(
     cell_id: str, before: MatrixCell | None, after: MatrixCell | None
-) -> tuple[Status, str]:
-    """A cell without records on both sides: (its status, its line)."""
+) -> tuple[Status, str, str]:
+    """A cell without records on both sides: (its status, its tally, its line)."""
     if before is not None and before.record is not None:
-        return Status.REGRESSION, (
-            f"REGRESSION: cell {cell_id}: lost: the baseline has a {before.status} record, "
-            f"the candidate none: {_side_text(after)}"
+        return (
+            Status.REGRESSION,
+            TALLY["lost"],
+            (
+                f"REGRESSION: cell {cell_id}: lost: the baseline has a {before.status} record, "
+                f"the candidate none: {_side_text(after)}"
+            ),
         )
     if after is not None and after.record is not None:
-        return Status.NO_REGRESSION, (
-            f"cell {cell_id}: new: the candidate's record ({after.status}) has no baseline "
-            f"(baseline: {_side_text(before)}); promote it to gate this cell"
+        return (
+            Status.NO_REGRESSION,
+            TALLY["new"],
+            (
+                f"cell {cell_id}: new: the candidate's record ({after.status}) has no baseline "
+                f"(baseline: {_side_text(before)}); promote it to gate this cell"
+            ),
         )
-    return Status.NO_REGRESSION, (
-        f"cell {cell_id}: not run in either: baseline {_side_text(before)}; candidate "
-        f"{_side_text(after)}"
+    return (
+        Status.NO_REGRESSION,
+        TALLY["neither"],
+        (
+            f"cell {cell_id}: not run in either: baseline {_side_text(before)}; candidate "
+            f"{_side_text(after)}"
+        ),
     )
 
 
@@ -90,7 +113,7 @@ def compare_matrices(
             Status.NOT_COMPARABLE,
             [*header, "NOT COMPARABLE: the two tables share no cell", "result: not comparable"],
         )
-    worst, lines, counts = Status.NO_REGRESSION, [], {status: 0 for status in Status}
+    worst, lines, counts = Status.NO_REGRESSION, [], dict.fromkeys(TALLY.values(), 0)
     for cell_id in _ids(baseline, candidate):
         before, after = baseline.cell(cell_id), candidate.cell(cell_id)
         if before is not None and after is not None and before.record and after.record:
@@ -103,15 +126,13 @@ def compare_matrices(
             )
             status = result.status
             lines += [_tagged(line, cell_id) for line in result.lines]
+            counts[TALLY[status]] += 1
         else:
-            status, line = _one_sided(cell_id, before, after)
+            status, kind, line = _one_sided(cell_id, before, after)
             lines.append(line)
-        counts[status] += 1
+            counts[kind] += 1
         worst = max(worst, status)
-    tally = (
-        f"{counts[Status.NO_REGRESSION]} without regression, {counts[Status.REGRESSION]} "
-        f"regressed, {counts[Status.NOT_COMPARABLE]} not comparable"
-    )
+    tally = ", ".join(f"{count} {kind}" for kind, count in counts.items() if count)
     verdict = {
         Status.NO_REGRESSION: "no regression",
         Status.REGRESSION: "regression",
