@@ -83,7 +83,7 @@ def test_a_stopped_matrix_keeps_its_finished_cell_and_continues(tmp_path):
     digest = rows[FIRST]["digest"]
 
     again = _matrix(spec, out)
-    stdout, stderr = again.communicate(timeout=600)
+    _, stderr = again.communicate(timeout=600)
     assert again.returncode == 0, stderr
     rows = _rows(out)
     assert (rows[FIRST]["kind"], rows[FIRST]["digest"]) == ("resumed", digest)
