@@ -268,7 +268,9 @@ def _add_matrix_command(commands) -> None:
         formatter_class=_DefaultsFormatter,
     )
     matrix.add_argument("spec", type=_path, help="the spec (qualify/matrix/spec.py)")
-    matrix.add_argument("--out", type=_path, required=True, help="matrix directory")
+    matrix.add_argument(
+        "--out", type=_path, default=None, help="matrix directory (required unless --list)"
+    )
     matrix.add_argument("--ledger", type=_path, default=None, help="every cell's --ledger")
     matrix.add_argument(
         "--min-speedup", type=_finite, default=None, help="every cell's --min-speedup"

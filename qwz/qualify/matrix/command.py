@@ -44,6 +44,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for row in spec.declared:
             print(f"{row.id}: not run ({row.kind}): {row.reason}")
         return 0
+    if args.out is None:
+        print("qwz-qualify matrix: error: --out DIR is required (unless --list)", file=sys.stderr)
+        return 2
     problem = writable_directory_problem(args.out, "--out")
     if problem:
         print(f"qwz-qualify matrix: error: {problem}", file=sys.stderr)
@@ -53,7 +56,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def progress(line: str) -> None:
         print(f"[qwz-qualify matrix {time.monotonic() - started:7.1f}s] {line}", file=sys.stderr)
 
-    matrix = runner.Matrix(spec, args.out, parser, tuple(extra))
+    matrix = runner.MatrixRun(spec, args.out, parser, tuple(extra))
     progress(f"{spec.name}: {len(spec.cells)} cells to run or resume into {args.out}")
     status = runner.run_matrix(matrix, progress)
     print(f"wrote {args.out / 'matrix.md'} and {args.out / 'matrix.json'}; exit status {status}")

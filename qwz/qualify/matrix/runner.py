@@ -243,7 +243,7 @@ def _ended(cell: Cell, arguments: list[str], code: int, context: dict[str, Any])
 
 
 @dataclasses.dataclass(frozen=True)
-class Matrix:
+class MatrixRun:
     """A spec to run into `out` ([Note: matrix resume]), with what every cell adds."""
 
     spec: Spec
@@ -254,7 +254,7 @@ class Matrix:
     launch: Launcher = subprocess_launcher
 
 
-def run_cell(matrix: Matrix, cell: Cell, stop: Stop, previous: MatrixCell | None) -> MatrixCell:
+def run_cell(matrix: MatrixRun, cell: Cell, stop: Stop, previous: MatrixCell | None) -> MatrixCell:
     """Run one cell, or keep its finished record ([Note: matrix resume])."""
     arguments = [*cell.run_arguments(), *matrix.extra_arguments]
     cell_dir = matrix.out / "cells" / cell.id
@@ -284,7 +284,7 @@ def run_cell(matrix: Matrix, cell: Cell, stop: Stop, previous: MatrixCell | None
     return _ended(cell, arguments, code, context)
 
 
-def _table(matrix: Matrix, rows: dict[str, MatrixCell], stop: Stop, times) -> table.Matrix:
+def _table(matrix: MatrixRun, rows: dict[str, MatrixCell], stop: Stop, times) -> table.Matrix:
     """The table now: every cell (those not reached yet pending or interrupted), then the
     declared rows."""
     cells = []
@@ -325,7 +325,7 @@ def _previous(out: pathlib.Path) -> dict[str, MatrixCell]:
         return {}
 
 
-def run_matrix(matrix: Matrix, progress: Callable[[str], None]) -> int:
+def run_matrix(matrix: MatrixRun, progress: Callable[[str], None]) -> int:
     """Every cell in spec order; the table after each; the matrix's exit status
     (qualify/review/matrix.py's ``status_of``, or 128 + the signal that stopped it)."""
     times = (datetime.datetime.now(datetime.timezone.utc).isoformat(), time.monotonic())

@@ -67,8 +67,8 @@ class FakeRun:
 
 
 def run(tmp_path: pathlib.Path, fake: FakeRun, spec: pathlib.Path | None = None) -> int:
-    matrix = runner.Matrix(load(spec or write_spec(tmp_path)), tmp_path / "out", PARSER)
-    matrix = runner.Matrix(matrix.spec, matrix.out, PARSER, launch=fake)
+    spec_path = spec or write_spec(tmp_path)
+    matrix = runner.MatrixRun(load(spec_path), tmp_path / "out", PARSER, launch=fake)
     return runner.run_matrix(matrix, progress=lambda line: None)
 
 
@@ -170,7 +170,9 @@ def test_a_verdict_exit_without_a_record_of_the_cell_is_a_crash(tmp_path):
     def no_record(argv, logs, stop):
         return 0
 
-    matrix = runner.Matrix(load(write_spec(tmp_path)), tmp_path / "out", PARSER, launch=no_record)
+    matrix = runner.MatrixRun(
+        load(write_spec(tmp_path)), tmp_path / "out", PARSER, launch=no_record
+    )
     assert runner.run_matrix(matrix, progress=lambda line: None) == 1
     assert rows(tmp_path)[S1].reason == "run exited 0 (PASS) but no record"
 

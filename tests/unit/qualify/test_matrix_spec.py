@@ -216,3 +216,15 @@ def test_every_cell_is_one_product_element_and_run_parses_its_arguments_back(gro
         assert parsed.workload == cell.value("workload")
         assert parsed.world_size == cell.value("world_size")
         assert parsed.seed == cell.value("seed")
+
+
+def test_list_prints_every_cell_and_row_and_running_needs_out(tmp_path, capsys):
+    path = tmp_path / "spec.toml"
+    path.write_text(HEADER + '[[cells]]\nname = "g"\nstage = [1, 2]\n'
+                    '[[out_of_scope]]\nscope = "offload"\nreason = "no"\n')  # fmt: skip
+    assert cli.main(["matrix", str(path), "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("qwz-s1-bf16-g64-qwen3-tiny-w2-default-seed0: run --subject qwz")
+    assert lines[2] == "offload: not run (out of scope): no"
+    assert cli.main(["matrix", str(path)]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
