@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
@@ -206,9 +206,19 @@ def _declared_row(row: Declared) -> MatrixCell:
     )
 
 
-def _ended(cell: Cell, arguments: list[str], code: int, context: dict[str, Any]) -> MatrixCell:
+class _Launched(NamedTuple):
+    """What a launched cell's end is read against."""
+
+    cell_dir: pathlib.Path
+    plan: dict | None
+    world_size: int
+    logs: CellLogs
+    wall_s: float
+
+
+def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: Stop) -> MatrixCell:
     """The row of a cell whose ``run`` ended with `code` (module docstring)."""
-    wall_s, stop, logs = context["wall_s"], context["stop"], context["logs"]
+    wall_s, logs = run.wall_s, run.logs
     stderr = logs.stderr.read_text(errors="replace") if logs.stderr.is_file() else ""
     if code == REFUSED_EXIT:
         reason = refusal_reason(stderr)
@@ -219,7 +229,7 @@ def _ended(cell: Cell, arguments: list[str], code: int, context: dict[str, Any])
         return _row(cell, arguments, status="not run", kind="interrupted", reason=reason)
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
     if code in VERDICT_EXITS:
-        record, why = finished_record(context["cell_dir"], context["plan"], context["world"])
+        record, why = finished_record(run.cell_dir, run.plan, run.world_size)
         if record is None:
             reason = f"run exited {code} ({VERDICT_EXITS[code]}) but {why}"
         elif record.verdict.status != VERDICT_EXITS[code]:
@@ -279,9 +289,8 @@ def run_cell(matrix: MatrixRun, cell: Cell, stop: Stop, previous: MatrixCell | N
     argv = ["run", *arguments, "--out", str(cell_dir), "--force"]
     started = time.monotonic()
     code = matrix.launch(argv, logs, stop)
-    context = {"wall_s": time.monotonic() - started, "stop": stop, "logs": logs}
-    context |= {"cell_dir": cell_dir, "plan": plan, "world": world}
-    return _ended(cell, arguments, code, context)
+    launched = _Launched(cell_dir, plan, world, logs, time.monotonic() - started)
+    return _ended(cell, arguments, code, launched, stop)
 
 
 def _table(matrix: MatrixRun, rows: dict[str, MatrixCell], stop: Stop, times) -> table.Matrix:
