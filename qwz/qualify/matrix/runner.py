@@ -195,7 +195,7 @@ def _declared_row(row: Declared) -> MatrixCell:
     return MatrixCell(
         id=row.id,
         group=None,
-        axes={},
+        axes={axis: list(value) if isinstance(value, tuple) else value for axis, value in row.axes},
         status="not run",
         kind=row.kind,
         reason=row.reason,

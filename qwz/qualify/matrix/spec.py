@@ -244,6 +244,8 @@ class Declared:
     reason: str
     kind: str
     """``excluded`` (a cell an exclude entry removed) or ``out of scope``."""
+    axes: tuple[tuple[str, Any], ...] = ()
+    """An excluded cell's axis values (as ``Cell.axes``); none for a scope."""
 
 
 @dataclass(frozen=True)
@@ -444,7 +446,7 @@ def _exclude(
         (removed if matches else kept).append(cell)
     if not removed:
         raise where.fail(f"{what}: matches no cell of its group (a typo?)", start)
-    return kept, [Declared(cell.id, reason, "excluded") for cell in removed]
+    return kept, [Declared(cell.id, reason, "excluded", cell.axes) for cell in removed]
 
 
 def _scopes(raw: Any, where: _Where) -> list[Declared]:

@@ -52,7 +52,7 @@ class _Model(BaseModel):
 class MatrixCell(_Model):
     id: str
     group: str | None
-    """The spec's cell group; None for a scope declared out of scope."""
+    """The spec's cell group; None for a row the spec declares (excluded, out of scope)."""
     axes: dict[str, Any]
     status: CellStatus
     kind: CellKind

@@ -90,6 +90,7 @@ def test_an_exclude_removes_its_cells_and_keeps_them_as_rows_with_the_reason(tmp
     )
     ran = {(cell.value("stage"), cell.value("dtype")) for cell in spec.cells}
     assert ran == {(1, "bf16"), (2, "bf16"), (2, "fp16"), (2, "fp32")}
+    assert dict(spec.declared[0].axes)["dtype"] == "fp16" and spec.declared[2].axes == ()
     assert [(row.id, row.kind, row.reason) for row in spec.declared] == [
         ("qwz-s1-fp16-g64-qwen3-tiny-w2-default-seed0", "excluded", "why not"),
         ("qwz-s1-fp32-g64-qwen3-tiny-w2-default-seed0", "excluded", "why not"),
