@@ -288,6 +288,18 @@ class _Where:
         position = 0 if index is None else index
         return found[position] if position < len(found) else None
 
+    def exclude(self, group: int, number: int, group_start: int | None) -> int | None:
+        """The line of the `number`-th ``[[cells.exclude]]`` of the `group`-th group; the
+        group's ``exclude =`` line where its excludes are written inline."""
+        following = self.section("cells", group + 1)
+        found = [
+            line
+            for line in self.headers("cells.exclude", array=True)
+            if (group_start is None or line > group_start)
+            and (following is None or line < following)
+        ]
+        return found[number] if number < len(found) else self.key(group_start, "exclude")
+
     def key(self, start: int | None, key: str) -> int | None:
         """The line of `key = ...` in the table opening at `start` (None: the top level)."""
         pattern = re.compile(rf"\s*[\"']?{re.escape(key)}[\"']?\s*=")
@@ -425,7 +437,7 @@ def _group(
         raise where.fail(f"{what}: exclude must be a list of tables", start, "exclude")
     declared: list[Declared] = []
     for number, entry in enumerate(entries):
-        entry_start = where.section("cells.exclude", number, after=start if start else -1)
+        entry_start = where.exclude(index, number, start)
         cells, removed = _exclude(cells, entry, f"{what} exclude #{number + 1}", where, entry_start)
         declared += removed
     return cells, declared

@@ -123,6 +123,12 @@ def test_an_exclude_removes_its_cells_and_keeps_them_as_rows_with_the_reason(tmp
         ),
         ('[[cells]]\nname = "g"\n[[cells.exclude]]\nstage = 2\n', 5, "reason must be"),
         ('[[cells]]\nname = "g"\n[[cells.exclude]]\nreason = "x"\n', 5, "names no axis"),
+        (
+            '[[cells]]\nname = "a"\nexclude = [{stage = 1, reason = "x"}]\n'
+            '[[cells]]\nname = "b"\n[[cells.exclude]]\nstage = 2\nreason = "y"\n',
+            5,
+            "'a' exclude #1: matches no cell",
+        ),
         ('[[cells]]\nname = "a"\n[[cells]]\nname = "b"\n', None, "appears twice"),
         (
             '[[cells]]\nname = "g"\n[[cells.exclude]]\nstage = 2\nreason = "x"\n',
