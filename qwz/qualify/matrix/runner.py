@@ -223,7 +223,8 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
     if code == REFUSED_EXIT:
         reason = refusal_reason(stderr)
         return _row(cell, arguments, status="not run", kind="refused", reason=reason)
-    if stop.signum is not None and code in (128 + stop.signum, -stop.signum):
+    # Stopped: run's own exit on the signal, or the SIGKILL after STOP_GRACE_S.
+    if stop.signum is not None and code in (128 + stop.signum, -stop.signum, -signal.SIGKILL):
         name = signal.Signals(stop.signum).name
         reason = f"the matrix was stopped by {name} while this cell ran; its run wrote no record"
         return _row(cell, arguments, status="not run", kind="interrupted", reason=reason)
