@@ -73,9 +73,13 @@ def test_a_stopped_matrix_keeps_its_finished_cell_and_continues(tmp_path):
     _wait_for(out / "cells" / FIRST / "record.json", process, 300)
     _wait_for(out / "logs" / f"{SECOND}.err", process, 60)
     time.sleep(1.0)  # the second cell's run is starting: torch alone takes longer
+    signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=90)
     assert process.returncode == 143, stderr
+    # The signal reached the cell's run (which stops its ranks within 10 s), not the
+    # matrix's SIGKILL after STOP_GRACE_S.
+    assert time.monotonic() - signalled < 30, stderr
     rows = _rows(out)
     assert rows[FIRST]["status"] == "PASS"
     assert (rows[SECOND]["status"], rows[SECOND]["kind"]) == ("not run", "interrupted")
