@@ -72,11 +72,13 @@ class Stop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.at_s: float | None = None
+        """``time.monotonic()`` when the signal came."""
         self.child: subprocess.Popen | None = None
 
     def handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
-            self.signum = signum
+            self.signum, self.at_s = signum, time.monotonic()
             if self.child is not None and self.child.poll() is None:
                 self.child.send_signal(signum)
 
@@ -117,9 +119,9 @@ def subprocess_launcher(argv: list[str], logs: CellLogs, stop: Stop) -> int:
                 child.send_signal(stop.signum)
             while True:
                 try:
-                    return child.wait(timeout=1.0 if stop.signum is None else STOP_GRACE_S)
+                    return child.wait(timeout=1.0)
                 except subprocess.TimeoutExpired:
-                    if stop.signum is not None:
+                    if stop.at_s is not None and time.monotonic() - stop.at_s > STOP_GRACE_S:
                         child.kill()
         finally:
             stop.child = None
