@@ -1,32 +1,40 @@
 #!/usr/bin/env bash
-# Nightly requalification: stages 1 and 2, group sizes 64 and 8192, into
-# <dir>/history/<date>/stage<N>/ (every night is kept), then the regression gate against a
-# FIXED baseline per stage in <dir>/baseline/stage<N>/, then the trend of all nights in
-# <dir>/trend/ (qwz-qualify history). Exit non-zero on a failed check, a regression, or
-# records that cannot be compared.
+# Nightly requalification: a matrix spec (qwz-qualify matrix, qwz/qualify/matrix/) into
+# <dir>/history/<date>/<spec>/ (every night is kept), then the regression gate, cell by
+# cell, against a FIXED baseline matrix in <dir>/baseline/<spec>/ (qwz-qualify compare of
+# two matrix directories), then the trend of all nights in <dir>/trend/ (qwz-qualify
+# history). Exit non-zero on a failed, crashed or inconclusive cell, a regression (a cell
+# whose check regressed, or a baseline cell with no record tonight), or matrices that cannot
+# be compared.
+#
+# The spec: QWZ_NIGHTLY_SPEC (default specs/nightly.toml: qwen3-tiny, stages 1 and 2, group
+# sizes 64 and 8192; the GPU workflow names specs/nightly-gpu.toml). <spec> above is its
+# file name without .toml, so each spec has its own history and baseline.
 #
 # The baseline never follows the nights: comparing each night with the night before lets a
 # 1.5% slowdown a night pass forever. It changes only by a deliberate promotion:
-#   QWZ_PROMOTE=1        this run's passing records become the baselines (after review), or
-#   qwz-qualify promote <dir>/history/<date>/stage<N>/record.json <dir>/baseline/stage<N>
-# QWZ_NEW_BASELINE=1 accepts a run as the first baseline of a stage that has none (without
-# it, a missing baseline is a failure: a lost baseline must never turn the gate into a pass).
+#   QWZ_PROMOTE=1        this run's matrix becomes the baseline (after review) when every
+#                        cell that ran passed and the gate found no regression, or
+#   qwz-qualify promote <dir>/history/<date>/<spec> <dir>/baseline/<spec>
+# QWZ_NEW_BASELINE=1 accepts a passing run as the first baseline of a spec that has none
+# (without it, a missing baseline is a failure: a lost baseline must never turn the gate
+# into a pass).
 #
-# Environment: QWZ_NIGHTLY_WORKLOAD (default qwen3-tiny; qwen3-0.6b on GPU runners),
-# QWZ_NIGHTLY_DIR (default runs/nightly), QWZ_WORLD_SIZE (default: GPU count if >= 2, else 2),
-# QWZ_MIN_SPEEDUP (optional lower bound on the speed-up interval), QWZ_BASELINE_DIR
-# (default <dir>/baseline; the workflow keeps them in the repository, ci/baselines/nightly),
+# Environment: QWZ_NIGHTLY_SPEC, QWZ_NIGHTLY_DIR (default runs/nightly), QWZ_MIN_SPEEDUP
+# (optional lower bound on every cell's speed-up interval), QWZ_BASELINE_DIR (default
+# <dir>/baseline; the workflow keeps them in the repository, ci/baselines/nightly),
 # QWZ_LEDGER_DIR (default <dir>/ledger), QWZ_RECORD_KEY or QWZ_RECORD_KEY_FILE (sign the
 # records; the gate then requires verified signatures). Without a key the night fails at
-# once (exit 2) unless QWZ_ALLOW_UNSIGNED=1 says unsigned records are meant.
-# Tonight's report paths are listed in <dir>/tonight.txt (the workflow's job summary).
+# once (exit 2) unless QWZ_ALLOW_UNSIGNED=1 says unsigned records are meant. World sizes
+# are the spec's: every cell runs local ranks (NCCL where the GPUs cover its world size).
+# Tonight's table is listed in <dir>/tonight.txt (the workflow's job summary).
 #
 # DeepSpeed's own implementation instead of qwz's (README "Requalify a DeepSpeed pull
 # request"): QWZ_DEEPSPEED_SRC=PATH (a DeepSpeed checkout) or QWZ_DEEPSPEED_REF=REF (a
 # branch, tag, commit or pull/N/head of QWZ_DEEPSPEED_REPO, default DeepSpeed's GitHub
-# repository, checked out under <dir>/deepspeed-src/) runs --subject deepspeed-native
-# --deepspeed-src on it, into <dir>/history/<date>/deepspeed-native/stage<N>/ against the
-# baselines in <dir>/baseline/deepspeed-native/stage<N>/.
+# repository, checked out under <dir>/deepspeed-src/) runs a --subject deepspeed-native spec
+# (default specs/nightly-deepspeed-native.toml) with --deepspeed-src on it, into
+# <dir>/history/<date>/deepspeed-native/<spec>/ against <dir>/baseline/deepspeed-native/<spec>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # [Note: signing guard] Checked before anything is installed or run: a night whose records
@@ -64,16 +72,13 @@ if [ -n "${QWZ_DEEPSPEED_SRC:-}" ]; then
     exit 2
   fi
   echo "nightly: DeepSpeed's own code at $(git -C "$QWZ_DEEPSPEED_SRC" rev-parse HEAD) ($QWZ_DEEPSPEED_SRC)" >&2
-  subject_args=(--subject deepspeed-native --deepspeed-src "$QWZ_DEEPSPEED_SRC")
+  subject_args=(--deepspeed-src "$QWZ_DEEPSPEED_SRC")  # the spec names the subject
   subject_dir="deepspeed-native/"
 fi
 today="$(date -u +%Y-%m-%dT%H%M%SZ)"
-gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
-if [ -z "${QWZ_WORLD_SIZE:-}" ]; then
-  if [ "$gpus" -ge 2 ]; then world="$gpus"; else world=2; fi
-else
-  world="$QWZ_WORLD_SIZE"
-fi
+if [ -n "$subject_dir" ]; then default_spec=specs/nightly-deepspeed-native.toml; else default_spec=specs/nightly.toml; fi
+spec="${QWZ_NIGHTLY_SPEC:-$default_spec}"
+spec_name="$(basename "$spec" .toml)"
 extra=()
 [ -n "${QWZ_MIN_SPEEDUP:-}" ] && extra+=(--min-speedup "$QWZ_MIN_SPEEDUP")
 gate=()
@@ -85,45 +90,37 @@ mkdir -p "$root"
 failed=0
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
-for stage in 1 2; do
-  out="$root/history/$today/${subject_dir}stage$stage"
-  args=(run --out "$out" --stage "$stage" --group-size 64 --group-size 8192
-        --workload "$workload" --ledger "$ledger" "${subject_args[@]}" "${extra[@]}")
-  echo "$out/report.md" >> "$root/tonight.txt"
-  status=0
-  if [ "$gpus" -ge "$world" ] && [ "$gpus" -ge 2 ]; then
-    # python -m torch.distributed.run: the workers use this venv's interpreter.
-    python -m torch.distributed.run --standalone --nproc-per-node "$world" \
-      -m qwz.qualify "${args[@]}" || status=$?
-  else
-    qwz-qualify "${args[@]}" --world-size "$world" || status=$?
-  fi
-  if [ "$status" -ne 0 ]; then
-    echo "nightly: stage $stage qualification failed (exit $status); see $out/report.md" >&2
+out="$root/history/$today/${subject_dir}$spec_name"
+echo "$out/matrix.md" >> "$root/tonight.txt"
+status=0
+qwz-qualify matrix "$spec" --out "$out" --ledger "$ledger" "${subject_args[@]}" "${extra[@]}" \
+  || status=$?
+if [ "$status" -eq 2 ]; then
+  echo "nightly: the matrix refused $spec (exit 2)" >&2
+  exit 2
+fi
+if [ "$status" -ne 0 ]; then
+  echo "nightly: the matrix of $spec did not pass (exit $status); see $out/matrix.md" >&2
+  failed=1
+fi
+baseline_dir="$baseline_root/${subject_dir}$spec_name"
+if [ -f "$baseline_dir/matrix.json" ]; then
+  gated=0
+  qwz-qualify compare "${gate[@]}" "$baseline_dir" "$out" || gated=$?
+  if [ "$gated" -ne 0 ]; then
+    echo "nightly: compare exit $gated against the baseline matrix $baseline_dir" >&2
     failed=1
-    continue
+  elif [ "${QWZ_PROMOTE:-0}" = "1" ] && [ "$status" -eq 0 ]; then
+    echo "nightly: QWZ_PROMOTE=1: promoting $spec_name of $today to the baseline" >&2
+    qwz-qualify promote "$out" "$baseline_dir" || failed=1
   fi
-  baseline_dir="$baseline_root/${subject_dir}stage$stage"
-  if [ -f "$baseline_dir/record.json" ]; then
-    status=0
-    qwz-qualify compare "${gate[@]}" "$baseline_dir/record.json" "$out/record.json" || status=$?
-    if [ "$status" -ne 0 ]; then
-      echo "nightly: stage $stage compare exit $status against $baseline_dir/record.json" >&2
-      failed=1
-      continue
-    fi
-    if [ "${QWZ_PROMOTE:-0}" = "1" ]; then
-      echo "nightly: QWZ_PROMOTE=1: promoting stage $stage of $today to the baseline" >&2
-      qwz-qualify promote "$out/record.json" "$baseline_dir" || failed=1
-    fi
-  elif [ "${QWZ_NEW_BASELINE:-0}" = "1" ]; then
-    echo "nightly: no baseline for stage $stage; QWZ_NEW_BASELINE=1: this run becomes it" >&2
-    qwz-qualify promote "$out/record.json" "$baseline_dir" || failed=1
-  else
-    echo "nightly: no baseline at $baseline_dir (set QWZ_NEW_BASELINE=1 to start one)" >&2
-    failed=1
-  fi
-done
+elif [ "${QWZ_NEW_BASELINE:-0}" = "1" ]; then
+  echo "nightly: no baseline for $spec_name; QWZ_NEW_BASELINE=1: this run becomes it" >&2
+  qwz-qualify promote "$out" "$baseline_dir" || failed=1
+else
+  echo "nightly: no baseline at $baseline_dir (set QWZ_NEW_BASELINE=1 to start one)" >&2
+  failed=1
+fi
 # The trend of every night kept so far; a record that cannot be loaded fails the job.
 qwz-qualify history "$root/history" --out "$root/trend" || failed=1
 exit "$failed"

@@ -1,4 +1,4 @@
-"""``qwz-qualify`` / ``python -m qwz.qualify``: run, report, compare.
+"""``qwz-qualify`` / ``python -m qwz.qualify``: run, matrix, report, compare.
 
 ``run`` spawns local ranks (gloo on CPU, NCCL with enough GPUs) unless it was
 started by torchrun (RANK and WORLD_SIZE set), in which case every launched
@@ -19,8 +19,10 @@ than a rank's shard), 130/143 when SIGINT/SIGTERM stopped it (every rank is kill
 written); ``report`` 0, or 2 for a record that cannot be trusted; ``compare`` 0
 no regression, 1 regression, 2 not comparable or invalid; ``history`` 0, or 2
 when a record under the directory cannot be loaded (it is listed); ``promote``
-0, or 2 for a record that cannot be trusted or did not pass; 2 for usage errors
-everywhere.
+0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every cell
+that ran passed, 1 a cell FAILed or crashed, 3 INCONCLUSIVE cells (or no verdict at all),
+2 a refused spec or ``--out``, 130/143 stopped (qualify/matrix/command.py); 2 for usage
+errors everywhere.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     _add_run_options(_add_run_subject(commands))
+    _add_matrix_command(commands)
     _add_review_commands(commands)
     return parser
 
@@ -257,6 +260,29 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_matrix_command(commands) -> None:
+    """``matrix``: a spec of axes, one ``run`` per cell (qualify/matrix/)."""
+    matrix = commands.add_parser(
+        "matrix",
+        help="run every cell of a TOML spec (resumable); write matrix.md and matrix.json",
+        formatter_class=_DefaultsFormatter,
+    )
+    matrix.add_argument("spec", type=_path, help="the spec (qualify/matrix/spec.py)")
+    matrix.add_argument(
+        "--out", type=_path, default=None, help="matrix directory (required unless --list)"
+    )
+    matrix.add_argument("--ledger", type=_path, default=None, help="every cell's --ledger")
+    matrix.add_argument(
+        "--min-speedup", type=_finite, default=None, help="every cell's --min-speedup"
+    )
+    matrix.add_argument(
+        "--deepspeed-src", type=_path, default=None, help="every cell's --deepspeed-src"
+    )
+    matrix.add_argument(
+        "--list", action="store_true", help="print every cell's run arguments; run nothing"
+    )
+
+
 def _add_review_commands(commands) -> None:
     """``report``, ``compare``, ``history`` and ``promote``: commands that read records."""
     report = commands.add_parser("report", help="print the markdown report of a record")
@@ -270,7 +296,10 @@ def _add_review_commands(commands) -> None:
         "(default: markdown)",
     )
 
-    compare = commands.add_parser("compare", help="regression gate between two records")
+    compare = commands.add_parser(
+        "compare",
+        help="regression gate between two records, or two matrix directories (cell by cell)",
+    )
     compare.add_argument("baseline", type=pathlib.Path)
     compare.add_argument("candidate", type=pathlib.Path)
     compare.add_argument("--memory-growth-pct", type=_percentage, default=10.0)
@@ -302,7 +331,9 @@ def _add_review_commands(commands) -> None:
     )
 
     promote = commands.add_parser(
-        "promote", help="make a passing record the baseline the nightly gate compares with"
+        "promote",
+        help="make a passing record (or matrix directory) the baseline the nightly gate "
+        "compares with",
     )
     promote.add_argument("record", type=_path)
     promote.add_argument("baseline_dir", type=_path)
@@ -428,6 +459,12 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     return EXIT_CODES[verdict.status]
 
 
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from qwz.qualify.matrix import command
+
+    return command.main(args, build_parser())
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import record, schema, signing
     from qwz.qualify.review import junit, report, summary
@@ -457,21 +494,24 @@ def _signature_section(built, key) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import signing
-    from qwz.qualify.review import compare, junit, outputs, summary
+    from qwz.qualify.review import compare, junit, matrix, matrix_compare, outputs, summary
 
     try:
         key = signing.configured_key()
     except signing.SigningKeyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    result = compare.compare_files(
+    judge = compare.compare_files
+    if matrix.is_matrix_dir(args.baseline) or matrix.is_matrix_dir(args.candidate):
+        judge = matrix_compare.compare_matrices  # cell by cell; each pair as below
+    result = judge(
         args.baseline,
         args.candidate,
         memory_growth_pct=args.memory_growth_pct,
         require_signature=args.require_signature,
         key=key,
     )
-    if result.status != compare.Status.NOT_COMPARABLE:
+    if result.status != compare.Status.NOT_COMPARABLE and judge is compare.compare_files:
         signatures = []
         for role, path in (("baseline", args.baseline), ("candidate", args.candidate)):
             loaded = compare.load(path)
@@ -517,9 +557,14 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import schema
-    from qwz.qualify.review import history
+    from qwz.qualify.review import history, matrix
 
     try:
+        if matrix.is_matrix_dir(args.record):
+            promoted_matrix = matrix.promote_matrix(args.record, args.baseline_dir)
+            kept = sum(cell.record is not None for cell in promoted_matrix.cells)
+            print(f"promoted {kept} cells of {args.record} to {args.baseline_dir}")
+            return 0
         promoted = history.promote(args.record, args.baseline_dir)
     except schema.RecordError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -538,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # [Note: reproduce]
     handlers = {
         "run": cmd_run,
+        "matrix": cmd_matrix,
         "report": cmd_report,
         "compare": cmd_compare,
         "history": cmd_history,

@@ -424,3 +424,34 @@ def test_nightly_script_refuses_to_run_unsigned(tmp_path):
     keyed = _nightly(tmp_path, QWZ_RECORD_KEY="0123456789abcdef0123456789abcdef")
     assert "ci/env.sh: creating" in keyed.stderr, keyed.stderr
     assert not (tmp_path / "no-venv").exists()
+
+
+def test_the_nightly_runs_a_matrix_spec_that_loads_and_gates_it_cell_by_cell():
+    """The workflow names a spec for the scheduled night and for a DeepSpeed ref, each
+    exists and loads (qwz/qualify/matrix/spec.py) with the subject its mode qualifies, and
+    ci/nightly.sh runs the matrix and compares the matrix directories, not a stage loop."""
+    from qwz.qualify.matrix.spec import load as load_spec
+
+    nightly = load(ROOT / ".github" / "workflows" / "nightly.yml")
+    steps = nightly["jobs"]["requalify"]["steps"]
+    env = next(s["env"] for s in steps if "ci/nightly.sh" in s.get("run", ""))
+    scheduled = evaluate(env["QWZ_NIGHTLY_SPEC"], event("schedule"))
+    dispatched = event("workflow_dispatch")
+    dispatched["inputs"] = {"deepspeed_ref": "pull/1/head"}
+    native = evaluate(env["QWZ_NIGHTLY_SPEC"], dispatched)
+    script = (ROOT / "ci" / "nightly.sh").read_text()
+    defaults = re.search(r"default_spec=(\S+); else default_spec=(\S+); fi", script)
+    assert defaults, "ci/nightly.sh has no default spec for each mode"
+    for path, subject in (
+        (scheduled, "qwz"),
+        (native, "deepspeed-native"),
+        (defaults.group(2), "qwz"),
+        (defaults.group(1), "deepspeed-native"),
+    ):
+        spec = load_spec(ROOT / path)
+        assert {cell.value("subject") for cell in spec.cells} == {subject}, path
+        assert {cell.value("stage") for cell in spec.cells} == {1, 2}, path
+        assert {cell.value("group_sizes") for cell in spec.cells} == {(64, 8192)}, path
+    assert 'qwz-qualify matrix "$spec" --out "$out"' in script
+    assert 'qwz-qualify compare "${gate[@]}" "$baseline_dir" "$out"' in script
+    assert "for stage in" not in script
