@@ -164,9 +164,9 @@ def _finite(trajectory, skips: loss_scaling.Skips | None = None) -> Check:
     allowed = skips.legitimate if skips is not None else frozenset()
     numbers = [
         value
-        for step, pair in enumerate(zip(trajectory.losses, trajectory.grad_norms), 1)
+        for series in (trajectory.losses, trajectory.grad_norms)
+        for step, value in enumerate(series, 1)
         if step not in allowed
-        for value in pair
     ]
     if failure is not None and failure.kind == "not-run":
         return _check(name, "n/a", failure.message)
