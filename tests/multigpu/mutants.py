@@ -419,6 +419,22 @@ def gather_skipped_after_overflow(arm, engine, plan):
     engine.train_step = train_step
 
 
+def skipped_step_counted(arm, engine, plan):
+    """fp16: an overflow-skipped step advances Adam's step count (its bias correction then
+    runs one step ahead), though the masters and moments are left alone."""
+    original = engine.train_step
+
+    def train_step(loss):
+        skipped_before = _skipped_steps(engine)
+        original(loss)
+        if _skipped_steps(engine) > skipped_before:
+            for state in engine.shard_optimizer.state.values():
+                if "step" in state:
+                    state["step"] += 1
+
+    engine.train_step = train_step
+
+
 def _scaler(engine):
     """(the engine's loss scaler, its scale attribute, its window attribute)."""
     inner = engine.engine
@@ -447,6 +463,7 @@ FP16_KILLED_BY = {
     "gather_skipped_after_overflow": "own-shard",
     "scaler_starts_lower": "overflow-pattern",
     "scaler_never_grows": "overflow-pattern",
+    "skipped_step_counted": "update",
 }
 """fp16 mutants (they change nothing without an overflow, so they run with --dtype fp16;
 tests/multigpu/test_qualify_fp16.py) -> the family of the check that must fail."""

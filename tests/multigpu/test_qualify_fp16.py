@@ -67,9 +67,19 @@ def test_the_correct_candidate_passes_with_overflow_skipped_steps(worlds):
     assert first.step == next(s for s in range(1, PLAN.steps + 1) if s not in overflowed)
 
 
+MUTANT_PLANS = {"skipped_step_counted": {"fp16_loss_scale_window": 2, "steps": 10}}
+"""A mutant that needs a skip after the first optimizer step (Adam has no state before it):
+a window of 2 lets the scale double back into overflow within 10 steps."""
+
+
 @pytest.mark.parametrize("mutant", sorted(mutants.FP16_KILLED_BY))
 def test_every_fp16_mutant_is_killed(worlds, mutant):
-    record = qualify(worlds, mutant)
+    record = qualify(worlds, mutant, **MUTANT_PLANS.get(mutant, {}))
+    first_update = next(item.step for item in record.step_one if item.arm == CANDIDATE)
+    trace = next(item for item in record.loss_scaling if item.arm == CANDIDATE)
+    assert any(trace.overflowed[first_update - 1 :]) or mutant not in MUTANT_PLANS, (
+        "no overflow after the first optimizer step: the mutant had nothing to break"
+    )
     expected = f"{mutants.FP16_KILLED_BY[mutant]}[{CANDIDATE}]"
     failing = {check.name: check.detail for check in record.checks if check.status == "fail"}
     assert record.verdict.status == "FAIL", f"{mutant} survived: {record.verdict}"

@@ -439,7 +439,16 @@ class UpdateCheck:
             self._violation(-1, 0, f"the optimizer stepped {self._calls} times", math.inf)
 
     def _check_unchanged(self) -> None:
-        """A step the optimizer did not take leaves every sampled master as it was."""
+        """A step the optimizer did not take leaves every sampled master as it was, and
+        Adam's step count too."""
+        counted = self._step_count(self.shards[0].master) if self.shards else 0
+        if counted != self._optimizer_steps:
+            self.result.violations += 1
+            what = (
+                f"Adam's step count is {counted} after a skipped step, but the optimizer "
+                f"stepped {self._optimizer_steps} times (the skipped step was counted)"
+            )
+            self._violation(-1, 0, what, math.inf)
         last = self._last_after if self._last_after is not None else self._values_at_start
         for shard_index, (now, before) in enumerate(
             zip(self._sampled_masters(), last, strict=True)
