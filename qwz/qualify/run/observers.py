@@ -644,9 +644,11 @@ class OverflowWatch:
       reduces or moves it) and ORs ``not isfinite(grad).all()`` into one device flag --
       no host synchronisation in backward.
 
-    Each rank's gradient is divided by the world size before the fp16 reduction (qwz and
-    DeepSpeed alike), so the reduced gradient is finite exactly when every rank's was: the
-    step must be skipped on every rank when any rank's flag is set, and taken otherwise."""
+    Each rank's gradient is divided by the world size before the fp16 reduction (qwz's
+    engine always; DeepSpeed's ZeRO-1/2 with ``reduce_scatter``, its default, which the
+    plan's configs keep), so the reduced gradient is finite exactly when every rank's was:
+    the step must be skipped on every rank when any rank's flag is set, and taken
+    otherwise."""
 
     def __init__(self, module: torch.nn.Module):
         params = [param for param in module.parameters() if param.requires_grad]
