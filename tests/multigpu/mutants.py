@@ -437,8 +437,10 @@ def skipped_step_counted(arm, engine, plan):
 
 def _scaler(engine):
     """(the engine's loss scaler, its scale attribute, its window attribute)."""
+    from qwz.loss_scale import LossScaler
+
     inner = engine.engine
-    if hasattr(inner, "loss_scaler"):  # qwz's engine: qwz.loss_scale.LossScaler
+    if isinstance(getattr(inner, "loss_scaler", None), LossScaler):  # qwz's engine
         return inner.loss_scaler, "scale", "window"
     return inner.optimizer.loss_scaler, "cur_scale", "scale_window"  # DeepSpeed's
 
