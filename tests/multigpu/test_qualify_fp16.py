@@ -101,3 +101,14 @@ def test_the_never_growing_scaler_is_caught_only_by_overflow_pattern(worlds):
     record = qualify(worlds, "scaler_never_grows")
     assert [name for name in record.verdict.failed] == [f"overflow-pattern[{CANDIDATE}]"]
     assert "does not follow the rules" in _check(record, f"overflow-pattern[{CANDIDATE}]").detail
+
+
+def test_a_window_that_ends_on_a_skipped_step_still_measures_the_wire(worlds):
+    """A skipped step runs no gather: the probe keeps the last gather's bytes, so probe and
+    in-effect judge the wire even when the window's last step overflowed."""
+    record = qualify(worlds, **MUTANT_PLANS["skipped_step_counted"])
+    trace = next(item for item in record.loss_scaling if item.arm == CANDIDATE)
+    assert trace.overflowed[-1], "the window's last step did not overflow"
+    assert record.verdict.status == "PASS", [c for c in record.checks if c.status != "pass"]
+    for family in ("probe", "in-effect"):
+        assert _check(record, f"{family}[{CANDIDATE}]").passed

@@ -368,6 +368,8 @@ class _ArmRun:
         self.own_result = observers.OwnShardResult()
         self.check_own = arm.noise_group_size is None
         self.fp16 = plan.dtype == "fp16"
+        self.gathered = True
+        """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
         """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
         self.overflow_watch: observers.OverflowWatch | None = None
         if self.fp16:
@@ -458,6 +460,7 @@ class _ArmRun:
                 self._agreed_failure(step, _failure(step, self.rank, raised, engine.module))
                 return None
         stepped = agreement.ranks_stepped > 0 or not self.fp16
+        self.gathered = stepped  # an overflow-skipped step runs no gather
         if stepped and "first_update_step" not in self.observed:
             self.observed["first_update_step"] = step
         return loss_value, grad_norm, probe
@@ -477,8 +480,9 @@ class _ArmRun:
         module = engine.module
         observed["losses"].append(loss_value)
         observed["grad_norms"].append(grad_norm)
-        observed["gather_bytes"] = int(probe.bytes["gather"])
-        observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+        if self.gathered:  # the probe's bytes are those of the last step that gathered
+            observed["gather_bytes"] = int(probe.bytes["gather"])
+            observed["wire"] = _wire(probe, self.wire_layout, self.rank)
         if arm.noise_group_size is not None:
             _perturb(engine, arm.noise_group_size, plan.seed, step)
         if self.check_own and "first_update_step" not in observed:
