@@ -41,6 +41,7 @@ from qwz.config import validate_group_size
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
+from qwz.qualify.plan import RunPlan
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
@@ -169,7 +170,18 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         dest="group_sizes",
         help="candidate group size; repeat for several arms (default 64)",
     )
-    run.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="working dtype")
+    run.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="working dtype (fp16: dynamic loss scaling, overflow-skipped steps judged)",
+    )
+    run.add_argument(
+        "--initial-scale-power",
+        type=_non_negative,
+        default=RunPlan.fp16_initial_scale_power,
+        help="fp16: the dynamic loss scale starts at 2**N (high, so the first steps overflow)",
+    )
     run.add_argument(
         "--workload", choices=WORKLOAD_NAMES, default="qwen3-tiny", help="model and data"
     )

@@ -86,6 +86,14 @@ class RunPlan:
     after each candidate arm is built, in every rank; it may change the engine or return a
     replacement. The mutation suite uses it to inject broken candidates; it is recorded in
     the record's plan, so a record says when it ran."""
+    fp16_initial_scale_power: int = 20
+    """fp16: dynamic loss scaling starts at 2**this ([Note: overflow pattern],
+    qualify/evidence/loss_scaling.py): above DeepSpeed's default of 16, so that the first
+    steps of the shipped workloads overflow and the window holds overflow-skipped steps."""
+    fp16_loss_scale_window: int = 8
+    """fp16: clean steps after which the dynamic scale doubles (so it grows within a run)."""
+    fp16_hysteresis: int = 2
+    """fp16: overflows tolerated before the dynamic scale halves (DeepSpeed's default)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -148,8 +156,22 @@ class RunPlan:
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.gradient_clipping,
             "bf16": {"enabled": self.dtype == "bf16"},
+            **({"fp16": self.fp16_section()} if self.dtype == "fp16" else {}),
             "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": optimizer_params},
+        }
+
+    def fp16_section(self) -> dict[str, Any]:
+        """The ``fp16`` section of every arm's config: DeepSpeed's dynamic loss scaling,
+        every key written out (the judge reads them from the record, never from an engine)."""
+        return {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": self.fp16_initial_scale_power,
+            "loss_scale_window": self.fp16_loss_scale_window,
+            "hysteresis": self.fp16_hysteresis,
+            "consecutive_hysteresis": False,
+            "min_loss_scale": 1,
         }
 
 

@@ -94,11 +94,25 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
         return [f"--deepspeed-src applies to --subject {' or '.join(DEEPSPEED_SUBJECTS)} only"]
     if source is not None and not (source / "deepspeed" / "__init__.py").is_file():
         return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
+    if args.subject in DEEPSPEED_SUBJECTS and args.dtype == "fp16":
+        refused = _deepspeed_fp16_problems(args)
+        if refused:
+            return refused
     if args.subject != "deepspeed-native":
         return []
     plan = plan_of(args)
     configs = {arm.name: plan.arm_config(arm) for arm in plan.arms}
     return deepspeed_native_problems(str(source) if source else None, configs)
+
+
+def _deepspeed_fp16_problems(args: argparse.Namespace) -> list[str]:
+    """DeepSpeed's accelerator for the ranks' backend must support fp16 (run/subjects.py)."""
+    from qwz.launch import pick_backend
+    from qwz.qualify.run.subjects import deepspeed_fp16_problems
+
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+    source = str(args.deepspeed_src) if args.deepspeed_src else None
+    return deepspeed_fp16_problems(source, pick_backend(world_size))
 
 
 def _workload_numel(name: str, seed: int) -> int:
@@ -178,6 +192,7 @@ def plan_of(args: argparse.Namespace) -> RunPlan:
         compile_kernels=args.compile,
         integration_enabled=not args.no_integration,
         deepspeed_src=str(args.deepspeed_src.resolve()) if args.deepspeed_src else None,
+        fp16_initial_scale_power=args.initial_scale_power,
     )
 
 

@@ -388,3 +388,84 @@ KILLED_BY = {
     "wrong_global_norm": "update",
 }
 """Mutant -> the family of the check that must fail (``<family>[<candidate arm>]``)."""
+
+
+# --------------------------------------------------------------------------- fp16 loss scaling
+
+
+def _skipped_steps(engine) -> int:
+    """The engine's count of overflow-skipped steps (qwz's engine and DeepSpeed's alike)."""
+    return int(engine.engine.skipped_steps)
+
+
+def gather_skipped_after_overflow(arm, engine, plan):
+    """fp16: a stale overflow flag -- the first step taken after an overflow-skipped step
+    updates the masters but skips the weight gather, so the working weights stay those of
+    before the step on every rank (consistently: the replicas agree)."""
+    original = engine.train_step
+    state = {"after_skip": False}
+
+    def train_step(loss):
+        skipped_before = _skipped_steps(engine)
+        stale = [param.detach().clone() for param in engine.module.parameters()]
+        original(loss)
+        skipped = _skipped_steps(engine) > skipped_before
+        if state["after_skip"] and not skipped:
+            with torch.no_grad():
+                for param, old in zip(engine.module.parameters(), stale, strict=True):
+                    param.copy_(old)
+        state["after_skip"] = skipped
+
+    engine.train_step = train_step
+
+
+def skipped_step_counted(arm, engine, plan):
+    """fp16: an overflow-skipped step advances Adam's step count (its bias correction then
+    runs one step ahead), though the masters and moments are left alone."""
+    original = engine.train_step
+
+    def train_step(loss):
+        skipped_before = _skipped_steps(engine)
+        original(loss)
+        if _skipped_steps(engine) > skipped_before:
+            for state in engine.shard_optimizer.state.values():
+                if "step" in state:
+                    state["step"] += 1
+
+    engine.train_step = train_step
+
+
+def _scaler(engine):
+    """(the engine's loss scaler, its scale attribute, its window attribute)."""
+    from qwz.loss_scale import LossScaler
+
+    inner = engine.engine
+    if isinstance(getattr(inner, "loss_scaler", None), LossScaler):  # qwz's engine
+        return inner.loss_scaler, "scale", "window"
+    return inner.optimizer.loss_scaler, "cur_scale", "scale_window"  # DeepSpeed's
+
+
+SCALE_START_DIVISOR = 16
+"""scaler_starts_lower: the candidate's scale starts this many times below the config's."""
+
+
+def scaler_starts_lower(arm, engine, plan):
+    """fp16: the candidate's loss scale starts 16x below 2**initial_scale_power."""
+    scaler, scale, _ = _scaler(engine)
+    setattr(scaler, scale, getattr(scaler, scale) / SCALE_START_DIVISOR)
+
+
+def scaler_never_grows(arm, engine, plan):
+    """fp16: the candidate's loss scale never doubles (its window is never reached)."""
+    scaler, _, window = _scaler(engine)
+    setattr(scaler, window, 1 << 30)
+
+
+FP16_KILLED_BY = {
+    "gather_skipped_after_overflow": "own-shard",
+    "scaler_starts_lower": "overflow-pattern",
+    "scaler_never_grows": "overflow-pattern",
+    "skipped_step_counted": "update",
+}
+"""fp16 mutants (they change nothing without an overflow, so they run with --dtype fp16;
+tests/multigpu/test_qualify_fp16.py) -> the family of the check that must fail."""

@@ -149,6 +149,11 @@ def _updates(plan: RunPlan, name: str, ranks: list[ArmObservation]) -> dict[str,
             [step, rank] for rank, item in enumerate(rank_updates) for step in item["missing_steps"]
         ],
         # Every rank judges the same all-reduced norm: steps, not rank-steps.
+        "skipped_steps": [
+            [step, rank]
+            for rank, item in enumerate(rank_updates)
+            for step in item.get("skipped_steps", [])
+        ],
         **{
             key: max((item.get(key, 0) for item in rank_updates), default=0)
             for key in ("norm_checked", "norm_violations")
@@ -230,12 +235,24 @@ def _sections(
     reference_bytes = per_arm[REFERENCE][0].gather_bytes
     code = _code_identity(observations[0])
     names = ("trajectories", "step_one", "updates", "own_shards", "drift", "hashes", "probes")
-    sections: dict[str, list[dict[str, Any]]] = {key: [] for key in (*names, "memory")}
+    sections: dict[str, list[dict[str, Any]]] = {
+        key: [] for key in (*names, "loss_scaling", "memory")
+    }
     for arm in arms:
         name, ranks = arm["name"], per_arm[arm["name"]]
         lead = ranks[0]
         sections["trajectories"].append(_trajectory(plan, name, lead))
-        sections["step_one"].append({"arm": name, "digests": lead.step1_digests})
+        sections["step_one"].append(
+            {"arm": name, "digests": lead.step1_digests, "step": lead.first_update_step}
+        )
+        if lead.overflowed is not None:
+            sections["loss_scaling"].append(
+                {
+                    "arm": name,
+                    "scales": [[_json_float(v) for v in item.loss_scales or []] for item in ranks],
+                    "overflowed": list(lead.overflowed),
+                }
+            )
         sections["updates"].append(_updates(plan, name, ranks))
         if arm["role"] != "calibration":
             sections["own_shards"].append(_own_shards(name, ranks))
@@ -302,7 +319,7 @@ def build_record(
             "calibration_group_size": max(plan.group_sizes) if plan.calibrate else None,
         },
         **{key: sections[key] for key in ("step_one", "updates", "own_shards", "drift")},
-        **{key: sections[key] for key in ("hashes", "probes", "memory")},
+        **{key: sections[key] for key in ("hashes", "probes", "loss_scaling", "memory")},
         "performance": performance,
     }
     return seal(payload)

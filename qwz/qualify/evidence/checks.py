@@ -62,7 +62,7 @@ import math
 import statistics
 from typing import Any
 
-from qwz.qualify.evidence import gather_speed, stats
+from qwz.qualify.evidence import gather_speed, loss_scaling, stats
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
 
@@ -108,10 +108,12 @@ def derive(record: Record) -> list[Check]:
     candidates = [arm for arm in record.arms if arm.role == "candidate"]
     failures = _failures(record)
     world_size = record.environment.world_size
-    digests = {item.arm: item.digests for item in record.step_one}
-    checks = [_finite(trajectory) for trajectory in record.trajectories]
+    digests = {item.arm: item for item in record.step_one}
+    skips = _skips(record)
+    checks = [_finite(trajectory, skips.get(trajectory.arm)) for trajectory in record.trajectories]
     checks += [_step_one(arm.name, digests, reference) for arm in candidates]
-    checks += [_update(updates) for updates in record.updates]
+    checks += [_update(updates, skips.get(updates.arm)) for updates in record.updates]
+    checks += _overflow_patterns(record, reference)
     checks += [
         _own_shard(own, arms[own.arm].quantized, failures.get(own.arm)) for own in record.own_shards
     ]
@@ -126,10 +128,46 @@ def derive(record: Record) -> list[Check]:
     return checks
 
 
-def _finite(trajectory) -> Check:
-    """Every arm ran to the end with finite numbers."""
+def _skips(record: Record) -> dict[str, loss_scaling.Skips]:
+    """fp16: every arm's skips against its overflows ([Note: overflow pattern])."""
+    updates = {item.arm: item for item in record.updates}
+    world_size = record.environment.world_size
+    return {
+        trace.arm: loss_scaling.skips(trace, updates[trace.arm], world_size)
+        for trace in record.loss_scaling
+        if trace.arm in updates
+    }
+
+
+def _overflow_patterns(record: Record, reference: str | None) -> list[Check]:
+    """``overflow-pattern[arm]`` for every fp16 arm (loss_scaling.py)."""
+    traces = {trace.arm: trace for trace in record.loss_scaling}
+    first = {item.arm: item.step for item in record.step_one}
+    configs = {arm.name: arm.config.get("fp16", {}) for arm in record.arms}
+    roles = {arm.name: arm.role for arm in record.arms}
+    base = traces.get(reference or "")
+    return [
+        loss_scaling.overflow_pattern(
+            trace,
+            configs[trace.arm],
+            first.get(trace.arm),
+            (base, first.get(reference)) if base and roles[trace.arm] == "candidate" else None,
+        )
+        for trace in record.loss_scaling
+    ]
+
+
+def _finite(trajectory, skips: loss_scaling.Skips | None = None) -> Check:
+    """Every arm ran to the end with finite numbers (fp16: except on legitimately skipped
+    steps, [Note: overflow pattern])."""
     failure, name = trajectory.failure, f"finite[{trajectory.arm}]"
-    numbers = [*trajectory.losses, *trajectory.grad_norms]
+    allowed = skips.legitimate if skips is not None else frozenset()
+    numbers = [
+        value
+        for series in (trajectory.losses, trajectory.grad_norms)
+        for step, value in enumerate(series, 1)
+        if step not in allowed
+    ]
     if failure is not None and failure.kind == "not-run":
         return _check(name, "n/a", failure.message)
     if failure is not None:
@@ -149,21 +187,37 @@ def _finite(trajectory) -> Check:
             f"{len(trajectory.losses)} of {trajectory.steps_planned} steps recorded, "
             f"{sum(value is None for value in numbers)} non-finite values",
         )
+    skipped = (
+        f" but on {len(allowed)} overflow-skipped steps (the loss scaler's business)"
+        if allowed
+        else ""
+    )
     return _check(
         name,
         "pass",
-        f"{trajectory.steps_planned} steps, every loss and gradient norm finite",
+        f"{trajectory.steps_planned} steps, every loss and gradient norm finite{skipped}",
         steps=trajectory.steps_planned,
+        overflow_skipped=len(allowed),
     )
 
 
 def _step_one(arm: str, digests: dict[str, Any], reference: str | None) -> Check:
-    """Step 1: a candidate's masters equal the reference's, bit for bit."""
+    """Step 1 (the first optimizer step: later where fp16 overflows skipped the first): a
+    candidate's masters equal the reference's, bit for bit."""
     name = f"step1-exact[{arm}]"
-    theirs, ours = digests.get(reference or ""), digests.get(arm)
+    their_item, our_item = digests.get(reference or ""), digests.get(arm)
+    theirs = their_item.digests if their_item else None
+    ours = our_item.digests if our_item else None
     if theirs is None or ours is None:
         who = arm if ours is None else "the reference"
         return _check(name, "n/a", f"{who} did not complete step 1")
+    if our_item.step != their_item.step:
+        return _check(
+            name,
+            "fail",
+            f"the first optimizer step was step {our_item.step}, the reference's step "
+            f"{their_item.step}: with the same weights and batches until then, they differ",
+        )
     differing = sorted(key for key in theirs if ours.get(key) != theirs[key])
     differing += sorted(set(ours) - set(theirs))
     if differing:
@@ -175,10 +229,11 @@ def _step_one(arm: str, digests: dict[str, Any], reference: str | None) -> Check
             + (" ..." if len(differing) > 8 else ""),
             differing=len(differing),
         )
+    at = "step 1" if our_item.step in (None, 1) else f"the first optimizer step ({our_item.step})"
     return _check(
         name,
         "pass",
-        f"after step 1 all {len(theirs)} parameters' fp32 masters equal the "
+        f"after {at} all {len(theirs)} parameters' fp32 masters equal the "
         "reference's bit for bit (same start, same first gradient)",
         parameters=len(theirs),
     )
@@ -234,9 +289,27 @@ def _speedup(performance, min_speedup: float) -> Check:
     )
 
 
-def _update(updates) -> Check:
-    """[Note: exact update check] and [Note: global norm check] (qualify/run/observers.py)."""
+def _skip_problems(skips: loss_scaling.Skips | None) -> str:
+    """fp16: the steps skipped or taken against the overflows ([Note: overflow pattern])."""
+    if skips is None:
+        return ""
+    wrong = [
+        f"rank {rank} did not step at step {step}, though no rank's gradient overflowed"
+        for step, rank in skips.unwarranted
+    ] + [
+        f"rank {rank} stepped at step {step}, though a rank's fp16 gradient overflowed"
+        for step, rank in skips.stepped_on_overflow
+    ]
+    return "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
+
+
+def _update(updates, skips: loss_scaling.Skips | None = None) -> Check:
+    """[Note: exact update check] and [Note: global norm check] (qualify/run/observers.py);
+    fp16: the skips against the overflows ([Note: overflow pattern])."""
     name = f"update[{updates.arm}]"
+    wrong_skips = _skip_problems(skips)
+    if wrong_skips:
+        return _check(name, "fail", f"fp16 skips: {wrong_skips}", violations=updates.violations)
     norm = (
         f"; the handed gradient's global norm matched min(norm, clip) on "
         f"{updates.norm_checked} steps (worst {updates.norm_max_ratio:.3g} of the bound)"
@@ -266,8 +339,14 @@ def _update(updates) -> Check:
         "pass",
         f"{updates.checked} sampled master updates equal AdamW's on the arm's own "
         f"gradient and state within rounding (worst {updates.max_ratio:.3g} of "
-        f"the bound){norm if updates.norm_checked else ''}; one optimizer step per training "
-        "step on every rank",
+        f"the bound){norm if updates.norm_checked else ''}; "
+        + (
+            f"one optimizer step per training step on every rank but on the "
+            f"{len(skips.legitimate)} overflowed steps, which every rank skipped with its "
+            "sampled masters unchanged"
+            if skips is not None and skips.legitimate
+            else "one optimizer step per training step on every rank"
+        ),
         checked=updates.checked,
         max_ratio=updates.max_ratio,
         norm_checked=updates.norm_checked,

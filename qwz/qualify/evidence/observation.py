@@ -28,6 +28,14 @@ class ArmObservation:
     held_out: list[list[float]] = field(default_factory=list)
     """``[step, loss]`` at the plan's evaluation steps."""
     step1_digests: dict[str, str] | None = None
+    """Master digests after the arm's first optimizer step, ``first_update_step``."""
+    first_update_step: int | None = None
+    """The first step the optimizer took: 1, unless fp16 overflows skipped the first."""
+    loss_scales: list[float | None] | None = None
+    """fp16: per step, the loss scale this rank applied ([Note: overflow observation],
+    run/observers.py); None for other dtypes."""
+    overflowed: list[bool] | None = None
+    """fp16: per step, whether any rank's loss-scaled gradient held an Inf or NaN."""
     update: dict[str, Any] | None = None
     """[Note: exact update check] (run/observers.py), as ``UpdateResult`` fields."""
     own_shard: dict[str, Any] | None = None

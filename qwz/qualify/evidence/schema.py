@@ -283,6 +283,11 @@ class Updates(_Model):
     norm_max_ratio: float = Field(
         0.0, description="Worst |handed norm - min(norm, clip)| / its bound over the steps"
     )
+    skipped_steps: list[list[int]] = Field(
+        default_factory=list,
+        description="fp16: [step, rank] where the rank's optimizer did not step (legitimate "
+        "only where the step overflowed: [Note: overflow pattern])",
+    )
 
 
 class StepOneMasters(_Model):
@@ -291,6 +296,26 @@ class StepOneMasters(_Model):
 
     arm: str
     digests: dict[str, str] | None = Field(description="null when the arm failed before")
+    step: int | None = Field(
+        1,
+        description="The training step after which they were taken: the arm's first "
+        "optimizer step (later than 1 where fp16 overflows skipped the first steps)",
+    )
+
+
+class LossScaling(_Model):
+    """fp16: per training step, what the harness observed of the arm's dynamic loss scaling
+    ([Note: overflow observation], qualify/run/observers.py); judged by [Note: overflow
+    pattern] (qualify/evidence/loss_scaling.py)."""
+
+    arm: str
+    scales: list[list[float | None]] = Field(
+        description="Per rank, per step: the factor the loss was multiplied by before "
+        "backward (the gradient that reached the harness's loss tensor); null: none reached it"
+    )
+    overflowed: list[bool] = Field(
+        description="Per step: some rank's loss-scaled gradient held an Inf or NaN"
+    )
 
 
 class KernelUse(_Model):
@@ -508,6 +533,9 @@ class Record(_Model):
     drift: list[Drift]
     hashes: list[Hashes]
     probes: list[Probe]
+    loss_scaling: list[LossScaling] = Field(
+        default_factory=list, description="fp16 runs: every arm's loss scaling; empty otherwise"
+    )
     memory: list[Memory]
     performance: list[Performance]
     checks: list[Check]
@@ -527,7 +555,7 @@ class Record(_Model):
             listed = [item.arm for item in getattr(self, section)]
             if sorted(listed) != sorted(names):
                 raise ValueError(f"{section} names arms {listed}, the record has {names}")
-        for section in ("own_shards", "drift", "probes", "memory", "performance"):
+        for section in ("own_shards", "drift", "probes", "loss_scaling", "memory", "performance"):
             unknown = {item.arm for item in getattr(self, section)} - set(names)
             if unknown:
                 raise ValueError(f"{section} names arms the record does not have: {unknown}")

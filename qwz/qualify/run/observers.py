@@ -354,6 +354,18 @@ class UpdateResult:
     """Steps whose global gradient norm was recomputed ([Note: global norm check])."""
     norm_violations: int = 0
     norm_max_ratio: float = 0.0
+    skipped_steps: list[int] = field(default_factory=list)
+    """fp16: training steps at which this rank's optimizer did not step; whether each was a
+    legitimate overflow skip is the evidence's to decide ([Note: overflow pattern])."""
+
+
+class StepAgreement(NamedTuple):
+    """What every rank learns about a step from one all-reduce (:meth:`UpdateCheck.check_norm`)."""
+
+    ranks_stepped: int
+    """Ranks whose optimizer stepped."""
+    ranks_overflowed: int
+    """Ranks whose loss-scaled local gradient held an Inf or NaN (:class:`OverflowWatch`)."""
 
 
 class UpdateCheck:
@@ -368,9 +380,13 @@ class UpdateCheck:
         samples_per_shard: int,
         seed: int,
         rank: int,
+        skips_allowed: bool = False,
     ):
         self.settings = settings
         self.rank = rank
+        self.skips_allowed = skips_allowed
+        """fp16: a step without an optimizer step is recorded (``skipped_steps``), not a
+        violation here; the sampled masters must not have moved across it."""
         self.optimizer = optimizer
         self.shards = list(shards)
         self.samples: list[torch.Tensor] = []
@@ -385,6 +401,9 @@ class UpdateCheck:
         self.result = UpdateResult()
         self.step = 0
         self._calls = 0
+        self._optimizer_steps = 0
+        """Optimizer steps observed so far: Adam's step count must equal it plus one."""
+        self._values_at_start = self._sampled_masters()
         self._before: list[dict[str, torch.Tensor]] | None = None
         self._last_after: list[torch.Tensor] | None = None
         self._grad_squares: torch.Tensor | None = None
@@ -403,11 +422,41 @@ class UpdateCheck:
         self._calls = 0
         self._grad_squares = None
 
+    def _sampled_masters(self) -> list[torch.Tensor]:
+        return [
+            shard.master.detach().reshape(-1)[index].double().cpu()
+            for shard, index in zip(self.shards, self.samples, strict=True)
+        ]
+
     def end_step(self) -> None:
+        if self._calls == 0 and self.skips_allowed:
+            self.result.skipped_steps.append(self.step)
+            self._check_unchanged()
+            return
         if self._calls != 1:
             self.result.missing_steps.append(self.step)
             self.result.violations += 1
             self._violation(-1, 0, f"the optimizer stepped {self._calls} times", math.inf)
+
+    def _check_unchanged(self) -> None:
+        """A step the optimizer did not take leaves every sampled master as it was, and
+        Adam's step count too."""
+        counted = self._step_count(self.shards[0].master) if self.shards else 0
+        if counted != self._optimizer_steps:
+            self.result.violations += 1
+            what = (
+                f"Adam's step count is {counted} after a skipped step, but the optimizer "
+                f"stepped {self._optimizer_steps} times (the skipped step was counted)"
+            )
+            self._violation(-1, 0, what, math.inf)
+        last = self._last_after if self._last_after is not None else self._values_at_start
+        for shard_index, (now, before) in enumerate(
+            zip(self._sampled_masters(), last, strict=True)
+        ):
+            at = self._count(now != before)
+            if at is not None:
+                what = "master changed on a step the optimizer did not take"
+                self._violation(shard_index, int(self.samples[shard_index][at]), what, math.inf)
 
     def _state(self, param: torch.Tensor, key: str, index: torch.Tensor) -> torch.Tensor:
         state = self.optimizer.state.get(param, {})
@@ -424,6 +473,15 @@ class UpdateCheck:
         self._calls += 1
         if self._calls == 1:
             self._grad_squares = _handed_squares(self.shards)
+        if self.shards:
+            counted = self._step_count(self.shards[0].master)
+            if counted != self._optimizer_steps:
+                self.result.violations += 1
+                what = (
+                    f"Adam's step count is {counted + 1}, but the optimizer stepped "
+                    f"{self._optimizer_steps} times before (a step counted that was not taken)"
+                )
+                self._violation(-1, 0, what, math.inf)
         before = []
         for shard_index, (shard, index) in enumerate(zip(self.shards, self.samples, strict=True)):
             param = shard.master
@@ -501,22 +559,34 @@ class UpdateCheck:
                     self._violation(shard_index, int(index[at]), what, float(ratio[at]))
         self._last_after = after
         self._before = None
+        self._optimizer_steps += 1
 
     @torch.no_grad()
-    def check_norm(self, reported_norm: float, gradient_clipping: float) -> None:
+    def check_norm(
+        self,
+        reported_norm: float,
+        gradient_clipping: float,
+        local_overflow: torch.Tensor | None = None,
+    ) -> StepAgreement:
         """[Note: global norm check] for the step just taken; collective: every rank calls it
-        after every step on which no rank failed."""
+        after every step on which no rank failed. The same all-reduce counts the ranks that
+        stepped and those whose `local_overflow` (:class:`OverflowWatch`) is set."""
         device = self.shards[0].master.device if self.shards else torch.device("cpu")
         squares = self._grad_squares
-        local = torch.zeros(2, dtype=torch.float64, device=device)
+        local = torch.zeros(3, dtype=torch.float64, device=device)
         if squares is not None:
             local[0] = squares
             local[1] = 1.0  # this rank's optimizer stepped
-        handed_squares, ranks_stepped = _all_reduce(local).tolist()
+        if local_overflow is not None:
+            local[2] = local_overflow.to(device, torch.float64)
+        handed_squares, ranks_stepped, ranks_overflowed = _all_reduce(local).tolist()
+        agreement = StepAgreement(int(ranks_stepped), int(ranks_overflowed))
         self._grad_squares = None
         world = dist.get_world_size() if dist.is_initialized() else 1
         if int(ranks_stepped) != world or not math.isfinite(reported_norm):
-            return  # a missing step is a violation already; a non-finite norm ends the arm
+            # A missing step is a violation already (or, in fp16, the evidence's to judge); a
+            # non-finite norm ends the arm or belongs to an overflow-skipped step.
+            return agreement
         handed = math.sqrt(handed_squares)
         expected, bound = expected_handed_norm(reported_norm, gradient_clipping)
         ratio = abs(handed - expected) / bound
@@ -531,6 +601,7 @@ class UpdateCheck:
                 f"{gradient_clipping:g} it must be {expected:.9g} (bound {bound:.3g})"
             )
             self._violation(-1, 0, what, ratio, parameter="(global gradient norm)")
+        return agreement
 
     def _count(self, bad: torch.Tensor) -> int | None:
         """Add the sampled elements flagged in `bad` to the violations; the first one's
@@ -556,6 +627,62 @@ class UpdateCheck:
             "what": what,
             "ratio": ratio if math.isfinite(ratio) else None,
         }
+
+
+class OverflowWatch:
+    """[Note: overflow observation]
+    fp16 only. What the evidence needs to judge a skipped step ([Note: overflow pattern],
+    qualify/evidence/loss_scaling.py), observed through public torch hooks on the objects
+    the harness owns -- never the engine's scaler or its overflow flag:
+
+    - the loss scale actually applied: a hook on the loss tensor the harness computed and
+      hands to ``train_step``; the gradient that reaches it is the factor the engine
+      multiplied the loss by before backward (``d(s * loss)/d loss = s``, exact: a power
+      of two in fp32), whatever the engine's scaler says;
+    - whether this rank's loss-scaled gradient overflowed: a hook on every model
+      parameter sees the gradient autograd computed for it (before any engine hook
+      reduces or moves it) and ORs ``not isfinite(grad).all()`` into one device flag --
+      no host synchronisation in backward.
+
+    Each rank's gradient is divided by the world size before the fp16 reduction (qwz's
+    engine always; DeepSpeed's ZeRO-1/2 with ``reduce_scatter``, its default, which the
+    plan's configs keep), so the reduced gradient is finite exactly when every rank's was:
+    the step must be skipped on every rank when any rank's flag is set, and taken
+    otherwise."""
+
+    def __init__(self, module: torch.nn.Module):
+        params = [param for param in module.parameters() if param.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self._scale: torch.Tensor | None = None
+        self._handles = [param.register_hook(self._see_gradient) for param in params]
+
+    def _see_gradient(self, grad: torch.Tensor) -> None:
+        finite = torch.isfinite(grad).all().to(self._nonfinite.device)
+        torch.logical_or(self._nonfinite, ~finite, out=self._nonfinite)
+
+    def _see_scale(self, grad: torch.Tensor) -> None:
+        self._scale = grad.detach().float().reshape(()).clone()
+
+    def watch(self, loss: torch.Tensor) -> None:
+        """Observe the step whose loss is `loss` (call before ``train_step(loss)``)."""
+        self._nonfinite.zero_()
+        self._scale = None
+        loss.register_hook(self._see_scale)
+
+    @property
+    def local_overflow(self) -> torch.Tensor:
+        """0-dim bool on the parameters' device: this rank's scaled gradient was not finite."""
+        return self._nonfinite
+
+    def applied_scale(self) -> float | None:
+        """The factor the loss was multiplied by before backward; None: no gradient reached
+        the loss (the engine did not backpropagate through it)."""
+        return None if self._scale is None else float(self._scale)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 NORM_RELATIVE_SLACK = 2.0**-16

@@ -287,6 +287,10 @@ def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
         flat.add_(noise[: flat.numel()].to(flat.device, flat.dtype))
 
 
+def _non_finite(step: int, loss_value: float, grad_norm: float) -> NonFiniteStep:
+    return NonFiniteStep(f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}")
+
+
 def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module) -> dict:
     """One rank's record of an AGREED_FAILURES error ([Note: failures])."""
     message = f"{type(error).__name__}: {error}".splitlines()[0][:2000]
@@ -363,6 +367,13 @@ class _ArmRun:
         self.exact_masks: list | None = None
         self.own_result = observers.OwnShardResult()
         self.check_own = arm.noise_group_size is None
+        self.fp16 = plan.dtype == "fp16"
+        self.gathered = True
+        """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
+        """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
+        self.overflow_watch: observers.OverflowWatch | None = None
+        if self.fp16:
+            self.observed.update(loss_scales=[], overflowed=[])
 
     def build(self) -> None:
         plan, arm = self.plan, self.arm
@@ -386,7 +397,10 @@ class _ArmRun:
             samples_per_shard=plan.update_samples,
             seed=plan.seed,
             rank=self.rank,
+            skips_allowed=self.fp16,
         )
+        if self.fp16:
+            self.overflow_watch = observers.OverflowWatch(engine.module)
 
     def train(self) -> None:
         """Every step, until the last or the first failure every rank agrees on."""
@@ -409,7 +423,9 @@ class _ArmRun:
 
     def train_step(self, step: int) -> tuple[float, float, WireProbe] | None:
         """One step: its loss and gradient norm and the probe of its gather; None when every
-        rank raised an AGREED_FAILURES error (recorded; the arm ends)."""
+        rank raised an AGREED_FAILURES error (recorded; the arm ends). In fp16 a non-finite
+        loss or norm ends the arm only on a step some rank's optimizer took: a step every
+        rank skipped is the evidence's to judge ([Note: overflow pattern])."""
         plan, engine, update_check = self.plan, self.engine, self.update_check
         error: dict[str, Any] | None = None
         # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
@@ -418,25 +434,45 @@ class _ArmRun:
             with self.peak.around_step():
                 batch = plan.workload.batch(seed=plan.seed, step=step, rank=self.rank)
                 loss = plan.workload.loss(engine.module, batch)
+                if self.overflow_watch is not None:
+                    self.overflow_watch.watch(loss)
                 with WireProbe() as probe:
                     engine.train_step(loss)
             update_check.end_step()
             loss_value = _mean_over_ranks(loss)
             grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                raise NonFiniteStep(
-                    f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}"
-                )
+            finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+            if not (finite or self.fp16):
+                raise _non_finite(step, loss_value, grad_norm)
         except AGREED_FAILURES as raised:  # every rank raised it: agreed on, the arm ends
             error = _failure(step, self.rank, raised, engine.module)
+        if self._agreed_failure(step, error):
+            return None
+        watch = self.overflow_watch
+        agreement = update_check.check_norm(
+            grad_norm, plan.gradient_clipping, None if watch is None else watch.local_overflow
+        )
+        if watch is not None:
+            self.observed["loss_scales"].append(watch.applied_scale())
+            self.observed["overflowed"].append(agreement.ranks_overflowed > 0)
+            if not finite and agreement.ranks_stepped > 0:  # the values are agreed on
+                raised = _non_finite(step, loss_value, grad_norm)
+                self._agreed_failure(step, _failure(step, self.rank, raised, engine.module))
+                return None
+        stepped = agreement.ranks_stepped > 0 or not self.fp16
+        self.gathered = stepped  # an overflow-skipped step runs no gather
+        if stepped and "first_update_step" not in self.observed:
+            self.observed["first_update_step"] = step
+        return loss_value, grad_norm, probe
+
+    def _agreed_failure(self, step: int, error: dict[str, Any] | None) -> bool:
+        """Whether any rank failed at `step` (collective); the failure is recorded."""
         errors = [item for item in _agree(error) if item is not None]
         if errors:
             self.observed["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
             message = errors[0]["message"][:200]
             self.progress.say(f"{self.arm.name}: FAILED at step {step}: {message}")
-            return None
-        update_check.check_norm(grad_norm, plan.gradient_clipping)
-        return loss_value, grad_norm, probe
+        return bool(errors)
 
     def observe(self, step: int, loss_value: float, grad_norm: float, probe: WireProbe) -> None:
         """What the harness checks after a completed step, outside the step's memory window."""
@@ -444,18 +480,28 @@ class _ArmRun:
         module = engine.module
         observed["losses"].append(loss_value)
         observed["grad_norms"].append(grad_norm)
-        observed["gather_bytes"] = int(probe.bytes["gather"])
-        observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+        if self.gathered:  # the probe's bytes are those of the last step that gathered
+            observed["gather_bytes"] = int(probe.bytes["gather"])
+            observed["wire"] = _wire(probe, self.wire_layout, self.rank)
         if arm.noise_group_size is not None:
             _perturb(engine, arm.noise_group_size, plan.seed, step)
-        if self.check_own:
+        if self.check_own and "first_update_step" not in observed:
+            # fp16: every step so far overflowed and was skipped, so no gather has run: the
+            # working copy must still be the model as built, its master cast exactly.
+            untouched = [torch.ones_like(mask) for mask in self.exact_masks]
+            observers.check_own_shards(
+                self.shards, untouched, None, step, self.rank, self.own_result
+            )
+        elif self.check_own:
             observers.check_own_shards(
                 self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
             )
         divergent = observers.replica_divergence(module)
         if divergent and observed.get("replica_divergence") is None:
             observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
-        if step == 1:
+        if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
+            # The first optimizer step (step 1 unless fp16 overflows skipped the first):
+            # until then no gather ran, so every arm held the same weights.
             observed["step1_digests"] = observers.master_digests(self.shards, self.names)
         if self.samples is not None:
             self.sample(step, module)
@@ -487,9 +533,12 @@ class _ArmRun:
         if self.update_check is not None:
             observed["update"] = dataclasses.asdict(self.update_check.result)
             self.update_check.close()
+        if self.overflow_watch is not None:
+            self.overflow_watch.close()
         observed["steps_completed"] = len(observed["losses"])
         observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
         self.engine = self.update_check = self.shards = self.exact_masks = None
+        self.overflow_watch = None
         return ArmObservation(**observed)
 
 

@@ -335,6 +335,59 @@ def deepspeed_native_problems(
     ]
 
 
+FP16_PROBE = """
+import json
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+accelerator = get_accelerator()
+report = {"device": accelerator.device_name(), "fp16": bool(accelerator.is_fp16_supported())}
+print("QWZ-FP16 " + json.dumps(report))
+"""
+
+
+def deepspeed_fp16_problems(
+    source: str | None, backend: str, timeout_s: float = 600.0
+) -> list[str]:
+    """Why a DeepSpeed subject cannot train fp16 here, found before any rank starts:
+    DeepSpeed's engine refuses fp16 ("Type fp16 is not supported on your device") exactly
+    when its accelerator's ``is_fp16_supported()`` is falsy; its CPU accelerator asks
+    oneDNN, which has fp16 only on CPUs with AVX512-FP16 or AMX-FP16. Asked in a subprocess
+    with the ranks' import path and, for a gloo `backend`, the CPU accelerator the ranks
+    get (qwz.devices.use_cpu_accelerator_for_gloo)."""
+    from qwz import devices
+
+    environment = dict(os.environ)
+    if source is not None:
+        paths = [str(pathlib.Path(source).resolve()), environment.get("PYTHONPATH", "")]
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    if not devices.uses_cuda(backend):
+        environment[devices.DEEPSPEED_ACCELERATOR_ENV] = "cpu"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", FP16_PROBE],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return [f"--dtype fp16: importing deepspeed took over {timeout_s:.0f} s"]
+    marker = [line for line in done.stdout.splitlines() if line.startswith("QWZ-FP16 ")]
+    if done.returncode != 0 or not marker:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return [f"--dtype fp16: cannot import deepspeed to ask about fp16: {last}"]
+    report = json.loads(marker[-1].removeprefix("QWZ-FP16 "))
+    if report["fp16"]:
+        return []
+    return [
+        f"--dtype fp16: DeepSpeed refuses fp16 on this machine: its {report['device']} "
+        "accelerator reports no fp16 (is_fp16_supported() is falsy; on CPU oneDNN needs "
+        "AVX512-FP16 or AMX-FP16), so no DeepSpeed arm can train; --subject qwz "
+        "qualifies fp16 here"
+    ]
+
+
 def _version_text(package: pathlib.Path, version: str) -> str:
     """ "DeepSpeed 0.19.8 at <sha> (dirty) from <path>": who refused."""
     from qwz.qualify.evidence import provenance
