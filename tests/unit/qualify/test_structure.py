@@ -21,10 +21,12 @@ LAYERS = {
     "qualify.run": 4,
     "qualify.review": 4,
     "qualify.preflight": 5,
-    "qualify.cli": 6,
+    "qualify.bisect": 6,
+    "qualify.cli": 7,
 }
 """A module may import its own group and any group of a lower layer: run and review are
-siblings (neither imports the other), the CLI sits on top."""
+siblings (neither imports the other), bisect drives whole runs (as subprocesses) and judges
+their records, the CLI sits on top."""
 QUALIFY_TOP = {
     "qwz.qualify": "qualify.base",
     "qwz.qualify.files": "qualify.base",
