@@ -20,6 +20,9 @@
 # records; the gate then requires verified signatures). Without a key the night fails at
 # once (exit 2) unless QWZ_ALLOW_UNSIGNED=1 says unsigned records are meant.
 # Tonight's report paths are listed in <dir>/tonight.txt (the workflow's job summary).
+# A stage that fails against a baseline whose commit is known is bisected (ci/nightly-bisect.sh,
+# into <dir>/bisect/<date>/stage<N>/; its bisect.md joins tonight.txt); QWZ_NIGHTLY_BISECT=0
+# turns that off.
 #
 # DeepSpeed's own implementation instead of qwz's (README "Requalify a DeepSpeed pull
 # request"): QWZ_DEEPSPEED_SRC=PATH (a DeepSpeed checkout) or QWZ_DEEPSPEED_REF=REF (a
@@ -83,6 +86,13 @@ ledger="${QWZ_LEDGER_DIR:-$root/ledger}"
 mkdir -p "$root"
 : > "$root/tonight.txt"
 failed=0
+bisect_night() {  # STAGE OUT RUN-ARGS...: which commit made the stage fail (ci/nightly-bisect.sh)
+  local stage="$1" out="$2"
+  shift 2
+  bash ci/nightly-bisect.sh "$baseline_root/${subject_dir}stage$stage/record.json" \
+    "$out/record.json" "$root/bisect/$today/${subject_dir}stage$stage" "$root/tonight.txt" \
+    --world-size "$world" "$@"
+}
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
 for stage in 1 2; do
@@ -101,6 +111,7 @@ for stage in 1 2; do
   if [ "$status" -ne 0 ]; then
     echo "nightly: stage $stage qualification failed (exit $status); see $out/report.md" >&2
     failed=1
+    bisect_night "$stage" "$out" "${args[@]:3}"
     continue
   fi
   baseline_dir="$baseline_root/${subject_dir}stage$stage"
@@ -110,6 +121,7 @@ for stage in 1 2; do
     if [ "$status" -ne 0 ]; then
       echo "nightly: stage $stage compare exit $status against $baseline_dir/record.json" >&2
       failed=1
+      bisect_night "$stage" "$out" "${args[@]:3}"
       continue
     fi
     if [ "${QWZ_PROMOTE:-0}" = "1" ]; then

@@ -330,14 +330,8 @@ def _add_bisect_commands(commands) -> None:
             default=pathlib.Path("."),
             help="the repository under test (qwz's, or DeepSpeed's)",
         )
-        command.add_argument(
-            "--good",
-            default=None,
-            help="a good commit (bisect-step: default git's refs/bisect/good-*)",
-        )
-        command.add_argument(
-            "--bad", default=None, help="a bad commit (bisect-step: default git's refs/bisect/bad)"
-        )
+        command.add_argument("--good", required=True, help="a good commit (the older end)")
+        command.add_argument("--bad", required=True, help="a bad commit (the newer end)")
         command.add_argument("--out", type=_path, required=True, help="the bisect's directory")
         oracle = command.add_mutually_exclusive_group()
         oracle.add_argument(
@@ -378,7 +372,7 @@ def _add_bisect_commands(commands) -> None:
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
-    from qwz.launch import Interrupted
+    from qwz.launch import Interrupted, signals_interrupt
     from qwz.qualify.bisect import command
 
     for flag in ("--out", "--force", "--deepspeed-src"):
@@ -407,7 +401,8 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         list(args.run_args),
     )
     try:
-        return (command.run_bisect if args.command == "bisect" else command.run_step)(options)
+        with signals_interrupt():  # between trials too, not only while one runs
+            return (command.run_bisect if args.command == "bisect" else command.run_step)(options)
     except Interrupted as interrupted:  # [Note: stopping a trial] in qualify/bisect/trial.py
         print(f"qwz-qualify {args.command}: {interrupted}; the trial's ranks were stopped and "
               f"every finished attempt is kept in {args.out} (run it again to resume)",

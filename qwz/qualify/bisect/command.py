@@ -35,8 +35,8 @@ class NothingToFind(Exception):
 
 class Options(NamedTuple):
     repository: pathlib.Path
-    good: str | None
-    bad: str | None
+    good: str
+    bad: str
     out: pathlib.Path
     oracle: str
     """"default", "check", "hash" or "speed"."""
@@ -118,20 +118,16 @@ def _entry(attempt: state.Attempt, loaded, judgement: oracle.Judgement) -> dict[
 
 
 def _resolve(options: Options) -> tuple[pathlib.Path, str, str]:
-    """The repository's root and the full SHAs of the good and bad heads (bisect-step: git's
-    refs/bisect/* when --good/--bad are not given)."""
+    """The repository's root and the full SHAs of the good and bad heads. (bisect-step takes
+    them as given too: git moves refs/bisect/* as it goes, and the references of the oracle
+    must stay the same commits for every step.)"""
     try:
         repository = history.top_level(options.repository)
-        good = options.good or history.git(
-            repository, "for-each-ref", "--count=1", "--format=%(objectname)", "refs/bisect/good-*"
+        return (
+            repository,
+            history.commit_sha(repository, options.good),
+            history.commit_sha(repository, options.bad),
         )
-        bad = options.bad or history.git(repository, "for-each-ref", "--format=%(objectname)",
-                                         "refs/bisect/bad")  # fmt: skip
-        if not good or not bad:
-            raise Refused(
-                "--good and --bad are needed (no git bisect in progress to take them from)"
-            )
-        return repository, history.commit_sha(repository, good), history.commit_sha(repository, bad)
     except history.GitError as error:
         raise Refused(str(error)) from None
 
