@@ -16,7 +16,7 @@ import pytest
 
 from qwz.launch import Interrupted
 from qwz.qualify import cli
-from qwz.qualify.bisect import command, oracle, search, trial
+from qwz.qualify.bisect import command, oracle, search, trial, worktrees
 from qwz.qualify.evidence import record as records
 
 from ..records import CANDIDATE, make_payload, make_performance, make_record, violation
@@ -279,3 +279,14 @@ def test_a_good_head_off_the_first_parent_line_is_refused(tmp_path):
     ]
     with pytest.raises(history.GitError, match="not on the first-parent history"):
         history.first_parent_range(tmp_path / "repo", side, head)
+
+
+def test_a_directory_bisected_by_another_harness_is_refused(monkeypatch, tmp_path, capsys):
+    """Records judged by one harness are never reused under another ([Note: the judge is the
+    bisecting head's])."""
+    shas = _history(tmp_path / "repo", HISTORY)
+    code, _ = _bisect(monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), shas=shas)
+    assert code == command.FOUND
+    monkeypatch.setattr(worktrees, "harness_digest", lambda: "0" * 64)
+    code, _ = _bisect(monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), shas=shas)
+    assert code == command.REFUSED and "harness_digest differ" in capsys.readouterr().err
