@@ -87,13 +87,18 @@ class Session:
 
     def judge(self, sha: str, judge_by) -> oracle.Judgement:
         """`sha`'s verdict; an ambiguous one is measured again, up to --speed-retries times,
-        then skipped. Every attempt is noted for the result."""
+        its measurements pooled ([Note: speed verdicts] in qualify/bisect/oracle.py), then
+        skipped. Every attempt is noted for the result."""
         entries = self.tested.setdefault(sha, [])
         entries.clear()
+        measured: list[Record] = []
         for number in range(1 + self.speed_retries):
             attempt, loaded = self.record(sha, number)
             if isinstance(loaded, str):
                 judgement = oracle.Judgement("skip", loaded)
+            elif isinstance(judge_by, oracle.SpeedOracle):
+                judgement = judge_by.judge(loaded, tuple(measured))
+                measured.append(loaded)
             else:
                 judgement = judge_by.judge(loaded)
             entries.append(_entry(attempt, loaded, judgement))

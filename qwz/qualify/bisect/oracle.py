@@ -5,7 +5,8 @@
 - ``HashOracle``: bad when the final hashes (every arm, every rank) differ from the good
   head's, good when they are equal: which commit changed the numerics.
 - ``SpeedOracle``: bad when a candidate's speed-up interval lies entirely below the good
-  head's, good when it reaches the good head's median, ambiguous in between (re-measured).
+  head's, good when its median reaches the good head's interval, ambiguous in between
+  (re-measured, the measurements pooled; [Note: speed verdicts]).
 
 A record that cannot answer is a skip (``git bisect run``'s exit 125), with the reason: an
 INCONCLUSIVE run, a crash that is not the check under search, a check that is n/a.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from qwz.qualify.evidence.checks import summarize_blocks
 from qwz.qualify.evidence.schema import Record
 
 CHECK_FAMILIES = (
@@ -119,18 +121,26 @@ class HashOracle(NamedTuple):
         return Judgement("good", "final hashes equal the good head's")
 
 
-def speed_intervals(record: Record) -> dict[str, tuple[float, float, float]] | str:
-    """Each candidate's speed-up (ci_low, median, ci_high), or why the record has none."""
-    if record.verdict.status == "INCONCLUSIVE":
-        return f"INCONCLUSIVE: {', '.join(record.verdict.inconclusive)}"
-    crash = _crash(record)
-    if crash is not None:
-        return crash
+def speed_intervals(*records: Record) -> dict[str, tuple[float, float, float]] | str:
+    """Each candidate's speed-up (ci_low, median, ci_high) over the timed blocks of every one
+    of `records` (measurements of one commit, pooled: a re-measured commit's interval
+    narrows), or why they give none."""
+    blocks: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.verdict.status == "INCONCLUSIVE":
+            return f"INCONCLUSIVE: {', '.join(record.verdict.inconclusive)}"
+        crash = _crash(record)
+        if crash is not None:
+            return crash
+        for item in record.performance:
+            raw = [block.model_dump(mode="json") for block in item.blocks]
+            blocks.setdefault(item.arm, []).extend(raw)
     intervals = {}
-    for item in record.performance:
-        if item.ci_low is None or item.ci_high is None or item.median_speedup is None:
-            return f"{item.arm}: no speed-up interval ({item.ci_method})"
-        intervals[item.arm] = (item.ci_low, item.median_speedup, item.ci_high)
+    for arm, raw in blocks.items():
+        summary = summarize_blocks(raw)
+        if summary["ci_low"] is None or summary["ci_high"] is None:
+            return f"{arm}: no speed-up interval ({summary['ci_method']})"
+        intervals[arm] = (summary["ci_low"], summary["median_speedup"], summary["ci_high"])
     return intervals or "no timed candidate (--blocks?)"
 
 
@@ -140,26 +150,36 @@ def _shown(interval: tuple[float, float, float]) -> str:
 
 
 class SpeedOracle(NamedTuple):
+    """[Note: speed verdicts] Bad: the commit's interval lies entirely below the good head's
+    (its upper end under the good head's lower end). Good: its median reaches the good
+    head's lower end (no slowdown beyond the good head's own uncertainty). In between (a
+    median below the good head's interval, an interval reaching into it) the commit is
+    ambiguous: it is measured again and its blocks pooled with the earlier ones."""
+
     reference: dict[str, tuple[float, float, float]]
     """The good head's speed-up intervals, by candidate arm."""
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "speed", "good_intervals": {a: list(i) for a, i in self.reference.items()}}
 
-    def judge(self, record: Record) -> Judgement:
-        intervals = speed_intervals(record)
+    def judge(self, record: Record, earlier: tuple[Record, ...] = ()) -> Judgement:
+        """`record`'s verdict, its blocks pooled with those of `earlier` measurements of the
+        same commit."""
+        intervals = speed_intervals(*earlier, record)
         if isinstance(intervals, str):
             return Judgement("skip", intervals)
         if set(intervals) != set(self.reference):
             return Judgement("skip", f"candidates {sorted(intervals)} are not the good head's")
         verdicts = {}
-        for arm, (_, _, high) in intervals.items():
-            good_low, good_median, _ = self.reference[arm]
+        for arm, (_, median, high) in intervals.items():
+            good_low = self.reference[arm][0]
             verdicts[arm] = (
-                "bad" if high < good_low else "good" if high >= good_median else "ambiguous"
+                "bad" if high < good_low else "good" if median >= good_low else "ambiguous"
             )
         shown = "; ".join(f"{arm} {_shown(intervals[arm])} vs {_shown(self.reference[arm])}"
                           for arm in intervals)  # fmt: skip
+        if len(earlier):
+            shown += f" ({len(earlier) + 1} measurements pooled)"
         for verdict in ("bad", "ambiguous"):
             if verdict in verdicts.values():
                 return Judgement(verdict, shown)

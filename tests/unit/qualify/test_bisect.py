@@ -115,10 +115,24 @@ def test_the_speed_oracle_below_within_and_ambiguous():
     slow = make_record(performance=[make_performance(speed_scale=0.7)])
     assert oracle.SpeedOracle(good).judge(make_record()).verdict == "good"
     assert oracle.SpeedOracle(good).judge(slow).verdict == "bad"
-    high = good[CANDIDATE][2]
-    # The commit's interval reaches the good one's lower end but not its median.
+    _, median, high = good[CANDIDATE]
+    # The commit's interval reaches the good one's lower end, its median does not.
     above = {CANDIDATE: (high - 1e-9, high + 0.5, high + 1.0)}
     assert oracle.SpeedOracle(above).judge(make_record()).verdict == "ambiguous"
+    at_median = {CANDIDATE: (median, median + 0.5, median + 1.0)}
+    assert oracle.SpeedOracle(at_median).judge(make_record()).verdict == "good"
+
+
+def test_a_re_measured_commit_pools_its_blocks():
+    """Two measurements of one commit: the interval is the pooled blocks', not the latest's."""
+    first = make_record(performance=[make_performance(jitter=(0.2, -0.2, 0.1, -0.1))])
+    second = make_record(performance=[make_performance(jitter=(0.0, 0.01, -0.01, 0.0))])
+    alone = oracle.speed_intervals(second)[CANDIDATE]
+    pooled = oracle.speed_intervals(first, second)[CANDIDATE]
+    assert pooled != alone
+    reference = {CANDIDATE: (alone[0] - 1e-9, alone[1], alone[2])}
+    judgement = oracle.SpeedOracle(reference).judge(second, (first,))
+    assert "2 measurements pooled" in judgement.why
 
 
 # --------------------------------------------------------------------------- whole bisects
@@ -232,7 +246,9 @@ def test_an_ambiguous_speed_is_measured_again_then_skipped(monkeypatch, tmp_path
                               None, 2, None, "qwz", ["--workload", "mlp"])  # fmt: skip
     _, session = command._open(options)
     good = oracle.speed_intervals(make_record())[CANDIDATE]
-    ambiguous = oracle.SpeedOracle({CANDIDATE: (good[2] - 1e-9, good[2] + 0.5, good[2] + 1)})
+    # Its median just below the good head's interval, its interval reaching into it.
+    ambiguous = oracle.SpeedOracle({CANDIDATE: (good[1] + 1e-9, good[1] + 0.5, good[1] + 1)})
+    assert ambiguous.judge(make_record()).verdict == "ambiguous"
     judgement = session.judge(shas[1], ambiguous)
     assert judgement.verdict == "skip" and "ambiguous after 3 measurements" in judgement.why
     assert fake.calls == [shas[1]] * 3
