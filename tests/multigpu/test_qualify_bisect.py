@@ -215,7 +215,7 @@ def test_a_speed_bisect_finds_a_planted_30_percent_slowdown(tmp_path):
             ("docs: seven", None),
         ],
     )
-    speed_args = ["--workload", "mlp", "--steps", "2", "--eval-every", "1", "--blocks", "30",
+    speed_args = ["--workload", "mlp", "--steps", "2", "--eval-every", "1", "--blocks", "16",
                   "--block-steps", "4", "--warmup-steps", "1", "--no-calibration"]  # fmt: skip
     started = time.monotonic()
     bisect = _qwz_qualify(

@@ -306,3 +306,29 @@ def test_a_directory_bisected_by_another_harness_is_refused(monkeypatch, tmp_pat
     monkeypatch.setattr(worktrees, "harness_digest", lambda: "0" * 64)
     code, _ = _bisect(monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), shas=shas)
     assert code == command.REFUSED and "harness_digest differ" in capsys.readouterr().err
+
+
+def test_a_trial_worktree_never_touches_the_users_tree(tmp_path):
+    """A DeepSpeed subject gets the worktree as --deepspeed-src (no harness copied in), --setup
+    runs there, a failing setup is "not buildable", a qwz subject without a qwz/ package is
+    "not importable", and the user's checkout keeps its HEAD and a clean status."""
+    from qwz.qualify.bisect import state
+
+    shas = _history(tmp_path / "repo", ["one", "two"])
+    (tmp_path / "repo" / "file.txt").write_text("the user's uncommitted edit\n")
+    request = {"repository": str(tmp_path / "repo"), "subject": "deepspeed-native",
+               "setup": "touch built", "run_args": []}  # fmt: skip
+    out = tmp_path / "out"
+    worktree, extra = trial._prepare(request, out, shas[0], state.next_attempt(out, shas[0]))
+    assert extra == ["--deepspeed-src", str(worktree)]
+    assert (worktree / "built").exists() and (worktree / "file.txt").read_text() == "0\n"
+    assert not (worktree / "qwz").exists()
+    failing = {**request, "setup": "echo no compiler >&2; exit 3"}
+    _, why = trial._prepare(failing, out, shas[1], state.next_attempt(out, shas[1]))
+    assert why == "not buildable: --setup exited 3: no compiler"
+    _, why = trial._prepare({**request, "subject": "qwz", "setup": None}, out, shas[1],
+                            state.next_attempt(out, shas[1]))  # fmt: skip
+    assert why == "not importable: the commit has no qwz/ package"
+    assert _git(tmp_path / "repo", "rev-parse", "HEAD") == shas[-1]
+    assert _git(tmp_path / "repo", "status", "--porcelain") == "M file.txt"
+    assert (tmp_path / "repo" / "file.txt").read_text() == "the user's uncommitted edit\n"
