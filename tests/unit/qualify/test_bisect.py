@@ -332,3 +332,27 @@ def test_a_trial_worktree_never_touches_the_users_tree(tmp_path):
     assert _git(tmp_path / "repo", "rev-parse", "HEAD") == shas[-1]
     assert _git(tmp_path / "repo", "status", "--porcelain") == "M file.txt"
     assert (tmp_path / "repo" / "file.txt").read_text() == "the user's uncommitted edit\n"
+
+
+def test_a_qwz_commit_is_qualified_by_the_bisecting_harness(tmp_path):
+    """[Note: the judge is the bisecting head's]: the commit's own qwz/qualify is replaced by
+    the snapshot; the rest of its qwz (the code under test) stays the commit's."""
+    from qwz.qualify.bisect import state
+
+    repository = tmp_path / "repo"
+    shas = _history(repository, ["one"])
+    (repository / "qwz" / "qualify").mkdir(parents=True)
+    (repository / "qwz" / "__init__.py").write_text("ENGINE = 'the commit'\n")
+    (repository / "qwz" / "qualify" / "__init__.py").write_text("JUDGE = 'the commit'\n")
+    _git(repository, "add", "-A")
+    _git(repository, "commit", "--quiet", "-m", "a qwz package")
+    sha = _git(repository, "rev-parse", "HEAD")
+    out = tmp_path / "out"
+    worktrees.snapshot_harness(out)
+    request = {"repository": str(repository), "subject": "qwz", "setup": None, "run_args": []}
+    worktree, extra = trial._prepare(request, out, sha, state.next_attempt(out, sha))
+    assert extra == [] and shas[0] != sha
+    assert (worktree / "qwz" / "__init__.py").read_text() == "ENGINE = 'the commit'\n"
+    judge = worktree / "qwz" / "qualify"
+    assert "the commit" not in (judge / "__init__.py").read_text()
+    assert worktrees.harness_digest(judge) == worktrees.harness_digest()
