@@ -4,6 +4,12 @@
 # gate failed against a baseline whose commit is known.
 #
 #   bash ci/nightly-bisect.sh BASELINE_RECORD TONIGHT_RECORD OUT TONIGHT_LIST RUN-ARGS...
+#   bash ci/nightly-bisect.sh --matrix BASELINE_MATRIX_DIR TONIGHT_MATRIX_DIR OUT TONIGHT_LIST [EXTRA-ARGS...]
+#
+# --matrix (a night run as `qwz-qualify matrix`): each cell of tonight's matrix.json whose
+# status is FAIL is bisected with its own run arguments from its baseline cell's record
+# (OUT/<cell id>/); when no cell failed but the gate did, the cells with a baseline are
+# bisected with --speed. At most QWZ_NIGHTLY_BISECT_MAX cells (default 2) a night.
 #
 # RUN-ARGS are the stage's `qwz-qualify run` arguments after `--out DIR`; `--ledger DIR` is
 # dropped (a bisect's trials must not write the night's ledger) and `--deepspeed-src PATH`
@@ -14,6 +20,32 @@
 # why when it does not bisect (QWZ_NIGHTLY_BISECT=0, the baseline's commit unknown or dirty,
 # not in this checkout, or the bisect refused).
 set -uo pipefail
+if [ "${1:-}" = "--matrix" ]; then
+  [ "$#" -ge 5 ] || { echo "usage: bash ci/nightly-bisect.sh --matrix BASELINE_DIR TONIGHT_DIR OUT TONIGHT_LIST [EXTRA-ARGS...]" >&2; exit 2; }
+  baseline_dir="$2" tonight_dir="$3" out="$4" list="$5"
+  shift 5
+  mkdir -p "$out"
+  # One line per cell to bisect: its id; its run arguments go NUL-separated into OUT/<id>.args.
+  cells="$(python - "$baseline_dir" "$tonight_dir" "$out" "${QWZ_NIGHTLY_BISECT_MAX:-2}" <<'PY'
+import json, pathlib, sys
+baseline, tonight, out = (pathlib.Path(a) for a in sys.argv[1:4])
+most = int(sys.argv[4])
+rows = json.loads((tonight / "matrix.json").read_text())["cells"]
+known = [row for row in rows if row.get("record") and (baseline / row["record"]).is_file()]
+chosen = [row for row in known if row["status"] == "FAIL"] or [row for row in known if row["status"] == "PASS"]
+for row in chosen[:most]:
+    (out / f"{row['id']}.args").write_bytes(b"".join(a.encode() + b"\0" for a in row["arguments"]))
+    print(row["id"])
+PY
+)" || cells=""
+  for cell in $cells; do
+    mapfile -d '' cell_args < "$out/$cell.args"
+    bash "$0" "$baseline_dir/cells/$cell/record.json" "$tonight_dir/cells/$cell/record.json" \
+      "$out/$cell" "$list" "${cell_args[@]}" "$@"
+  done
+  [ -n "$cells" ] || echo "nightly-bisect: no cell of $tonight_dir has a baseline record: not bisecting" >&2
+  exit 0
+fi
 if [ "$#" -lt 4 ]; then
   echo "usage: bash ci/nightly-bisect.sh BASELINE_RECORD TONIGHT_RECORD OUT TONIGHT_LIST RUN-ARGS..." >&2
   exit 2

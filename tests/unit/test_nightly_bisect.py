@@ -85,3 +85,39 @@ def test_no_bisect_without_a_known_baseline_commit_or_when_turned_off(tmp_path):
     off = _run(tmp_path, "--stage", "2", QWZ_NIGHTLY_BISECT="0")
     assert off.returncode == 0 and "not bisecting" in off.stderr
     assert not (tmp_path / "args.txt").exists()
+
+
+def test_a_matrix_night_bisects_its_failed_cells_with_their_own_arguments(tmp_path):
+    repository, first = _setup(tmp_path, "FAIL")
+    baseline, tonight = tmp_path / "baseline-matrix", tmp_path / "tonight-matrix"
+    cells = [
+        ("stage1", "PASS", ["--stage", "1"]),
+        ("stage2", "FAIL", ["--stage", "2", "--ledger", "L"]),
+        ("nobase", "FAIL", ["--stage", "3"]),
+    ]
+    for cell, status, _ in cells:
+        for root, verdict in ((baseline, "PASS"), (tonight, status)):
+            if root is baseline and cell == "nobase":
+                continue
+            (root / "cells" / cell).mkdir(parents=True)
+            record = {"head": {"sha": first, "dirty": False}, "verdict": {"status": verdict}}
+            (root / "cells" / cell / "record.json").write_text(json.dumps(record))
+    rows = [{"id": c, "status": s, "arguments": a, "record": f"cells/{c}/record.json"}
+            for c, s, a in cells]  # fmt: skip
+    (tonight / "matrix.json").write_text(json.dumps({"cells": rows}))
+    path = f"{tmp_path / 'bin'}{os.pathsep}{pathlib.Path(sys.executable).parent}{os.pathsep}"
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--matrix", str(baseline), str(tonight), str(tmp_path / "out"),
+         str(tmp_path / "tonight.txt")],
+        cwd=repository, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": path + os.environ["PATH"],
+             "STUB_ARGS": str(tmp_path / "args.txt")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "args.txt").read_text().split("\n")[:-1]
+    assert args[args.index("--out") + 1] == str(tmp_path / "out" / "stage2")
+    assert args[args.index("--") + 1 :] == ["--stage", "2"]  # the failed cell's, ledger dropped
+    assert "--speed" not in args
+    assert (
+        tmp_path / "tonight.txt"
+    ).read_text() == f"{tmp_path / 'out' / 'stage2' / 'bisect.md'}\n"
