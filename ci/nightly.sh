@@ -28,6 +28,9 @@
 # once (exit 2) unless QWZ_ALLOW_UNSIGNED=1 says unsigned records are meant. World sizes
 # are the spec's: every cell runs local ranks (NCCL where the GPUs cover its world size).
 # Tonight's table is listed in <dir>/tonight.txt (the workflow's job summary).
+# A matrix that fails, or fails the gate, against a baseline matrix whose commit is known is
+# bisected cell by cell (ci/nightly-bisect.sh --matrix, into <dir>/bisect/<date>/; each
+# bisect.md joins tonight.txt); QWZ_NIGHTLY_BISECT=0 turns that off.
 #
 # DeepSpeed's own implementation instead of qwz's (README "Requalify a DeepSpeed pull
 # request"): QWZ_DEEPSPEED_SRC=PATH (a DeepSpeed checkout) or QWZ_DEEPSPEED_REF=REF (a
@@ -88,6 +91,10 @@ ledger="${QWZ_LEDGER_DIR:-$root/ledger}"
 mkdir -p "$root"
 : > "$root/tonight.txt"
 failed=0
+bisect_night() {  # which commit made tonight's matrix fail (ci/nightly-bisect.sh --matrix)
+  bash ci/nightly-bisect.sh --matrix "$baseline_dir" "$out" "$root/bisect/$today/${subject_dir}$spec_name" \
+    "$root/tonight.txt" "${subject_args[@]}"
+}
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
 out="$root/history/$today/${subject_dir}$spec_name"
@@ -110,7 +117,10 @@ if [ -f "$baseline_dir/matrix.json" ]; then
   if [ "$gated" -ne 0 ]; then
     echo "nightly: compare exit $gated against the baseline matrix $baseline_dir" >&2
     failed=1
-  elif [ "${QWZ_PROMOTE:-0}" = "1" ] && [ "$status" -eq 0 ]; then
+    bisect_night
+  elif [ "$status" -ne 0 ]; then
+    bisect_night
+  elif [ "${QWZ_PROMOTE:-0}" = "1" ]; then
     echo "nightly: QWZ_PROMOTE=1: promoting $spec_name of $today to the baseline" >&2
     qwz-qualify promote "$out" "$baseline_dir" || failed=1
   fi

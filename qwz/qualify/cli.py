@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(_add_run_subject(commands))
     _add_matrix_command(commands)
     _add_review_commands(commands)
+    _add_bisect_commands(commands)
     return parser
 
 
@@ -349,6 +350,107 @@ def _add_review_commands(commands) -> None:
     )
     promote.add_argument("record", type=_path)
     promote.add_argument("baseline_dir", type=_path)
+
+
+def _add_bisect_commands(commands) -> None:
+    """``bisect`` and ``bisect-step`` (qwz/qualify/bisect/command.py for their exit codes)."""
+    for name, text in (
+        (
+            "bisect",
+            "find the first commit the qualification judges bad (exit 0 found, "
+            "1 nothing to find, 2 refused, 3 skipped commits hide it)",
+        ),
+        (
+            "bisect-step",
+            "judge the repository's HEAD, as a `git bisect run` command "
+            "(exit 0 good, 1 bad, 125 skip, 128 abort)",
+        ),
+    ):
+        command = commands.add_parser(name, help=text, formatter_class=_DefaultsFormatter)
+        command.add_argument(
+            "--repo",
+            type=_path,
+            default=pathlib.Path("."),
+            help="the repository under test (qwz's, or DeepSpeed's)",
+        )
+        command.add_argument("--good", required=True, help="a good commit (the older end)")
+        command.add_argument("--bad", required=True, help="a bad commit (the newer end)")
+        command.add_argument("--out", type=_path, required=True, help="the bisect's directory")
+        oracle = command.add_mutually_exclusive_group()
+        oracle.add_argument(
+            "--check",
+            default=None,
+            metavar="NAME",
+            help="search for this check failing (a family or FAMILY[ARM]; "
+            "default: the checks that failed in the bad head's record)",
+        )
+        oracle.add_argument(
+            "--hash",
+            action="store_true",
+            help="search for the first final hash differing from the good head's",
+        )
+        oracle.add_argument(
+            "--speed",
+            action="store_true",
+            help="search for the first speed-up interval entirely below the good head's",
+        )
+        command.add_argument(
+            "--speed-retries",
+            type=_non_negative,
+            default=2,
+            help="--speed: re-measure an ambiguous commit this often, then skip it",
+        )
+        command.add_argument(
+            "--setup",
+            default=None,
+            metavar="CMD",
+            help="a shell command run in each commit's worktree before it is qualified",
+        )
+        command.add_argument(
+            "run_args",
+            nargs="*",
+            metavar="-- RUN-ARGUMENTS",
+            help="the arguments of `qwz-qualify run` every commit is qualified with",
+        )
+
+
+def cmd_bisect(args: argparse.Namespace) -> int:
+    from qwz.launch import Interrupted, signals_interrupt
+    from qwz.qualify.bisect import command
+
+    for flag in ("--out", "--force", "--deepspeed-src"):
+        if any(item == flag or item.startswith(flag + "=") for item in args.run_args):
+            print(
+                f"qwz-qualify {args.command}: error: {flag} is the bisect's to set, not a run "
+                "argument",
+                file=sys.stderr,
+            )
+            return 2 if args.command == "bisect" else command.STEP_ABORT
+    try:  # the run arguments are checked before any commit is checked out
+        run = build_parser().parse_args(["run", "--out", str(args.out), *args.run_args])
+    except SystemExit:  # argparse said why
+        return 2 if args.command == "bisect" else command.STEP_ABORT
+    kind = "check" if args.check else "hash" if args.hash else "speed" if args.speed else "default"
+    options = command.Options(
+        args.repo,
+        args.good,
+        args.bad,
+        args.out,
+        kind,
+        args.check,
+        args.speed_retries if args.speed else 0,
+        args.setup,
+        run.subject,
+        list(args.run_args),
+    )
+    try:
+        with signals_interrupt():  # between trials too, not only while one runs
+            return (command.run_bisect if args.command == "bisect" else command.run_step)(options)
+    except Interrupted as interrupted:  # [Note: stopping a trial] in qualify/bisect/trial.py
+        print(f"qwz-qualify {args.command}: {interrupted}; the trial's ranks were stopped and "
+              f"every finished attempt is kept in {args.out} (run it again to resume)",
+              file=sys.stderr)  # fmt: skip
+        return interrupted.exit_code
 
 
 def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
@@ -600,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
         "compare": cmd_compare,
         "history": cmd_history,
         "promote": cmd_promote,
+        "bisect": cmd_bisect,
+        "bisect-step": cmd_bisect,
     }
     try:
         return handlers[args.command](args)

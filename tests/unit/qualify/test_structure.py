@@ -22,11 +22,13 @@ LAYERS = {
     "qualify.review": 4,
     "qualify.preflight": 5,
     "qualify.matrix": 6,
+    "qualify.bisect": 6,
     "qualify.cli": 7,
 }
 """A module may import its own group and any group of a lower layer: run and review are
 siblings (neither imports the other), the matrix runs ``run`` cells (it is handed the CLI's
-parser, never imports it), the CLI sits on top."""
+parser, never imports it), bisect drives whole runs (as subprocesses) and judges their
+records, matrix and bisect are siblings, the CLI sits on top."""
 QUALIFY_TOP = {
     "qwz.qualify": "qualify.base",
     "qwz.qualify.files": "qualify.base",

@@ -1,0 +1,242 @@
+"""``qwz-qualify bisect`` over real qualifications: a temporary history of a copy of qwz in
+which one commit plants the mutation suite's ``scale_absmax_over_128`` as a code change in
+qwz/quant.py and an earlier one does not import; the bisect (the CLI, as a subprocess) must
+name the planted commit for the check that fails and for ``--hash``, skip the commit that
+does not import, survive a SIGTERM and resume without re-running anything recorded.
+
+The qualifications are tiny (the ``mlp`` workload, 4 steps, one timing block, eager kernels so
+quant.py's formula is the one on the wire). The speed bisect times real steps; it runs only
+with QWZ_BENCHMARKS=1 (a quiet machine, e.g. the nightly's)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from . import bisect_history
+
+pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
+
+RUN_ARGS = [
+    "--workload",
+    "mlp",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--blocks",
+    "1",
+    "--block-steps",
+    "1",
+    "--warmup-steps",
+    "0",
+    "--no-calibration",
+    "--no-compile",
+]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PLANTED = 6
+"""The index of the commit that plants the bug (index 4 does not import, 5 repairs it)."""
+
+
+def _qwz_qualify(*args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "qwz.qualify", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
+
+
+def _finished(out: pathlib.Path) -> dict[str, tuple[int, str]]:
+    """Every finished attempt's files: path -> (mtime_ns, sha256)."""
+    files = {}
+    for outcome in sorted((out / "commits").rglob("outcome.json")):
+        for path in sorted(outcome.parent.iterdir()):
+            if path.is_file():
+                files[str(path)] = (
+                    path.stat().st_mtime_ns,
+                    hashlib.sha256(path.read_bytes()).hexdigest(),
+                )
+    return files
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bisect")
+    h = bisect_history
+    shas = h.build(
+        root / "repo",
+        [
+            ("docs: one", None),
+            ("docs: two", None),
+            ("docs: three", None),
+            ("quant: import a helper", h.BREAK_IMPORT),
+            ("quant: drop the helper", h.undo(h.BREAK_IMPORT)),
+            ("quant: scale from absmax/128", h.BUG_SCALE),
+            ("docs: seven", None),
+            ("docs: eight", None),
+        ],
+    )
+    return root, shas
+
+
+def _bisect_args(root: pathlib.Path, shas: list[str], *flags: str) -> list[str]:
+    return [
+        "bisect",
+        "--repo",
+        str(root / "repo"),
+        "--good",
+        shas[0],
+        "--bad",
+        shas[-1],
+        "--out",
+        str(root / "out"),
+        *flags,
+        "--",
+        *RUN_ARGS,
+    ]
+
+
+def test_a_killed_check_bisect_resumes_skips_the_broken_import_and_names_the_commit(history):
+    root, shas = history
+    setups = root / "setups.txt"
+    flags = ("--setup", f"echo $QWZ_BISECT_COMMIT >> {setups}")
+    started = time.monotonic()
+    bisect = _qwz_qualify(*_bisect_args(root, shas, *flags), start_new_session=True)
+    while len(list((root / "out").glob("commits/*/*/outcome.json"))) < 2:
+        assert bisect.poll() is None, bisect.stdout.read()
+        time.sleep(0.5)
+    time.sleep(3)  # the third trial's ranks are starting
+    bisect.send_signal(signal.SIGTERM)
+    output = bisect.communicate(timeout=120)[0]
+    assert bisect.returncode == 143, output
+    assert "every finished attempt is kept" in output
+    before = _finished(root / "out")
+    assert len({pathlib.Path(p).parents[1].name for p in before}) == 2  # the bad and good heads
+
+    resumed = _qwz_qualify(*_bisect_args(root, shas, *flags))
+    output = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, output
+    wall_s = time.monotonic() - started
+    result = json.loads((root / "out" / "bisect.json").read_text())
+    assert result["first_bad"]["sha"] == shas[PLANTED], output
+    assert result["first_bad"]["subject"] == "quant: scale from absmax/128"
+    assert "qwz/quant.py" in result["first_bad"]["diff_stat"]
+    assert result["oracle"]["checks"] == ["own-shard[candidate-g64]"]
+    assert result["qualifications_reused"] == 2
+    after = _finished(root / "out")
+    assert {path: after[path] for path in before} == before  # nothing recorded was re-run
+    tested = {commit["sha"]: commit["attempts"] for commit in result["tested"]}
+    assert tested[shas[4]][0]["verdict"] == "skip"
+    assert "ModuleNotFoundError: No module named 'qwz._no_such_module'" in tested[shas[4]][0]["why"]
+    qualified = {path.name for path in (root / "out" / "commits").iterdir()}
+    assert set(setups.read_text().split()) == qualified  # --setup ran in every commit's worktree
+    print(
+        f"check bisect: {wall_s:.0f} s, {len(qualified)} commits qualified "
+        f"({result['qualifications_run']} after the resume)"
+    )
+
+    again = _qwz_qualify(*_bisect_args(root, shas, *flags))
+    again.communicate(timeout=300)
+    repeated = json.loads((root / "out" / "bisect.json").read_text())
+    assert again.returncode == 0 and repeated["qualifications_run"] == 0
+    assert repeated["first_bad"] == result["first_bad"]
+
+
+def test_git_bisect_run_with_the_hash_oracle_names_the_commit(history):
+    """``git bisect run qwz-qualify bisect-step --hash``: git walks, the step judges (records
+    of the check bisect are reused: they do not depend on the oracle)."""
+    root, shas = history
+    repository = root / "repo"
+    bisect_history.git(repository, "bisect", "start", shas[-1], shas[0])
+    started = time.monotonic()
+    try:
+        # -P: git runs the step in the repository's checkout, which must not shadow this qwz
+        step = [
+            sys.executable,
+            "-P",
+            "-m",
+            "qwz.qualify",
+            "bisect-step",
+            "--repo",
+            ".",
+            "--good",
+            shas[0],
+            "--bad",
+            shas[-1],
+            "--out",
+            str(root / "out"),
+            "--hash",
+            "--setup",
+            f"echo $QWZ_BISECT_COMMIT >> {root / 'setups.txt'}",
+            "--",
+            *RUN_ARGS,
+        ]
+        done = subprocess.run(
+            ["git", "-C", str(repository), "bisect", "run", *step],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        bisect_history.git(repository, "bisect", "reset")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{shas[PLANTED]} is the first bad commit" in done.stdout, done.stdout
+    ran = sum("qualifying" in line for line in done.stderr.splitlines())
+    print(f"git bisect run --hash: {time.monotonic() - started:.0f} s, {ran} qualifications run")
+
+
+@pytest.mark.skipif(
+    os.environ.get("QWZ_BENCHMARKS") != "1",
+    reason="times real steps: QWZ_BENCHMARKS=1 on a quiet machine",
+)
+def test_a_speed_bisect_finds_a_planted_30_percent_slowdown(tmp_path):
+    shas = bisect_history.build(
+        tmp_path / "repo",
+        [
+            ("docs: one", None),
+            ("docs: two", None),
+            ("docs: three", None),
+            ("docs: four", None),
+            ("collectives: slower gather", bisect_history.SLOW_GATHER),
+            ("docs: six", None),
+            ("docs: seven", None),
+        ],
+    )
+    speed_args = ["--workload", "mlp", "--steps", "2", "--eval-every", "1", "--blocks", "16",
+                  "--block-steps", "4", "--warmup-steps", "1", "--no-calibration"]  # fmt: skip
+    started = time.monotonic()
+    bisect = _qwz_qualify(
+        "bisect",
+        "--repo",
+        str(tmp_path / "repo"),
+        "--good",
+        shas[0],
+        "--bad",
+        shas[-1],
+        "--out",
+        str(tmp_path / "out"),
+        "--speed",
+        "--",
+        *speed_args,
+    )
+    output = bisect.communicate(timeout=1800)[0]
+    assert bisect.returncode == 0, output
+    result = json.loads((tmp_path / "out" / "bisect.json").read_text())
+    assert result["first_bad"]["sha"] == shas[5], output
+    print(
+        f"speed bisect: {time.monotonic() - started:.0f} s, {result['qualifications_run']} "
+        f"qualifications\n{(tmp_path / 'out' / 'bisect.md').read_text()}"
+    )
