@@ -37,6 +37,7 @@ from qwz.qualify.presets import PRESETS
 from qwz.qualify.run.workloads import get_workload
 
 WORKLOAD = "mlp-small"
+ALL = (injectors.CORRECT, *injectors.INJECTORS)
 HOOK = "benchmarks.injectors:by_arm"
 
 
@@ -95,13 +96,16 @@ def table(results: dict[str, dict[int, dict[str, list[str]]]], names: Sequence[s
     """The markdown power table: per injector and preset, caught / seeds and by which
     checks; the correct candidate's row counts false failures."""
     presets = list(results)
-    seeds = {preset: len(results[preset]) for preset in presets}
-    header = ["candidate", *(f"{preset} ({seeds[preset]} seeds)" for preset in presets)]
+    header = ["candidate", *(f"`{preset}`" for preset in presets)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name in names:
         cells = [f"`{name}`" if name != injectors.CORRECT else "correct (false failures)"]
         for preset in presets:
-            per_seed = [results[preset][seed].get(name, []) for seed in sorted(results[preset])]
+            per_seed = [
+                results[preset][seed][name]
+                for seed in sorted(results[preset])
+                if name in results[preset][seed]
+            ]
             caught = sum(1 for failing in per_seed if failing and failing != ["(inconclusive)"])
             families = sorted({family for failing in per_seed for family in failing})
             which = f" ({', '.join(families)})" if families else ""
@@ -113,23 +117,66 @@ def table(results: dict[str, dict[int, dict[str, list[str]]]], names: Sequence[s
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, required=True, help="records and power.md")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per preset: 0 .. S-1")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds: first .. first + S - 1")
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument(
+        "--long-seeds",
+        type=int,
+        default=None,
+        help="the long preset's injected rows on the first M seeds only (the correct row on "
+        "all of them); default: all",
+    )
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS), default=list(PRESETS))
     parser.add_argument(
-        "--injectors",
-        nargs="+",
-        choices=[injectors.CORRECT, *injectors.INJECTORS],
-        default=[injectors.CORRECT, *injectors.INJECTORS],
+        "--injectors", nargs="+", choices=ALL, default=list(ALL), help="rows (default: all)"
     )
     parser.add_argument(
         "--long-steps", type=int, default=None, help="override the long preset's horizon"
     )
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per run")
     args = parser.parse_args(argv)
-    if args.seeds < 1 or args.first_seed < 0:
-        parser.error(f"--seeds {args.seeds} / --first-seed {args.first_seed}: need >= 1 / >= 0")
+    if args.seeds < 1 or args.first_seed < 0 or (args.long_seeds or 1) < 1:
+        parser.error("--seeds and --long-seeds must be >= 1, --first-seed >= 0")
     return args
+
+
+def _tag(names: Sequence[str]) -> str:
+    """A record directory's suffix: which candidates its run trained."""
+    if list(names) == list(ALL):
+        return "all"
+    return "+".join(name.replace("-", "") for name in names)
+
+
+def _run_all(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Every (preset, seed) run of the invocation whose record is not there yet."""
+    walls: dict[str, list[float]] = {}
+    for preset in args.presets:
+        steps = args.long_steps if preset == "long" else None
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            names = list(args.injectors)
+            late_seed = args.long_seeds is not None and seed >= args.first_seed + args.long_seeds
+            if preset == "long" and late_seed:
+                names = [name for name in names if name == injectors.CORRECT]
+            if not names:
+                continue
+            path = args.out / f"{preset}-seed{seed}-{_tag(names)}" / "record.json"
+            if path.exists():
+                continue
+            wall = run_one(power_plan(preset, seed, names, steps), path, args.timeout)
+            walls.setdefault(preset, []).append(wall)
+            print(f"{preset} seed {seed} {_tag(names)}: {wall:.0f} s", file=sys.stderr)
+    return walls
+
+
+def collect(out: pathlib.Path) -> dict[str, dict[int, dict[str, list[str]]]]:
+    """Per preset and seed, every candidate's failing checks, over every record under
+    `out` (``<preset>-seed<k>-<tag>/record.json``; a candidate in several is judged alike)."""
+    results: dict[str, dict[int, dict[str, list[str]]]] = {}
+    for path in sorted(out.glob("*-seed*-*/record.json")):
+        preset, _, rest = path.parent.name.partition("-seed")
+        seed = int(rest.split("-")[0])
+        results.setdefault(preset, {}).setdefault(seed, {}).update(judged(path))
+    return {preset: results[preset] for preset in PRESETS if preset in results}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,27 +184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parse(argv)
     load_before, started = os.getloadavg(), time.perf_counter()
-    results: dict[str, dict[int, dict[str, list[str]]]] = {}
-    walls: dict[str, list[float]] = {}
-    for preset in args.presets:
-        steps = args.long_steps if preset == "long" else None
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            path = args.out / f"{preset}-seed{seed}" / "record.json"
-            if not path.exists():
-                plan = power_plan(preset, seed, args.injectors, steps)
-                wall = run_one(plan, path, args.timeout)
-                walls.setdefault(preset, []).append(wall)
-                print(f"{preset} seed {seed}: {wall:.0f} s", file=sys.stderr, flush=True)
-            results.setdefault(preset, {})[seed] = judged(path)
+    walls = _run_all(args)
     elapsed = time.perf_counter() - started
     ran = ", ".join(f"{p}: {len(w)} runs, {sum(w):.0f} s" for p, w in walls.items()) or "none"
     text = (
-        f"Workload `{WORKLOAD}`, 2 ranks, G = 64, seeds {args.first_seed}.."
-        f"{args.first_seed + args.seeds - 1}; caught = any check of the candidate fails "
-        "(the checks that failed in brackets).\n\n"
-        + table(results, args.injectors)
-        + f"\nWall {elapsed:.0f} s ({ran}); load average {load_before[0]:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs.\n"
+        f"Workload `{WORKLOAD}`, 2 ranks, G = 64; caught = any check of the candidate "
+        "fails (the checks that failed in brackets); a/b = caught in a of b seeds.\n\n"
+        + table(collect(args.out), ALL)
+        + f"\nThis invocation: wall {elapsed:.0f} s ({ran}); load average "
+        f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "
+        "CPUs.\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "power.md").write_text(text)
