@@ -58,7 +58,7 @@ MIN_BATCHES = 4
 CONFIDENCE = 0.95
 """One-sided confidence of each bound."""
 MARGIN_FACTOR = 3.0
-MARGIN_FLOOR = 0.02
+MARGIN_FLOOR = 0.005
 """Share of the reference's held-out loss over the window a candidate may always lose."""
 
 BatchLosses = Mapping[int, Sequence[float | None]]
