@@ -108,7 +108,8 @@ def table(results: dict[str, dict[int, dict[str, list[str]]]], names: Sequence[s
             ]
             caught = sum(1 for failing in per_seed if failing and failing != ["(inconclusive)"])
             families = sorted({family for failing in per_seed for family in failing})
-            which = f" ({', '.join(families)})" if families else ""
+            counts = [f"{f} {sum(f in failing for failing in per_seed)}" for f in families]
+            which = f" ({', '.join(counts)})" if families else ""
             cells.append(f"{caught}/{len(per_seed)}{which}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -189,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ran = ", ".join(f"{p}: {len(w)} runs, {sum(w):.0f} s" for p, w in walls.items()) or "none"
     text = (
         f"Workload `{WORKLOAD}`, 2 ranks, G = 64; caught = any check of the candidate "
-        "fails (the checks that failed in brackets); a/b = caught in a of b seeds.\n\n"
+        "fails; a/b = caught in a of b seeds; in brackets, each failing check and in how many "
+        "seeds it failed.\n\n"
         + table(collect(args.out), ALL)
         + f"\nThis invocation: wall {elapsed:.0f} s ({ran}); load average "
         f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "
