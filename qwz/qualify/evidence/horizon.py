@@ -39,9 +39,9 @@ The factor allows for the calibration arm being one trajectory (the correct cand
 is another, with its own chaotic departure from the reference); the floor, a small share
 of the loss level itself, keeps a calibration arm that happened to land on the
 reference from failing a correct candidate. Both constants were fixed on a tuning seed
-that the power table (benchmarks/power.py) does not use, before its seeds were judged. The
-candidate passes when ``upper <= margin``. What it cannot see: a bug whose whole cost is smaller than a quantization's
-(the power table in the README measures how small that is).
+that the power table (benchmarks/power.py) does not use, before its seeds were judged.
+The candidate passes when ``upper <= margin``. What it cannot see: a bug whose whole cost
+is smaller than a quantization's (the power table in the README measures how small).
 """
 
 from __future__ import annotations
