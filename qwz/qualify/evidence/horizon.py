@@ -201,9 +201,9 @@ def judge(
     )
     how = (
         f"max({MARGIN_FACTOR:g} x calibration bound {cal.absolute:.4g}, "
-        f"{MARGIN_FLOOR:.0%} of the reference's window loss {level:.4g})"
+        f"{MARGIN_FLOOR:.1%} of the reference's window loss {level:.4g})"
         if cal is not None
-        else f"{MARGIN_FLOOR:.0%} of the reference's window loss {level:.4g} (no calibration arm)"
+        else f"{MARGIN_FLOOR:.1%} of the reference's window loss {level:.4g} (no calibration arm)"
     )
     status = "pass" if ours.upper <= allowed else "fail"
     return Judgement(
