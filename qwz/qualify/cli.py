@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run_subject(commands) -> argparse.ArgumentParser:
     """``run``: where, what and how much (the subject, the workload, the arms)."""
     from qwz.qualify.plan import SUBJECTS
+    from qwz.qualify.presets import PRESET_NAMES
     from qwz.qualify.run.workloads import WORKLOAD_NAMES
 
     run = commands.add_parser(
@@ -162,7 +163,17 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         default=None,
         help="local ranks (default 2; under torchrun its world)",
     )
-    run.add_argument("--steps", type=_positive, default=20, help="lockstep steps")
+    run.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default="default",
+        help="defaults for the flags below left unset (qualify/presets.py): default: 20 steps "
+        "of qwen3-tiny; long: 2,000 steps (mlp-small on CPU, qwen3-0.6b on GPUs), judged by "
+        "a non-inferiority bound over the horizon",
+    )
+    run.add_argument(
+        "--steps", type=_positive, default=None, help="lockstep steps (default: the preset's)"
+    )
     run.add_argument("--stage", type=_stage, default=2, help="ZeRO stage: 1 or 2")
     run.add_argument(
         "--group-size",
@@ -184,7 +195,10 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         help="fp16: the dynamic loss scale starts at 2**N (high, so the first steps overflow)",
     )
     run.add_argument(
-        "--workload", choices=WORKLOAD_NAMES, default="qwen3-tiny", help="model and data"
+        "--workload",
+        choices=WORKLOAD_NAMES,
+        default=None,
+        help="model and data (default: the preset's)",
     )
     run.add_argument(
         "--subject",
@@ -207,7 +221,12 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
 
 def _add_run_options(run: argparse.ArgumentParser) -> None:
     """``run``: timing, optimizer and evidence options."""
-    run.add_argument("--blocks", type=_positive, default=4, help="order-balanced speed blocks")
+    run.add_argument(
+        "--blocks",
+        type=_positive,
+        default=None,
+        help="order-balanced speed blocks (default: the preset's; long: none)",
+    )
     run.add_argument("--block-steps", type=_positive, default=5, help="timed steps per arm")
     run.add_argument(
         "--warmup-steps", type=_non_negative, default=2, help="untimed steps per arm/block"
@@ -229,8 +248,9 @@ def _add_run_options(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--eval-every",
         type=_positive,
-        default=5,
-        help="held-out evaluation every N steps (and at step 0 and the last step)",
+        default=None,
+        help="held-out evaluation every N steps, and at step 0 and the last step (default: "
+        "the preset's)",
     )
     run.add_argument(
         "--no-calibration",

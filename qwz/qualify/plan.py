@@ -33,6 +33,10 @@ class AdamWSettings:
 REFERENCE = "reference"
 CALIBRATION = "calibration"
 """Role and name prefix of the calibration arm: ``calibration-g<G>`` imitates group size G."""
+LEARNING_RULES = ("max-gap", "non-inferiority")
+"""How ``learning`` judges a candidate (qualify/evidence/checks.py): the worst gap at any
+evaluation ([Note: learning margin]) or the long horizon's statistical rule ([Note:
+non-inferiority over the horizon], qualify/evidence/horizon.py)."""
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 
@@ -75,6 +79,10 @@ class RunPlan:
     """Held-out batches per rank and evaluation."""
     calibrate: bool = True
     """Train the calibration arm ([Note: learning margin])."""
+    preset: str = "default"
+    """The ``--preset`` the run was planned from (qualify/presets.py); recorded."""
+    learning_rule: str = "max-gap"
+    """One of LEARNING_RULES; "non-inferiority" also records every held-out batch's loss."""
     one_arm_resident: bool = False
     compile_kernels: bool = False
     integration_enabled: bool = True

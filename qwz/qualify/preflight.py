@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from qwz.qualify import presets
 from qwz.qualify.plan import RunPlan
+from qwz.qualify.presets import Preset
 
 RANKS_PER_CORE = 4
 """Local ranks allowed per CPU core: beyond this a run only thrashes (gloo ranks spin)."""
@@ -30,7 +32,13 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     from qwz.qualify.evidence import ledger, signing
     from qwz.qualify.files import writable_directory_problem
 
-    wanted = requirements.needed(workload=args.workload, subject=args.subject, blocks=args.blocks)
+    preset = apply_preset(args)
+    wanted = requirements.needed(
+        workload=args.workload,
+        subject=args.subject,
+        blocks=args.blocks,
+        learning_rule=preset.learning_rule,
+    )
     problems = requirements.missing_packages(wanted)
     if problems:  # [Note: optional dependencies]: what follows may import them
         return problems
@@ -168,10 +176,17 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def apply_preset(args: argparse.Namespace) -> Preset:
+    """``--preset`` fills the flags left unset (qualify/presets.py); idempotent."""
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+    return presets.apply(args, world_size, under_torchrun())
+
+
 def plan_of(args: argparse.Namespace) -> RunPlan:
     """The run the parsed ``run`` arguments ask for."""
     from qwz.qualify.run.workloads import get_workload
 
+    preset = apply_preset(args)
     return RunPlan(
         workload=get_workload(args.workload),
         subject=args.subject,
@@ -187,6 +202,9 @@ def plan_of(args: argparse.Namespace) -> RunPlan:
         weight_decay=args.weight_decay,
         eval_every=args.eval_every,
         calibrate=not args.no_calibration,
+        held_out_batches=preset.held_out_batches,
+        preset=preset.name,
+        learning_rule=preset.learning_rule,
         one_arm_resident=args.one_arm_at_a_time,
         allgather_bucket_size=args.bucket_size,
         compile_kernels=args.compile,

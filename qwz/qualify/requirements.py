@@ -35,6 +35,7 @@ plan for its unquantized reference."""
 
 PLOTS = ("matplotlib", "qualify", "the report's plots")
 STATISTICS = ("scipy", "qualify", "the speed-up's paired test")
+HORIZON_STATISTICS = ("scipy", "qualify", "the long horizon's non-inferiority bound")
 TRANSFORMERS = ("transformers", "qualify", "the Qwen3 workloads")
 DEEPSPEED = ("deepspeed", "deepspeed", "the DeepSpeed subjects")
 
@@ -46,14 +47,18 @@ def _importable(module: str) -> bool:
         return False
 
 
-def needed(*, workload: str, subject: str, blocks: int) -> list[tuple[str, str, str]]:
+def needed(
+    *, workload: str, subject: str, blocks: int, learning_rule: str = "max-gap"
+) -> list[tuple[str, str, str]]:
     """(module, extra, what needs it) for every optional package this run imports."""
     from qwz.qualify.evidence.checks import MIN_BLOCKS_FOR_INTERVAL
 
     wanted = [PLOTS]
     if blocks >= MIN_BLOCKS_FOR_INTERVAL:
         wanted.append(STATISTICS)
-    if workload != "mlp":
+    elif learning_rule == "non-inferiority":
+        wanted.append(HORIZON_STATISTICS)
+    if not workload.startswith("mlp"):
         wanted.append(TRANSFORMERS)
     if subject != "qwz":
         wanted.append(DEEPSPEED)

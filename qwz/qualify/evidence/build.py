@@ -123,13 +123,22 @@ def _code_identity(first: dict[str, Any]) -> dict[str, Any]:
     return ledger.code_identity(Subject(**first["subject"]), head, harness)
 
 
+def _held_out(entry: list[Any]) -> dict[str, Any]:
+    """One evaluation of ArmObservation.held_out as the record's HeldOut."""
+    step, loss, *batches = entry
+    held_out: dict[str, Any] = {"step": step, "loss": _json_float(loss)}
+    if batches:
+        held_out["batch_losses"] = [_json_float(value) for value in batches[0]]
+    return held_out
+
+
 def _trajectory(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
     return {
         "arm": name,
         "steps_planned": plan.steps,
         "losses": [_json_float(value) for value in lead.losses],
         "grad_norms": [_json_float(value) for value in lead.grad_norms],
-        "held_out": [{"step": step, "loss": _json_float(loss)} for step, loss in lead.held_out],
+        "held_out": [_held_out(entry) for entry in lead.held_out],
         "failure": lead.failure,
     }
 
@@ -317,6 +326,7 @@ def build_record(
                 (arm.name for arm in plan.arms if arm.noise_group_size is not None), None
             ),
             "calibration_group_size": max(plan.group_sizes) if plan.calibrate else None,
+            "rule": plan.learning_rule,
         },
         **{key: sections[key] for key in ("step_one", "updates", "own_shards", "drift")},
         **{key: sections[key] for key in ("hashes", "probes", "loss_scaling", "memory")},

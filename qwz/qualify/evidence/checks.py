@@ -34,7 +34,9 @@ to the last evaluation. The factor allows for the noise being one draw; the
 floor (a small share of what the reference learned) keeps a lucky, tiny
 ``noise_gap`` from failing a correct candidate. A broken candidate (no update,
 ascent, a lost shard) does not learn, or un-learns: its gap is a large share
-of ``reference_drop``. If the reference's held-out loss did not fall by at
+of ``reference_drop``. Under the long preset (``Learning.rule`` "non-inferiority") the
+candidates are judged by [Note: non-inferiority over the horizon] (horizon.py) instead;
+the reference's own check is the same. If the reference's held-out loss did not fall by at
 least ``MIN_REFERENCE_DROP`` of its start, the run cannot tell learning from
 not learning: ``learning[reference]`` is inconclusive, and so is the verdict.
 
@@ -62,7 +64,7 @@ import math
 import statistics
 from typing import Any
 
-from qwz.qualify.evidence import gather_speed, loss_scaling, stats
+from qwz.qualify.evidence import gather_speed, horizon, loss_scaling, stats
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
 
@@ -633,6 +635,9 @@ def _learning(record: Record, reference: str | None, candidates) -> list[Check]:
                 _check(name, "inconclusive" if drop is not None else "n/a", "see the reference")
             )
             continue
+        if record.learning.rule == "non-inferiority":
+            checks.append(_horizon(record, arm.name, reference))
+            continue
         if any(ours.get(step) is None for step in steps):
             checks.append(
                 _check(name, "fail", "held-out loss missing or non-finite at an evaluation step")
@@ -659,6 +664,24 @@ def _learning(record: Record, reference: str | None, candidates) -> list[Check]:
             )
         )
     return checks
+
+
+def _horizon(record: Record, arm: str, reference: str) -> Check:
+    """[Note: non-inferiority over the horizon] (qualify/evidence/horizon.py) for one
+    candidate, with its gap series at every evaluation."""
+    batches = {t.arm: {h.step: h.batch_losses for h in t.held_out} for t in record.trajectories}
+    means = _held_out(record)
+    calibration = record.learning.calibration_arm
+    judged = horizon.judge(
+        batches.get(arm, {}),
+        batches[reference],
+        batches.get(calibration) if calibration else None,
+        means[reference],
+        record.learning.eval_steps,
+        record.workload.steps,
+    )
+    series = horizon.gap_series(means.get(arm, {}), means[reference])
+    return _check(f"learning[{arm}]", judged.status, judged.detail, **judged.numbers, gaps=series)
 
 
 def summarize_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:

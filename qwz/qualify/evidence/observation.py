@@ -26,7 +26,8 @@ class ArmObservation:
     """The mean loss over the ranks after every completed step."""
     grad_norms: list[float] = field(default_factory=list)
     held_out: list[list[float]] = field(default_factory=list)
-    """``[step, loss]`` at the plan's evaluation steps."""
+    """``[step, loss]`` at the plan's evaluation steps; ``[step, loss, batch_losses]`` under
+    the non-inferiority rule (every held-out batch's loss, rank by rank)."""
     step1_digests: dict[str, str] | None = None
     """Master digests after the arm's first optimizer step, ``first_update_step``."""
     first_update_step: int | None = None

@@ -234,6 +234,11 @@ class Failure(_Model):
 class HeldOut(_Model):
     step: int
     loss: float | None = Field(description="Mean held-out loss over ranks; null if non-finite")
+    batch_losses: list[float | None] = Field(
+        default_factory=list,
+        description="Under the non-inferiority rule: every held-out batch's loss, rank by rank "
+        "(rank r's batch b at r * batches_per_rank + b); empty otherwise",
+    )
 
 
 class Trajectory(_Model):
@@ -470,6 +475,11 @@ class Learning(_Model):
     held_out_batches_per_rank: int
     calibration_arm: str | None
     calibration_group_size: int | None
+    rule: Literal["max-gap", "non-inferiority"] = Field(
+        "max-gap",
+        description="max-gap: [Note: learning margin] (qualify/evidence/checks.py); "
+        "non-inferiority: [Note: non-inferiority over the horizon] (qualify/evidence/horizon.py)",
+    )
 
 
 CheckStatus = Literal["pass", "fail", "n/a", "inconclusive"]

@@ -23,6 +23,21 @@ def _nan(value: float | None) -> float:
     return math.nan if value is None else value
 
 
+def _draw_horizon(gap_axes, record: Record) -> None:
+    """The long rule ([Note: non-inferiority over the horizon]): the window, and the margin
+    each candidate's mean gap over it (upper bound) must stay under."""
+    for check in record.checks:
+        numbers = check.numbers
+        if not check.name.startswith("learning[") or numbers.get("upper") is None:
+            continue
+        start, end = numbers["window"]
+        gap_axes.axvspan(start, end, color="C2", alpha=0.08)
+        gap_axes.hlines(numbers["margin"], start, end, color="C3", linewidth=1.2)
+        gap_axes.hlines(numbers["upper"], start, end, color="C1", linewidth=1.0, linestyle="--")
+    gap_axes.plot([], [], color="C3", label="margin over the window")
+    gap_axes.plot([], [], color="C1", linestyle="--", label="upper bound of the mean gap")
+
+
 def draw_held_out(figure, record: Record) -> None:
     from qwz.qualify.evidence.checks import learning_margin
 
@@ -52,7 +67,9 @@ def draw_held_out(figure, record: Record) -> None:
             ]
             gap_axes.plot(steps, gaps, **style)
     margin = learning_margin(record)["margin"]
-    if margin is not None:
+    if record.learning.rule == "non-inferiority":
+        _draw_horizon(gap_axes, record)
+    elif margin is not None:
         gap_axes.axhspan(-margin, margin, color="C2", alpha=0.15, label=f"± margin {margin:.4g}")
         gap_axes.axhline(margin, color="C3", linewidth=1.2, label="a candidate must stay below")
     gap_axes.axhline(0.0, color="black", linewidth=0.8)

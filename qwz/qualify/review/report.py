@@ -610,6 +610,8 @@ def _learning_section(record: Record) -> list[str]:
             for step in learning.eval_steps
         ],
     )  # fmt: skip
+    if learning.rule == "non-inferiority":
+        return lines + _horizon_lines(record)
     numbers = learning_margin(record)
     if numbers["margin"] is not None:
         calibration = learning.calibration_arm
@@ -624,6 +626,23 @@ def _learning_section(record: Record) -> list[str]:
             "every step ([Note: learning margin], qwz/qualify/evidence/checks.py).",
             "",
         ]
+    return lines
+
+
+def _horizon_lines(record: Record) -> list[str]:
+    """The long preset's rule ([Note: non-inferiority over the horizon],
+    qwz/qualify/evidence/horizon.py), candidate by candidate."""
+    lines = [
+        "Judged by a non-inferiority bound over the last half of the horizon: per held-out "
+        "batch, the candidate's loss minus the reference's averaged over the window; the "
+        "one-sided upper bound of their mean must lie within the margin calibrated by the "
+        f"`{record.learning.calibration_arm}` arm over the same window ([Note: "
+        "non-inferiority over the horizon], qwz/qualify/evidence/horizon.py).",
+        "",
+    ]
+    for check in record.checks:
+        if check.name.startswith("learning[") and "upper" in check.numbers:
+            lines += [f"- `{check.name}` **{check.status}**: {check.detail}", ""]
     return lines
 
 

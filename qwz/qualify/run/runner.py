@@ -254,7 +254,10 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
 
 
 @torch.no_grad()
-def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int) -> float:
+def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int, step: int) -> list[Any]:
+    """``[step, mean loss]`` over ranks and held-out batches; under the non-inferiority rule
+    ``[step, mean loss, every batch's loss]`` too, rank by rank ([Note: non-inferiority over
+    the horizon], qualify/evidence/horizon.py: the batches are its paired units)."""
     module = engine.module
     was_training = module.training
     module.eval()
@@ -263,10 +266,14 @@ def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int) -> float:
         for index in range(plan.held_out_batches):
             batch = plan.workload.held_out_batch(seed=plan.seed, index=index, rank=rank)
             losses.append(plan.workload.loss(module, batch).detach().float())
-        total = torch.stack(losses).sum()  # on the model's device, summed in order
+        stacked = torch.stack(losses)
+        total = stacked.sum()  # on the model's device, summed in order
     finally:
         module.train(was_training)
-    return _mean_over_ranks(total / plan.held_out_batches)
+    entry: list[Any] = [step, _mean_over_ranks(total / plan.held_out_batches)]
+    if plan.learning_rule == "non-inferiority":
+        entry.append([loss for per_rank in _agree(stacked.cpu().tolist()) for loss in per_rank])
+    return entry
 
 
 @torch.no_grad()
@@ -407,7 +414,7 @@ class _ArmRun:
         plan, arm, progress = self.plan, self.arm, self.progress
         self.build()
         if 0 in plan.eval_steps:
-            self.observed["held_out"].append([0, _held_out_loss(plan, self.engine, self.rank)])
+            self.observed["held_out"].append(_held_out_loss(plan, self.engine, self.rank, 0))
         for step in range(1, plan.steps + 1):
             progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
             trained = self.train_step(step)
@@ -506,7 +513,7 @@ class _ArmRun:
         if self.samples is not None:
             self.sample(step, module)
         if step in plan.eval_steps:
-            observed["held_out"].append([step, _held_out_loss(plan, engine, self.rank)])
+            observed["held_out"].append(_held_out_loss(plan, engine, self.rank, step))
 
     def sample(self, step: int, module: torch.nn.Module) -> None:
         """The sampled parameter values, and their drift from the reference's (context)."""

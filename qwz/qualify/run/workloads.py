@@ -19,6 +19,9 @@ Presets:
 * ``qwen3-4b``: the upstream evidence's shape (36 layers, hidden 2560), sequence 2048.
 * ``mlp``: a plain MLP without ``transformers`` learning a seeded linear teacher (plus
   noise), for quick runs and tests.
+* ``mlp-small``: the same recipe at a quarter of the parameters (two quantized matrices of
+  70,400 elements), the CPU workload of the ``long`` preset (qualify/presets.py), whose
+  thousands of steps are dominated by the per-step observation, not the model.
 """
 
 from __future__ import annotations
@@ -79,9 +82,13 @@ QWEN3_PRESETS: Mapping[str, dict[str, Any]] = {
     },
 }
 
-MLP_PRESET: dict[str, Any] = {"sizes": [263, 1031, 257, 3], "micro_batch": 8}
+MLP_PRESETS: Mapping[str, dict[str, Any]] = {
+    "mlp": {"sizes": [263, 1031, 257, 3], "micro_batch": 8},
+    "mlp-small": {"sizes": [64, 1100, 64, 3], "micro_batch": 8},
+}
+MLP_PRESET = MLP_PRESETS["mlp"]
 
-WORKLOAD_NAMES = (*QWEN3_PRESETS, "mlp")
+WORKLOAD_NAMES = (*QWEN3_PRESETS, *MLP_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class Workload:
         torch.manual_seed(seed)
         context = torch.device(device) if device is not None else contextlib.nullcontext()
         with context:
-            if self.name == "mlp":
+            if self.name in MLP_PRESETS:
                 return _mlp(self.params["sizes"], dtype)
             from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -124,7 +131,7 @@ class Workload:
         """The CPU tensors of the batch of (seed, step, rank); see `loss`."""
         generator = torch.Generator().manual_seed(_batch_seed(seed, step, rank))
         batch = self.params["micro_batch"]
-        if self.name == "mlp":
+        if self.name in MLP_PRESETS:
             sizes = self.params["sizes"]
             inputs = torch.randn(batch, sizes[0], generator=generator)
             teacher = _teacher(sizes[0], sizes[-1], seed)
@@ -141,7 +148,7 @@ class Workload:
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The training loss of `model` on `batch` (from :meth:`batch`)."""
         parameter = next(model.parameters())
-        if self.name == "mlp":
+        if self.name in MLP_PRESETS:
             inputs, targets = batch
             prediction = model(inputs.to(parameter.device, parameter.dtype)).float()
             return torch.nn.functional.mse_loss(prediction, targets.to(parameter.device))
@@ -197,8 +204,8 @@ def _mlp(sizes: list[int], dtype: torch.dtype | None = None) -> torch.nn.Module:
 
 
 def get_workload(name: str) -> Workload:
-    if name == "mlp":
-        return Workload("mlp", dict(MLP_PRESET))
+    if name in MLP_PRESETS:
+        return Workload(name, dict(MLP_PRESETS[name]))
     if name in QWEN3_PRESETS:
         return Workload(name, dict(QWEN3_PRESETS[name]))
     raise ValueError(f"workload: {name!r} is unknown; choose one of {', '.join(WORKLOAD_NAMES)}")

@@ -283,6 +283,7 @@ def test_argument_vectors_parse_or_exit_2_with_one_error_line(capsys, argv):
         return
     for value in (args.lr, args.timeout):
         assert value > 0 and value != float("inf")
+    preflight.apply_preset(args)  # the flags left unset get the preset's values
     assert args.steps >= 1 and args.blocks >= 1 and args.block_steps >= 1
     assert args.warmup_steps >= 0 and 0 <= args.seed < 2**63
     assert all(size > 0 and size % 8 == 0 for size in args.group_sizes or ())

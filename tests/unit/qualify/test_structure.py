@@ -36,6 +36,7 @@ QUALIFY_TOP = {
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
     "qwz.qualify.requirements": "qualify.preflight",
+    "qwz.qualify.presets": "qualify.preflight",
     "qwz.qualify.cli": "qualify.cli",
     "qwz.qualify.__main__": "qualify.cli",
 }
