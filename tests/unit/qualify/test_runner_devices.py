@@ -56,7 +56,7 @@ def test_the_held_out_loss_is_reduced_on_the_group_s_device(meta_group):
     engine = subjects.ArmEngine()
     engine.module = plan.workload.build_model(0)
     with pytest.raises(ReachedCollective):
-        runner._held_out_loss(plan, engine, rank=0)
+        runner._held_out_loss(plan, engine, rank=0, step=0)
     assert meta_group == [FAKE_GROUP_DEVICE]
 
 
