@@ -53,9 +53,9 @@ def needed(*, workload: str, subject: str, blocks: int) -> list[tuple[str, str, 
     wanted = [PLOTS]
     if blocks >= MIN_BLOCKS_FOR_INTERVAL:
         wanted.append(STATISTICS)
-    if workload != "mlp":
+    if workload.startswith("qwen3"):
         wanted.append(TRANSFORMERS)
-    if subject != "qwz":
+    if subject != "qwz" or workload == "moe-tiny":  # moe-tiny: DeepSpeed's MoE layer
         wanted.append(DEEPSPEED)
     return wanted
 
