@@ -134,3 +134,21 @@ def test_replicas_fail_naming_the_set_whose_ranks_disagree():
 
 def test_a_record_without_replica_sets_compares_every_rank():
     assert _replicas_check([]).status == "fail"  # the per-rank hashes differ
+
+
+def test_the_report_shows_each_set_s_hashes_and_whether_they_agree():
+    from qwz.qualify.review import report
+
+    payload = make_payload()
+    hashes = next(item for item in payload["hashes"] if item["arm"] == CANDIDATE)
+    hashes["per_rank"] = ["a" * 64, "b" * 64]
+    hashes["replica_sets"] = [
+        {"params": "dense", "ranks": [0, 1], "hashes": ["d" * 64, "d" * 64]},
+        {"params": "expert0", "ranks": [0], "hashes": ["e" * 64]},
+    ]
+    row = next(
+        line
+        for line in report.render_markdown(make_record(**payload)).splitlines()
+        if line.startswith(f"| `{CANDIDATE}` |") and "expert0 (ranks 0)" in line
+    )
+    assert "dense (ranks 0, 1)" in row and "| yes |" in row
