@@ -33,6 +33,10 @@ from qwz.qualify.run.replicas import DENSE
 
 AUX_LOSS_WEIGHT = 0.01
 """Weight of the MoE layer's load-balancing loss in the training loss."""
+CAPACITY_FACTOR = 2.0
+"""Tokens an expert takes per step, relative to an even share: room enough that few tokens
+are dropped, so a quantization-sized change of the gate's input seldom changes which tokens
+an expert drops (a jump in the loss that the held-out comparison would read as noise)."""
 
 
 class TinyMoE(torch.nn.Module):
@@ -50,6 +54,8 @@ class TinyMoE(torch.nn.Module):
             num_experts=num_experts,
             ep_size=ep_size,
             k=1,
+            capacity_factor=CAPACITY_FACTOR,
+            eval_capacity_factor=CAPACITY_FACTOR,
             use_rts=False,
         )
         self.head = torch.nn.Linear(hidden, fan_out)

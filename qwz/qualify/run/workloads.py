@@ -89,7 +89,7 @@ MOE_PRESET: dict[str, Any] = {
     "sizes": [263, 257, 3],
     "num_experts": 4,
     "ep_size": 2,
-    "micro_batch": 8,
+    "micro_batch": 32,
 }
 """[Note: MoE workload] (run/moe.py): input, hidden (each expert is hidden x hidden) and
 output widths, the experts and the expert-parallel size."""

@@ -73,7 +73,7 @@ def test_batches_depend_on_seed_step_and_rank_only_and_follow_a_teacher():
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0], other[0])
     inputs, targets = first
-    assert inputs.shape == (8, 263) and targets.shape == (8, 3)
+    assert inputs.shape == (32, 263) and targets.shape == (32, 3)
     # The targets are the seeded linear teacher of the inputs plus TEACHER_NOISE: learnable.
     residual = targets - inputs @ workloads._teacher(263, 3, 3)
     assert residual.std() < 2 * workloads.TEACHER_NOISE < targets.std()
