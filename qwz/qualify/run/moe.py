@@ -13,7 +13,11 @@ own function, before the engine (DeepSpeed's expert-then-data layout: with ep_si
 ranks, ranks {0, 2} hold experts 0-1 and {1, 3} experts 2-3), and the optimizer's param
 groups are split by ``split_params_into_different_moe_groups_for_optimizer``, as DeepSpeed
 documents for ZeRO. Random token selection is off (``use_rts=False``): the gate then draws
-no random numbers, so every arm routes the same tokens to the same experts.
+no random numbers, so every arm routes the same tokens to the same experts. No token is
+dropped (``drop_tokens=False``: an expert's capacity is the most tokens any rank of its
+expert-parallel group routes to it): with capacity dropping, a quantization-sized change of
+the gate's input could change which tokens an expert drops, a jump in the held-out loss
+that the learning check would read as a broken candidate.
 
 Which ranks must hold the same value of a parameter is the workload's to say, not the
 engine's ([Note: replica sets], run/replicas.py): every dense parameter is the same on
@@ -33,10 +37,6 @@ from qwz.qualify.run.replicas import DENSE
 
 AUX_LOSS_WEIGHT = 0.01
 """Weight of the MoE layer's load-balancing loss in the training loss."""
-CAPACITY_FACTOR = 2.0
-"""Tokens an expert takes per step, relative to an even share: room enough that few tokens
-are dropped, so a quantization-sized change of the gate's input seldom changes which tokens
-an expert drops (a jump in the loss that the held-out comparison would read as noise)."""
 
 
 class TinyMoE(torch.nn.Module):
@@ -54,9 +54,8 @@ class TinyMoE(torch.nn.Module):
             num_experts=num_experts,
             ep_size=ep_size,
             k=1,
-            capacity_factor=CAPACITY_FACTOR,
-            eval_capacity_factor=CAPACITY_FACTOR,
             use_rts=False,
+            drop_tokens=False,
         )
         self.head = torch.nn.Linear(hidden, fan_out)
 
