@@ -60,6 +60,11 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     except signing.SigningKeyError as error:
         problems.append(str(error))
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+    from qwz.qualify.run.workloads import get_workload
+
+    refusals = get_workload(args.workload).refusals(args.subject, world_size)
+    if refusals:  # what follows would build the model, which these refuse
+        return problems + refusals
     numel = _workload_numel(args.workload, args.seed)
     largest_shard = -(-numel // world_size)
     largest_group = -(-largest_shard // 8) * 8

@@ -58,9 +58,9 @@ def needed(
         wanted.append(STATISTICS)
     elif learning_rule == "non-inferiority":
         wanted.append(HORIZON_STATISTICS)
-    if not workload.startswith("mlp"):
+    if workload.startswith("qwen3"):
         wanted.append(TRANSFORMERS)
-    if subject != "qwz":
+    if subject != "qwz" or workload == "moe-tiny":  # moe-tiny: DeepSpeed's MoE layer
         wanted.append(DEEPSPEED)
     return wanted
 

@@ -366,6 +366,70 @@ def wrong_global_norm(arm, engine, plan):
     engine.train_step = train_step
 
 
+# --------------------------------------------------------------------------- MoE (moe-tiny)
+
+
+def _expert_parameters(engine, plan) -> list[tuple[str, torch.nn.Parameter]]:
+    keys = plan.workload.replica_keys(engine.module)
+    return [(name, p) for name, p in engine.module.named_parameters() if keys[name] != "dense"]
+
+
+def expert_gather_stale(arm, engine, plan):
+    """The expert-data-parallel groups' gather never arrives: every expert parameter keeps the
+    previous step's working values on every rank, while the dense gather is correct."""
+    experts = [param for _, param in _expert_parameters(engine, plan)]
+    original = engine.train_step
+
+    def train_step(loss):
+        before = [param.detach().clone() for param in experts]
+        original(loss)
+        with torch.no_grad():
+            for param, value in zip(experts, before, strict=True):
+                param.copy_(value)
+
+    engine.train_step = train_step
+
+
+def expert_update_skipped(arm, engine, plan):
+    """The experts' param group is never stepped; the dense group is (DeepSpeed steps its
+    torch optimizer once per param group)."""
+    optimizer = engine.shard_optimizer
+    original = optimizer.step
+
+    def step(*args: Any, **kwargs: Any):
+        if any(group.get("moe") for group in optimizer.param_groups):
+            return None
+        return original(*args, **kwargs)
+
+    optimizer.step = step
+
+
+def expert_replica_drifts_on_last_rank(arm, engine, plan):
+    """After every step the last rank nudges element 0 of its first local expert's weight --
+    outside its own shard at world size 4, where that element belongs to its peer in the
+    expert-data-parallel group -- so only a comparison of the ranks holding that expert sees
+    it."""
+    _, weight = _expert_parameters(engine, plan)[0]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def nudge(step):
+        if _rank() == world - 1:
+            with torch.no_grad():
+                flat = weight.view(-1)
+                flat[0] = flat[0] + 0.5
+
+    _after_each_step(engine, nudge)
+
+
+MOE_KILLED_BY = {
+    "expert_gather_stale": "own-shard",
+    "expert_update_skipped": "update",
+    "expert_replica_drifts_on_last_rank": "replicas",
+}
+"""The MoE mutants (the ``moe-tiny`` workload through the deepspeed subject, world size 4)
+-> the family of the check that must fail."""
+
+
 KILLED_BY = {
     "never_updates": "update",
     "gradient_sign_flipped": "step1-exact",

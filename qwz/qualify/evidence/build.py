@@ -88,9 +88,9 @@ def _ledger_fields(
     code: dict[str, Any],
     environment: Environment,
     arm: dict[str, Any],
-    per_rank: list[str | None],
+    final_hash: str | None,
 ) -> dict[str, Any]:
-    if ledger_dir is None or None in per_rank or len(set(per_rank)) != 1:
+    if ledger_dir is None or final_hash is None:
         return {"ledger_status": "not-checked", "ledger_previous": None, "ledger_siblings": {}}
     result = ledger.check_and_record(
         ledger_dir,
@@ -107,7 +107,7 @@ def _ledger_fields(
         # run's shard alignment ([Note: padding rule], qwz/layout.py), so it keys the entry.
         arm={key: value for key, value in arm.items() if key != "role"}
         | {"shard_alignment": plan.shard_alignment},
-        final_hash=per_rank[0],
+        final_hash=final_hash,
     )
     return {
         "ledger_status": result.status,
@@ -200,6 +200,20 @@ def _drift(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
     }
 
 
+def _replica_sets(ranks: list[ArmObservation]) -> list[dict[str, Any]]:
+    """Per replica key, the ranks that hold it and their final hashes ([Note: replica
+    sets], qualify/run/replicas.py); empty when a rank has none (an arm that never ran)."""
+    if any(item.final_hashes is None for item in ranks):
+        return []
+    sets: dict[str, dict[str, Any]] = {}
+    for rank, item in enumerate(ranks):
+        for key, value in item.final_hashes.items():
+            entry = sets.setdefault(key, {"params": key, "ranks": [], "hashes": []})
+            entry["ranks"].append(rank)
+            entry["hashes"].append(value)
+    return [sets[key] for key in sorted(sets)]
+
+
 def _probe(arm: dict[str, Any], ranks: list[ArmObservation], reference_bytes: int) -> dict:
     return {
         "arm": arm["name"],
@@ -268,9 +282,12 @@ def _sections(
         if name != REFERENCE:
             sections["drift"].append(_drift(plan, name, lead))
         per_rank = [item.final_hash for item in ranks]
-        ledger_fields = _ledger_fields(plan, ledger_dir, code, environment, arm, per_rank)
+        sets = _replica_sets(ranks)
+        final_hash = derived.arm_final_hash(per_rank, [item["hashes"] for item in sets])
+        ledger_fields = _ledger_fields(plan, ledger_dir, code, environment, arm, final_hash)
         sections["hashes"].append(
             {"arm": name, "per_rank": per_rank, "divergence": lead.replica_divergence}
+            | {"replica_sets": sets}
             | ledger_fields
         )
         if arm["quantized"]:

@@ -60,6 +60,7 @@ the wire.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from typing import Any
@@ -241,8 +242,24 @@ def _step_one(arm: str, digests: dict[str, Any], reference: str | None) -> Check
     )
 
 
+def arm_final_hash(per_rank: list[str | None], set_hashes: list[list[str | None]]) -> str | None:
+    """The arm's final hash (what the ledger keys on and ``reproduced`` shows): every rank's
+    hash when they agree; with experts ([Note: replica sets], qualify/run/replicas.py, more
+    than one set), the sha256 of every set's agreed hash; None where a set disagrees or a
+    hash is missing."""
+    if len(set_hashes) <= 1:
+        if not per_rank or None in per_rank or len(set(per_rank)) != 1:
+            return None
+        return per_rank[0]
+    if any(None in hashes or len(set(hashes)) != 1 for hashes in set_hashes):
+        return None
+    joined = "\n".join(hashes[0] for hashes in set_hashes)
+    return hashlib.sha256(joined.encode()).hexdigest()
+
+
 def _replicas(hashes, world_size: int) -> Check:
-    """Replicas identical after every step and at the end."""
+    """Replicas identical after every step and at the end, each parameter over the ranks
+    that hold it ([Note: replica sets])."""
     name = f"replicas[{hashes.arm}]"
     if world_size == 1:
         return _check(name, "n/a", "one rank: there are no replicas to compare")
@@ -254,19 +271,33 @@ def _replicas(hashes, world_size: int) -> Check:
             + ", ".join(hashes.divergence.parameters[:8]),
             step=hashes.divergence.step,
         )
-    if None in hashes.per_rank:
+    sets = [(item.params, item.ranks, item.hashes) for item in hashes.replica_sets]
+    if not sets:  # a record written before replica sets: every rank holds everything
+        sets = [("dense", list(range(len(hashes.per_rank))), hashes.per_rank)]
+    if any(None in values for _, _, values in sets):
         return _check(name, "n/a", "the arm failed before its final hash")
-    if len(set(hashes.per_rank)) != 1:
+    disagree = [
+        f"{params} over ranks {ranks}: " + ", ".join(str(h)[:16] for h in values)
+        for params, ranks, values in sets
+        if len(set(values)) != 1
+    ]
+    if disagree:
+        return _check(name, "fail", "ranks' final hashes disagree: " + "; ".join(disagree[:4]))
+    if len(sets) == 1:
         return _check(
             name,
-            "fail",
-            "ranks' final hashes disagree: " + ", ".join(str(h)[:16] for h in hashes.per_rank),
+            "pass",
+            f"working copies identical on all {len(sets[0][1])} ranks after every "
+            f"step; final hash {str(sets[0][2][0])[:16]}",
         )
     return _check(
         name,
         "pass",
-        f"working copies identical on all {len(hashes.per_rank)} ranks after every "
-        f"step; final hash {str(hashes.per_rank[0])[:16]}",
+        "working copies identical after every step within every replica set ("
+        + "; ".join(f"{params}: ranks {ranks}" for params, ranks, _ in sets[:6])
+        + (" ..." if len(sets) > 6 else "")
+        + f"); final hash {str(arm_final_hash(hashes.per_rank, [s[2] for s in sets]))[:16]}",
+        sets=len(sets),
     )
 
 
@@ -464,7 +495,14 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
         wrong = [size for size in reported if size is not None]
         status = "fail" if wrong else "n/a"
         return _check(name, status, f"one rank: the gather is exact{said}", reported=reported)
-    measured = [group for group in probe.wire if group.quantized_numel > 0]
+    # A one-rank group (experts whose expert-data-parallel group is one rank) sends nothing:
+    # its gather is a local copy, exact by the spec (own-shard holds it to that).
+    local = sorted(
+        {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
+    )
+    measured = [
+        group for group in probe.wire if group.quantized_numel > 0 and len(group.group_ranks) > 1
+    ]
     if not measured and failure is not None:
         return _check(name, "n/a", "the arm failed before a gather was measured")
     if not measured:
@@ -489,6 +527,10 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
         verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
     else:
         verdict = f"the wire's bytes fit groups of {requested} on every rank"
+    if local:
+        said += (
+            f"; one-rank groups {', '.join(map(str, map(list, local)))}: a local copy, not judged"
+        )
     return _check(
         name,
         status,
@@ -529,7 +571,7 @@ def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
 
 def _reproduced(hashes) -> Check:
     name = f"reproduced[{hashes.arm}]"
-    this = hashes.per_rank[0] if hashes.per_rank else None
+    this = arm_final_hash(hashes.per_rank, [item.hashes for item in hashes.replica_sets])
     others = "".join(
         f"; {'same hash as' if other == this else 'differs from'} the {description} arm's "
         f"{other[:16]}"

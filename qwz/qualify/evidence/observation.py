@@ -48,6 +48,9 @@ class ArmObservation:
     gather_bytes: int = 0
     """The last step's weight-gather bytes (qwz/probe.py)."""
     final_hash: str | None = None
+    final_hashes: dict[str, str] | None = None
+    """Per replica key this rank holds (``dense``, ``expert<i>``), the hash of those
+    parameters ([Note: replica sets], run/replicas.py)."""
     group_size: int | None = None
     """The group size the engine reports ([Note: reported group size], run/subjects.py)."""
     reported_by: str | None = None

@@ -373,9 +373,23 @@ class Divergence(_Model):
     parameters: list[str]
 
 
+class ReplicaSet(_Model):
+    """The ranks that must hold the same parameters, and their final hashes of them
+    ([Note: replica sets], qualify/run/replicas.py)."""
+
+    params: str = Field(description='What they hold: "dense", or "expert<global index>"')
+    ranks: list[int]
+    hashes: list[str | None] = Field(description="Per rank of `ranks`, its final hash of them")
+
+
 class Hashes(_Model):
     arm: str
     per_rank: list[str | None] = Field(description="Final parameter hash; null: no final hash")
+    replica_sets: list[ReplicaSet] = Field(
+        default_factory=list,
+        description="Per set of ranks holding the same parameters (every rank for dense "
+        "parameters, the ranks holding one expert for its parameters), their final hashes",
+    )
     divergence: Divergence | None = Field(
         description="First step after which the ranks' working copies differed"
     )
@@ -397,6 +411,11 @@ class WireGroup(_Model):
     exact_numel: int = Field(ge=0, description="Elements of parameters of at most 65,536")
     padding_numel: int = Field(ge=0, description="Shard positions no parameter covers")
     element_bytes: int = Field(ge=1, description="Bytes of one working-dtype element")
+    params: Literal["dense", "expert", "mixed"] = Field(
+        "dense",
+        description="Which parameters this rank's shards over the group hold: dense ones, "
+        "experts (gathered over their expert-data-parallel group), or both",
+    )
 
 
 class Probe(_Model):

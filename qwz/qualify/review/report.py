@@ -757,8 +757,17 @@ def _hashes_section(record: Record) -> list[str]:
     rows = []
     for hashes in record.hashes:
         distinct = list(dict.fromkeys(hashes.per_rank))
+        agree = len(distinct) == 1
+        if len(hashes.replica_sets) > 1:  # experts: each set's ranks must agree
+            agree = all(len(set(item.hashes)) == 1 for item in hashes.replica_sets)
         if hashes.divergence is not None:
             per_rank = f"**diverged after step {hashes.divergence.step}**"
+        elif len(hashes.replica_sets) > 1:
+            per_rank = "; ".join(
+                f"{item.params} (ranks {', '.join(map(str, item.ranks))}): "
+                + ", ".join(f"`{short_hash(value)}`" for value in dict.fromkeys(item.hashes))
+                for item in hashes.replica_sets
+            )
         elif len(distinct) == 1:
             per_rank = f"`{short_hash(distinct[0])}` on all {len(hashes.per_rank)} ranks"
         else:
@@ -769,7 +778,7 @@ def _hashes_section(record: Record) -> list[str]:
             (
                 f"`{hashes.arm}`",
                 per_rank,
-                _yes_no(len(distinct) == 1),
+                _yes_no(agree),
                 hashes.ledger_status,
                 f"`{short_hash(hashes.ledger_previous)}`" if hashes.ledger_previous else "—",
             )
@@ -777,7 +786,8 @@ def _hashes_section(record: Record) -> list[str]:
     return [
         "## Replica hashes",
         "",
-        "Final parameter hash per rank; the ledger holds earlier records' hashes for the "
+        "Final parameter hash per rank (with experts: per set of ranks holding the same "
+        "parameters, [Note: replica sets]); the ledger holds earlier records' hashes for the "
         "same head and environment (`reproduced`: equal to an earlier one).",
         "",
         *_table(["arm", "final hash", "ranks agree", "ledger", "earlier hash"], rows),
@@ -842,6 +852,7 @@ def _wire_table(record: Record) -> list[str]:
                     f"`{probe.arm}`",
                     group.rank,
                     ", ".join(map(str, group.group_ranks)),
+                    group.params,
                     f"{group.quantized_numel:,} / {group.exact_numel:,}",
                     f"{group.bytes_per_step:,}",
                     "—" if implied is None else f"{implied:.1f}",
@@ -861,6 +872,7 @@ def _wire_table(record: Record) -> list[str]:
                 "arm",
                 "rank",
                 "process group",
+                "parameters",
                 "quantized / exact elements",
                 "gather bytes/step",
                 "G from the wire",

@@ -153,9 +153,10 @@ def _as_int32(value: int) -> int:
 
 
 @torch.no_grad()
-def master_digests(shards: Sequence[seam.OwnShard], names: Sequence[str]) -> dict[str, str]:
-    """Per parameter, the digest of its fp32 master over all ranks ([Note: layout-independent
-    digests]); collective: every rank must call it."""
+def master_digest_sums(shards: Sequence[seam.OwnShard], names: Sequence[str]) -> torch.Tensor:
+    """(len(names),) int64: per parameter, this rank's part of the digest of its fp32 master
+    ([Note: layout-independent digests]): the sum over the elements this rank owns (not
+    collective)."""
     position = {name: index for index, name in enumerate(names)}
     device = shards[0].master.device if shards else torch.device("cpu")
     sums = torch.zeros(len(names), dtype=torch.int64, device=device)
@@ -165,7 +166,14 @@ def master_digests(shards: Sequence[seam.OwnShard], names: Sequence[str]) -> dic
             sums[position[slot.name]] += _digest_sum(
                 master[slot.start : slot.end], slot.param_offset
             )
-    _all_reduce(sums)
+    return sums
+
+
+@torch.no_grad()
+def master_digests(shards: Sequence[seam.OwnShard], names: Sequence[str]) -> dict[str, str]:
+    """Per parameter, the digest of its fp32 master over all ranks ([Note: layout-independent
+    digests]); collective: every rank must call it."""
+    sums = _all_reduce(master_digest_sums(shards, names))
     return {name: f"{int(value):016x}" for name, value in zip(names, sums.tolist(), strict=True)}
 
 
@@ -400,14 +408,16 @@ class UpdateCheck:
             self.samples.append(covered[pick].sort().values.to(shard.master.device))
         self.result = UpdateResult()
         self.step = 0
-        self._calls = 0
-        self._optimizer_steps = 0
-        """Optimizer steps observed so far: Adam's step count must equal it plus one."""
+        self._stepped = [0] * len(self.shards)
+        """Per shard, the optimizer steps that included it in this training step."""
+        self._optimizer_steps = [0] * len(self.shards)
+        """Per shard, the optimizer steps taken so far: Adam's step count must equal it."""
         self._values_at_start = self._sampled_masters()
-        self._before: list[dict[str, torch.Tensor]] | None = None
-        self._last_after: list[torch.Tensor] | None = None
+        self._before: dict[int, dict[str, torch.Tensor]] = {}
+        self._last_after: dict[int, torch.Tensor] = {}
         self._grad_squares: torch.Tensor | None = None
-        """float64 sum of squares of this rank's handed gradients at this step's first call."""
+        """float64 sum of squares of this rank's handed gradients, each shard's when it
+        stepped ([Note: one step per param group])."""
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
@@ -419,7 +429,7 @@ class UpdateCheck:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self._calls = 0
+        self._stepped = [0] * len(self.shards)
         self._grad_squares = None
 
     def _sampled_masters(self) -> list[torch.Tensor]:
@@ -429,30 +439,53 @@ class UpdateCheck:
         ]
 
     def end_step(self) -> None:
-        if self._calls == 0 and self.skips_allowed:
+        if self.skips_allowed and not any(self._stepped):
             self.result.skipped_steps.append(self.step)
             self._check_unchanged()
             return
-        if self._calls != 1:
+        if any(count != 1 for count in self._stepped):
             self.result.missing_steps.append(self.step)
             self.result.violations += 1
-            self._violation(-1, 0, f"the optimizer stepped {self._calls} times", math.inf)
+            counts = sorted(set(self._stepped))
+            what = f"the optimizer stepped {counts[0]} times"
+            if len(counts) > 1:
+                what = "the optimizer stepped the shards " + ", ".join(
+                    f"{shard.name} {count} times"
+                    for shard, count in zip(self.shards, self._stepped, strict=True)
+                )
+            self._violation(-1, 0, what, math.inf)
+
+    def _stepping(self, optimizer: Any) -> list[int]:
+        """[Note: one step per param group]
+        DeepSpeed's ZeRO-1/2 steps its torch optimizer once per param group, with
+        ``param_groups`` narrowed to that group (two groups, so two calls, with MoE's experts
+        apart); qwz's engine steps every shard in one call. So each call judges the shards
+        whose masters are in the optimizer's param groups at that call, and each shard must
+        be stepped exactly once per training step."""
+        present = {id(param) for group in optimizer.param_groups for param in group["params"]}
+        return [index for index, shard in enumerate(self.shards) if id(shard.master) in present]
+
+    def _check_step_count(self, shard_index: int, counted: int, when: str, why: str) -> None:
+        """Adam's step count of a shard equals the optimizer steps it was observed to take."""
+        taken = self._optimizer_steps[shard_index]
+        if counted != taken:
+            self.result.violations += 1
+            what = (
+                f"Adam's step count of {self.shards[shard_index].name} is {counted} {when}, "
+                f"but the optimizer stepped it {taken} times ({why})"
+            )
+            self._violation(-1, 0, what, math.inf)
 
     def _check_unchanged(self) -> None:
         """A step the optimizer did not take leaves every sampled master as it was, and
         Adam's step count too."""
-        counted = self._step_count(self.shards[0].master) if self.shards else 0
-        if counted != self._optimizer_steps:
-            self.result.violations += 1
-            what = (
-                f"Adam's step count is {counted} after a skipped step, but the optimizer "
-                f"stepped {self._optimizer_steps} times (the skipped step was counted)"
+        now_values = self._sampled_masters()
+        for shard_index, now in enumerate(now_values):
+            counted = self._step_count(self.shards[shard_index].master)
+            self._check_step_count(
+                shard_index, counted, "after a skipped step", "the skipped step was counted"
             )
-            self._violation(-1, 0, what, math.inf)
-        last = self._last_after if self._last_after is not None else self._values_at_start
-        for shard_index, (now, before) in enumerate(
-            zip(self._sampled_masters(), last, strict=True)
-        ):
+            before = self._last_after.get(shard_index, self._values_at_start[shard_index])
             at = self._count(now != before)
             if at is not None:
                 what = "master changed on a step the optimizer did not take"
@@ -470,60 +503,51 @@ class UpdateCheck:
         return int(value.item() if isinstance(value, torch.Tensor) else value)
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._calls += 1
-        if self._calls == 1:
-            self._grad_squares = _handed_squares(self.shards)
-        if self.shards:
-            counted = self._step_count(self.shards[0].master)
-            if counted != self._optimizer_steps:
-                self.result.violations += 1
-                what = (
-                    f"Adam's step count is {counted + 1}, but the optimizer stepped "
-                    f"{self._optimizer_steps} times before (a step counted that was not taken)"
-                )
-                self._violation(-1, 0, what, math.inf)
-        before = []
-        for shard_index, (shard, index) in enumerate(zip(self.shards, self.samples, strict=True)):
+        active = self._stepping(optimizer)
+        squares = _handed_squares([self.shards[index] for index in active])
+        self._grad_squares = squares if self._grad_squares is None else self._grad_squares + squares
+        self._before = {}
+        for shard_index in active:
+            self._stepped[shard_index] += 1
+            shard, index = self.shards[shard_index], self.samples[shard_index]
             param = shard.master
             grad = param.grad
+            counted = self._step_count(param)
+            self._check_step_count(
+                shard_index, counted, "before this step", "a step counted that was not taken"
+            )
             values = param.detach().reshape(-1)[index].double().cpu()
-            if self._last_after is not None:
+            if shard_index in self._last_after:
                 moved = values != self._last_after[shard_index]
                 at = self._count(moved)
                 if at is not None:
                     what = "master changed outside the optimizer step"
                     self._violation(shard_index, int(index[at]), what, math.inf)
-            before.append(
-                {
-                    "p": values,
-                    "g": (
-                        torch.zeros_like(values)
-                        if grad is None
-                        else grad.detach().reshape(-1)[index].double().cpu()
-                    ),
-                    "m": self._state(param, "exp_avg", index),
-                    "v": self._state(param, "exp_avg_sq", index),
-                    "t": torch.tensor(self._step_count(param) + 1),
-                }
-            )
-        self._before = before
+            self._before[shard_index] = {
+                "p": values,
+                "g": (
+                    torch.zeros_like(values)
+                    if grad is None
+                    else grad.detach().reshape(-1)[index].double().cpu()
+                ),
+                "m": self._state(param, "exp_avg", index),
+                "v": self._state(param, "exp_avg_sq", index),
+                "t": torch.tensor(counted + 1),
+            }
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._before is None:
-            return
-        after = []
         lr, (beta1, beta2), eps, wd = (
             self.settings.lr,
             self.settings.betas,
             self.settings.eps,
             self.settings.weight_decay,
         )
-        for shard_index, (shard, index, before) in enumerate(
-            zip(self.shards, self.samples, self._before, strict=True)
-        ):
-            param = shard.master
+        for shard_index, before in self._before.items():
+            index = self.samples[shard_index]
+            param = self.shards[shard_index].master
             actual = param.detach().reshape(-1)[index].double().cpu()
-            after.append(actual)
+            self._last_after[shard_index] = actual
+            self._optimizer_steps[shard_index] += 1
             m_new = self._state(param, "exp_avg", index)
             v_new = self._state(param, "exp_avg_sq", index)
             p0, g, m0, v0 = before["p"], before["g"], before["m"], before["v"]
@@ -557,9 +581,7 @@ class UpdateCheck:
                         f"(bound {float(bound[at]):.3g})"
                     )
                     self._violation(shard_index, int(index[at]), what, float(ratio[at]))
-        self._last_after = after
-        self._before = None
-        self._optimizer_steps += 1
+        self._before = {}
 
     @torch.no_grad()
     def check_norm(

@@ -75,7 +75,7 @@ from qwz.probe import WireProbe
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, gather_timing, observers, timing
+from qwz.qualify.run import determinism, gather_timing, observers, replicas, timing
 from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
 
 
@@ -245,6 +245,7 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         plan.subject,
         model,
         plan.arm_config(arm),
+        model_parameters=plan.workload.optimizer_parameters(model),
         quantized=arm.quantized,
         compile_kernels=plan.compile_kernels,
         integration_enabled=plan.integration_enabled,
@@ -313,17 +314,20 @@ def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module
 
 
 def _wire_layout(
-    shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int]
-) -> dict[tuple[int, ...], dict[str, int]]:
+    shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int], keys: dict[str, str]
+) -> dict[tuple[int, ...], dict[str, Any]]:
     """Per process group, the spec's counts of this rank's own-shard elements there
     ([Note: group size from the wire], qualify/evidence/checks.py): quantized (parameters above
-    spec.EXACT_MAX_NUMEL), exact (at most), padding (no parameter) and the working element size."""
-    layout: dict[tuple[int, ...], dict[str, int]] = {}
+    spec.EXACT_MAX_NUMEL), exact (at most), padding (no parameter) and the working element
+    size, and which parameters they are (dense, expert: [Note: replica sets], replicas.py)."""
+    layout: dict[tuple[int, ...], dict[str, Any]] = {}
     for shard, ranks in zip(shards, group_ranks, strict=True):
         counts = layout.setdefault(
             ranks,
             {"quantized_numel": 0, "exact_numel": 0, "padding_numel": 0, "element_bytes": 0},
         )
+        kind = replicas.wire_kind([slot.name for slot in shard.slots], keys)
+        counts["params"] = kind if counts.get("params", kind) == kind else "mixed"
         covered = 0
         for slot in shard.slots:
             kind = "exact_numel" if spec.travels_exactly(numel[slot.name]) else "quantized_numel"
@@ -393,7 +397,9 @@ class _ArmRun:
         # elements must travel exactly never changes either.
         self.shards = engine.own_shards()
         group_ranks = engine.shard_group_ranks()
-        self.wire_layout = _wire_layout(self.shards, group_ranks, numel)
+        self.replica_keys = plan.workload.replica_keys(engine.module)
+        self.replica_sets = replicas.ReplicaSets.agree(self.replica_keys)
+        self.wire_layout = _wire_layout(self.shards, group_ranks, numel, self.replica_keys)
         # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
         gather_ranks = [len(ranks) for ranks in group_ranks]
         self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
@@ -427,6 +433,7 @@ class _ArmRun:
         if self.check_own:
             self.observed["own_shard"] = dataclasses.asdict(self.own_result)
         self.observed["final_hash"] = param_hash(self.engine.module)
+        self.observed["final_hashes"] = replicas.final_hashes(self.engine.module, self.replica_keys)
 
     def train_step(self, step: int) -> tuple[float, float, WireProbe] | None:
         """One step: its loss and gradient norm and the probe of its gather; None when every
@@ -503,13 +510,13 @@ class _ArmRun:
             observers.check_own_shards(
                 self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
             )
-        divergent = observers.replica_divergence(module)
+        divergent = replicas.divergence(module, self.replica_sets)
         if divergent and observed.get("replica_divergence") is None:
             observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
         if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
             # The first optimizer step (step 1 unless fp16 overflows skipped the first):
             # until then no gather ran, so every arm held the same weights.
-            observed["step1_digests"] = observers.master_digests(self.shards, self.names)
+            observed["step1_digests"] = replicas.master_digests(self.shards, self.replica_sets)
         if self.samples is not None:
             self.sample(step, module)
         if step in plan.eval_steps:
@@ -633,6 +640,9 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
 def _qualify(
     plan: RunPlan, rank: int, world_size: int, progress: _Progress, settings: Any
 ) -> list[dict[str, Any]] | None:
+    refusals = plan.workload.refusals(plan.subject, world_size)
+    if refusals:  # the CLI refuses these before any rank starts; torchrun and tests get here
+        raise ValueError("; ".join(refusals))
     progress.say(
         f"{plan.subject}: {len(plan.arms)} arms one after another, {plan.steps} steps each, "
         f"then {plan.blocks} blocks x {plan.block_steps} steps per candidate"

@@ -114,12 +114,13 @@ class DeepSpeedArm(ArmEngine):
         config: dict[str, Any],
         qwz_gather: bool,
         compile_kernels: bool,
+        model_parameters: list[Any] | None = None,
     ):
         from qwz.integrations import deepspeed as integration
 
         self.engine, *_ = integration.initialize(
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model_parameters=_parameters(model, model_parameters),
             config=config,
             qwz_gather=qwz_gather,
             compile_kernels=compile_kernels,
@@ -149,12 +150,17 @@ class NativeDeepSpeedArm(DeepSpeedArm):
     """DeepSpeed's own engine from a plain ``deepspeed.initialize``: the config as given
     (``zero_quantized_weights`` and its group size included), nothing replaced or attached."""
 
-    def __init__(self, model: torch.nn.Module, config: dict[str, Any]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: dict[str, Any],
+        model_parameters: list[Any] | None = None,
+    ):
         import deepspeed
 
         self.engine, *_ = deepspeed.initialize(
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model_parameters=_parameters(model, model_parameters),
             config=config,
         )
         self.module = self.engine.module
@@ -170,6 +176,14 @@ class NativeDeepSpeedArm(DeepSpeedArm):
     @property
     def shard_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer.optimizer
+
+
+def _parameters(model: torch.nn.Module, model_parameters: list[Any] | None) -> list[Any]:
+    """DeepSpeed's ``model_parameters``: as given (param groups: the experts apart for MoE),
+    else every trainable parameter."""
+    if model_parameters is not None:
+        return model_parameters
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def reported_group_size(engine: Any) -> tuple[int | None, str | None]:
@@ -200,9 +214,11 @@ def make_arm(
     compile_kernels: bool = False,
     integration_enabled: bool = True,
     shard_alignment: int | None = None,
+    model_parameters: list[Any] | None = None,
 ) -> ArmEngine:
     """`shard_alignment`: qwz only ([Note: padding rule], qwz/layout.py); DeepSpeed
-    partitions its own buffers and refuses the argument."""
+    partitions its own buffers and refuses the argument. `model_parameters`: DeepSpeed's
+    (param groups, as the MoE workload needs); qwz's engine takes the model's parameters."""
     if subject == "qwz":
         return QwzArm(model, config, compile_kernels, shard_alignment)
     if shard_alignment is not None:
@@ -216,9 +232,10 @@ def make_arm(
             config,
             qwz_gather=quantized and integration_enabled,
             compile_kernels=compile_kernels,
+            model_parameters=model_parameters,
         )
     if subject == "deepspeed-native":
-        return NativeDeepSpeedArm(model, config)
+        return NativeDeepSpeedArm(model, config, model_parameters)
     raise ValueError(f"subject: {subject!r} is unknown; choose one of {', '.join(SUBJECTS)}")
 
 

@@ -22,6 +22,9 @@ Presets:
 * ``mlp-small``: the same recipe at a quarter of the parameters (two quantized matrices of
   70,400 elements), the CPU workload of the ``long`` preset (qualify/presets.py), whose
   thousands of steps are dominated by the per-step observation, not the model.
+* ``moe-tiny``: DeepSpeed's MoE layer (4 experts, expert parallelism 2) between two dense
+  Linears, learning the same kind of teacher, for the DeepSpeed subjects
+  ([Note: MoE workload], run/moe.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from qwz.qualify.run import moe, replicas
 
 QWEN3_PRESETS: Mapping[str, dict[str, Any]] = {
     "qwen3-tiny": {
@@ -87,8 +92,18 @@ MLP_PRESETS: Mapping[str, dict[str, Any]] = {
     "mlp-small": {"sizes": [64, 1100, 64, 3], "micro_batch": 8},
 }
 MLP_PRESET = MLP_PRESETS["mlp"]
+MOE_PRESET: dict[str, Any] = {
+    "sizes": [263, 257, 3],
+    "num_experts": 4,
+    "ep_size": 2,
+    "micro_batch": 32,
+}
+"""[Note: MoE workload] (run/moe.py): input, hidden (each expert is hidden x hidden) and
+output widths, the experts and the expert-parallel size."""
+TEACHER_WORKLOADS = (*MLP_PRESETS, "moe-tiny")
+"""Workloads whose batches are (inputs, a seeded linear teacher's targets)."""
 
-WORKLOAD_NAMES = (*QWEN3_PRESETS, *MLP_PRESETS)
+WORKLOAD_NAMES = (*QWEN3_PRESETS, *TEACHER_WORKLOADS)
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,11 @@ class Workload:
         with context:
             if self.name in MLP_PRESETS:
                 return _mlp(self.params["sizes"], dtype)
+            if self.name == "moe-tiny":
+                model = moe.build(
+                    self.params["sizes"], self.params["num_experts"], self.params["ep_size"], seed
+                )
+                return model if dtype is None else model.to(dtype)
             from transformers import Qwen3Config, Qwen3ForCausalLM
 
             config = Qwen3Config(**self.params["model"])
@@ -131,7 +151,7 @@ class Workload:
         """The CPU tensors of the batch of (seed, step, rank); see `loss`."""
         generator = torch.Generator().manual_seed(_batch_seed(seed, step, rank))
         batch = self.params["micro_batch"]
-        if self.name in MLP_PRESETS:
+        if self.name in TEACHER_WORKLOADS:
             sizes = self.params["sizes"]
             inputs = torch.randn(batch, sizes[0], generator=generator)
             teacher = _teacher(sizes[0], sizes[-1], seed)
@@ -152,8 +172,49 @@ class Workload:
             inputs, targets = batch
             prediction = model(inputs.to(parameter.device, parameter.dtype)).float()
             return torch.nn.functional.mse_loss(prediction, targets.to(parameter.device))
+        if self.name == "moe-tiny":
+            inputs, targets = batch
+            prediction, aux_loss = model(inputs.to(parameter.device, parameter.dtype))
+            error = torch.nn.functional.mse_loss(prediction.float(), targets.to(parameter.device))
+            return error + moe.AUX_LOSS_WEIGHT * aux_loss.float()
         tokens = batch[0].to(parameter.device)
         return model(input_ids=tokens, labels=tokens).loss.float()
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the model has experts split over ranks ([Note: MoE workload])."""
+        return self.name == "moe-tiny"
+
+    def refusals(self, subject: str, world_size: int) -> list[str]:
+        """Why this workload cannot run on `subject` at `world_size`, one line each."""
+        if not self.expert_parallel:
+            return []
+        if subject == "qwz":
+            return [
+                f"--workload {self.name}: --subject qwz cannot run it: qwz's engine gathers "
+                "every parameter over one process group and has no expert parallelism "
+                "(DeepSpeed's MoE layer needs DeepSpeed's engine to create its expert groups); "
+                "use --subject deepspeed or deepspeed-native"
+            ]
+        try:
+            moe.check_sizes(self.params["num_experts"], self.params["ep_size"], world_size)
+        except ValueError as error:
+            return [f"--world-size {world_size}: {error}"]
+        return []
+
+    def replica_keys(self, model: torch.nn.Module) -> dict[str, str]:
+        """Per parameter name, which value this rank holds: ranks with the same key for a
+        name must hold the same values ([Note: replica sets], run/replicas.py)."""
+        if self.expert_parallel:
+            return moe.replica_keys(model)
+        return {name: replicas.DENSE for name, _ in model.named_parameters()}
+
+    def optimizer_parameters(self, model: torch.nn.Module) -> list[Any]:
+        """What ``model_parameters`` a DeepSpeed engine is given: the experts in param
+        groups of their own for MoE ([Note: MoE workload]), else the parameters."""
+        if self.expert_parallel:
+            return moe.optimizer_parameters(model)
+        return [p for p in model.parameters() if p.requires_grad]
 
 
 HELD_OUT_STEP_BASE = 1 << 40
@@ -206,6 +267,8 @@ def _mlp(sizes: list[int], dtype: torch.dtype | None = None) -> torch.nn.Module:
 def get_workload(name: str) -> Workload:
     if name in MLP_PRESETS:
         return Workload(name, dict(MLP_PRESETS[name]))
+    if name == "moe-tiny":
+        return Workload("moe-tiny", dict(MOE_PRESET))
     if name in QWEN3_PRESETS:
         return Workload(name, dict(QWEN3_PRESETS[name]))
     raise ValueError(f"workload: {name!r} is unknown; choose one of {', '.join(WORKLOAD_NAMES)}")
