@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--group-size", type=int, action="append", dest="group_sizes", help="repeatable (64, 8192)"
     )
     parser.add_argument("--workload", default="mlp")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--blocks", type=int, default=1)
     parser.add_argument("--block-steps", type=int, default=1)
@@ -65,6 +66,7 @@ def qualify_once(args: argparse.Namespace, world_size: int, seed: int) -> tuple[
     command = [
         sys.executable, "-m", "qwz.qualify", "run", "--out", str(out), "--force",
         "--world-size", str(world_size), "--seed", str(seed), "--workload", args.workload,
+        "--dtype", args.dtype,
         "--steps", str(args.steps), "--blocks", str(args.blocks),
         "--block-steps", str(args.block_steps), "--warmup-steps", str(args.warmup_steps),
         "--no-compile",
@@ -97,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             detail = f": {', '.join(names)}" if names else ""
             print(f"W={world_size} seed={seed}: {status} ({took:.0f} s){detail}", flush=True)
     sizes = "+".join(str(size) for size in args.group_sizes)
-    print(f"\nfalse failures (correct candidate, G={sizes}, {args.workload}, {args.steps} steps):")
+    print(
+        f"\nfalse failures (correct candidate, G={sizes}, {args.workload}, {args.dtype}, "
+        f"{args.steps} steps):"
+    )
     total_runs = total_failures = 0
     for world_size, statuses in runs.items():
         failures = sum(status != "PASS" for status in statuses)

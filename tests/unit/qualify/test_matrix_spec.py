@@ -235,3 +235,37 @@ def test_list_prints_every_cell_and_row_and_running_needs_out(tmp_path, capsys):
     assert lines[2] == "offload: not run (out of scope): no"
     assert cli.main(["matrix", str(path)]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+
+
+SHIPPED_SPECS = sorted((pathlib.Path(__file__).resolve().parents[3] / "specs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_SPECS, ids=lambda path: path.name)
+def test_every_shipped_spec_loads_and_run_parses_every_cell(path):
+    """A spec the nightly or a maintainer runs must not be refused after the night started:
+    it loads, and ``run``'s parser accepts every cell's arguments (argparse exits 2 on a flag
+    or choice it does not know, e.g. a workload that was renamed)."""
+    spec = load(path)
+    assert spec.cells, f"{path.name} has no cell to run"
+    parser = cli.build_parser()
+    for cell in spec.cells:
+        parser.parse_args(["run", *cell.run_arguments(), "--out", "x"])
+
+
+def test_the_upstream_scope_spec_covers_what_the_cpu_can_qualify():
+    """specs/upstream-scope.toml runs ZeRO-1 and -2, bf16, fp16 (qwz) and fp32, G 64 and
+    8192, the MoE workload through DeepSpeed, world sizes 2 and 4 and the long preset."""
+    spec = load(next(path for path in SHIPPED_SPECS if path.name == "upstream-scope.toml"))
+    values = {axis: {cell.value(axis) for cell in spec.cells} for axis in AXES}
+    assert {1, 2} <= values["stage"]
+    assert {"bf16", "fp16", "fp32"} <= values["dtype"]
+    assert {64, 8192} <= {size for sizes in values["group_sizes"] for size in sizes}
+    assert {2, 4} <= values["world_size"]
+    assert "long" in values["preset"]
+    assert any(
+        cell.value("workload") == "moe-tiny" and cell.value("subject") == "deepspeed"
+        for cell in spec.cells
+    )
+    assert any(
+        cell.value("dtype") == "fp16" and cell.value("subject") == "qwz" for cell in spec.cells
+    )
