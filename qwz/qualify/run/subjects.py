@@ -322,23 +322,11 @@ def deepspeed_native_problems(
             return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
         paths = [str(root.resolve()), *filter(None, environment.get("PYTHONPATH", "").split(":"))]
         environment["PYTHONPATH"] = os.pathsep.join(paths)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", PREFLIGHT],
-            input=json.dumps({"configs": configs}),
-            capture_output=True,
-            text=True,
-            env=environment,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return [f"--subject deepspeed-native: importing deepspeed took over {timeout_s:.0f} s"]
-    marker = [line for line in done.stdout.splitlines() if line.startswith("QWZ-PREFLIGHT ")]
-    if done.returncode != 0 or not marker:
-        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return [f"--subject deepspeed-native: cannot import deepspeed: {last}"]
-    report = json.loads(marker[-1].removeprefix("QWZ-PREFLIGHT "))
+    report = _ask_deepspeed(
+        PREFLIGHT, "QWZ-PREFLIGHT ", environment, timeout_s, json.dumps({"configs": configs})
+    )
+    if isinstance(report, str):
+        return [f"--subject deepspeed-native: {report}"]
     package = pathlib.Path(report["file"]).resolve().parent
     if source is not None and not _under(package, pathlib.Path(source)):
         return [f"--deepspeed-src {source}: deepspeed was imported from {package}, not from it"]
@@ -379,22 +367,9 @@ def deepspeed_fp16_problems(
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if not devices.uses_cuda(backend):
         environment[devices.DEEPSPEED_ACCELERATOR_ENV] = "cpu"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", FP16_PROBE],
-            capture_output=True,
-            text=True,
-            env=environment,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return [f"--dtype fp16: importing deepspeed took over {timeout_s:.0f} s"]
-    marker = [line for line in done.stdout.splitlines() if line.startswith("QWZ-FP16 ")]
-    if done.returncode != 0 or not marker:
-        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return [f"--dtype fp16: cannot import deepspeed to ask about fp16: {last}"]
-    report = json.loads(marker[-1].removeprefix("QWZ-FP16 "))
+    report = _ask_deepspeed(FP16_PROBE, "QWZ-FP16 ", environment, timeout_s)
+    if isinstance(report, str):
+        return [f"--dtype fp16: {report}"]
     if report["fp16"]:
         return []
     return [
@@ -403,6 +378,35 @@ def deepspeed_fp16_problems(
         "AVX512-FP16 or AMX-FP16), so no DeepSpeed arm can train; --subject qwz "
         "qualifies fp16 here"
     ]
+
+
+def _ask_deepspeed(
+    script: str,
+    marker: str,
+    environment: dict[str, str],
+    timeout_s: float,
+    stdin_text: str | None = None,
+) -> dict[str, Any] | str:
+    """Run `script` (which imports deepspeed) in a subprocess with `environment` and return
+    the JSON it printed after `marker`, or why there is none: the import took too long, or
+    it failed (the last line of its stderr)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            input=stdin_text,
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"importing deepspeed took over {timeout_s:.0f} s"
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return f"cannot import deepspeed: {last}"
+    return json.loads(lines[-1].removeprefix(marker))
 
 
 def _version_text(package: pathlib.Path, version: str) -> str:
