@@ -33,7 +33,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from qwz.qualify.run.replicas import DENSE
+DENSE = "dense"
+"""The replica key of a parameter every rank holds alike ([Note: replica sets],
+run/replicas.py); defined here, the leaf, so workloads -> moe imports nothing back."""
 
 AUX_LOSS_WEIGHT = 0.01
 """Weight of the MoE layer's load-balancing loss in the training loss."""

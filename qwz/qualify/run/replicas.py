@@ -33,8 +33,7 @@ import torch.distributed as dist
 from qwz import shards as seam
 from qwz.hashing import tensors_hash
 from qwz.qualify.run import observers
-
-DENSE = "dense"
+from qwz.qualify.run.moe import DENSE
 
 
 def _world() -> tuple[int, int]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from qwz.qualify.run import moe, replicas
+from qwz.qualify.run import moe
 
 QWEN3_PRESETS: Mapping[str, dict[str, Any]] = {
     "qwen3-tiny": {
@@ -207,7 +207,7 @@ class Workload:
         name must hold the same values ([Note: replica sets], run/replicas.py)."""
         if self.expert_parallel:
             return moe.replica_keys(model)
-        return {name: replicas.DENSE for name, _ in model.named_parameters()}
+        return {name: moe.DENSE for name, _ in model.named_parameters()}
 
     def optimizer_parameters(self, model: torch.nn.Module) -> list[Any]:
         """What ``model_parameters`` a DeepSpeed engine is given: the experts in param
