@@ -136,21 +136,34 @@ class Environment(_Model):
         None, description="sha256 of the ranks' sorted distinct host names, one per line"
     )
 
-    def fingerprint(self) -> str:
-        """What must match for hashes to be reproducible: versions, backend, devices and
-        their compute capabilities, ranks, deterministic settings. Fields a record written
-        before they existed lacks (None, empty) are left out, so its fingerprint stays;
-        where it ran (the machine's names, memory) is context, never part of it."""
-        payload = self.model_dump(exclude={"platform", *_MACHINE_FIELDS})
-        for name in _LATER_ENVIRONMENT_FIELDS:
-            if payload[name] in (None, []):
+    def fingerprint_fields(
+        self, against: Environment | None = None, exclude: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """What the fingerprint hashes. Fields a record written before they existed lacks
+        (None, empty) are left out -- on both sides when ``against`` is given, so an old
+        baseline without ``cuda`` keeps matching a record that has one."""
+        payload = self.model_dump(exclude={"platform", *MACHINE_FIELDS, *exclude})
+        others = against.model_dump() if against is not None else {}
+        for name in LATER_ENVIRONMENT_FIELDS:
+            if name in payload and (
+                payload[name] in (None, []) or (against is not None and others[name] in (None, []))
+            ):
                 del payload[name]
+        return payload
+
+    def fingerprint(
+        self, against: Environment | None = None, exclude: tuple[str, ...] = ()
+    ) -> str:
+        """What must match for hashes to be reproducible: versions, backend, devices and
+        their compute capabilities, ranks, deterministic settings (:meth:`fingerprint_fields`);
+        where it ran (the machine's names, memory) is context, never part of it."""
+        payload = self.fingerprint_fields(against, exclude)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_MACHINE_FIELDS = ("cpu_model", "cpu_flags", "device_memory_bytes", "host_count", "hosts_sha256")
+MACHINE_FIELDS = ("cpu_model", "cpu_flags", "device_memory_bytes", "host_count", "hosts_sha256")
 
-_LATER_ENVIRONMENT_FIELDS = (
+LATER_ENVIRONMENT_FIELDS = (
     "cuda",
     "cudnn",
     "nccl",
