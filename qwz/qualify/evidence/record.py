@@ -22,8 +22,8 @@ from qwz import jsonio
 from qwz.qualify.evidence.rejudge import absent_inputs, rejudge
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.seal import canonical_digest, verdict_of
-from qwz.qualify.evidence.upgrade import upgrade, version_problem
 from qwz.qualify.evidence.signing import SigningKey, SigningKeyError, configured_key, sign, verifies
+from qwz.qualify.evidence.upgrade import upgrade, version_problem
 from qwz.qualify.files import atomic_write_text
 
 
@@ -89,8 +89,8 @@ def load(path: str | pathlib.Path) -> Record:
         record = record.model_copy(update={"upgraded_from": upgraded_from})
     if record.verdict != verdict_of(record.checks):
         raise RecordError(f"{path}: the verdict does not follow from the checks")
-    record._absent = absent  # noqa: SLF001
-    record._rejudged = (id(record), rejudge(record, absent, f"{path}: "))  # noqa: SLF001
+    record._absent = absent
+    record._rejudged = (id(record), rejudge(record, absent, f"{path}: "))
     if record.signature is not None:
         try:
             key = configured_key()

@@ -101,8 +101,7 @@ class Judgement:
         if self.stored is None:
             assert self.today is not None
             return (
-                f"{self.name}: new under {rule_text(self.today.rule)}: "
-                f"{self.today.status.upper()}"
+                f"{self.name}: new under {rule_text(self.today.rule)}: {self.today.status.upper()}"
             )
         then = f"{self.stored.status.upper()} ({rule_text(self.stored.rule)})"
         if self.today is None:
@@ -148,9 +147,7 @@ def _absent(record_payload: dict[str, Any], path: str) -> bool:
 
 def absent_inputs(payload: dict[str, Any]) -> frozenset[str]:
     """Of every rule's inputs (rules.INPUTS), those the raw ``payload`` lacks."""
-    return frozenset(
-        path for paths in INPUTS.values() for path in paths if _absent(payload, path)
-    )
+    return frozenset(path for paths in INPUTS.values() for path in paths if _absent(payload, path))
 
 
 def _not_observed(check: Check, missing: list[str]) -> Check:
@@ -218,9 +215,22 @@ def rejudge(record: Record, absent: frozenset[str] = frozenset(), where: str = "
 
 def rejudged(record: Record) -> Rejudged:
     """``record`` under today's rules: what load found (cached on the record), else now."""
-    cached = record._rejudged  # noqa: SLF001
+    cached = record._rejudged
     if cached is not None and cached[0] == id(record):
         return cached[1]
-    result = rejudge(record, record._absent)  # noqa: SLF001
-    record._rejudged = (id(record), result)  # noqa: SLF001
+    result = rejudge(record, record._absent)
+    record._rejudged = (id(record), result)
     return result
+
+
+def verdict_text(record: Record) -> str:
+    """The verdict as judged, and today's where a rule change moved it, with the checks
+    whose result the change moved."""
+    today = rejudged(record)
+    if today.verdict.status == record.verdict.status:
+        return record.verdict.status
+    moved = [item.text() for item in today.judge_changes if item.result_changed]
+    return (
+        f"{record.verdict.status} (as judged) / {today.verdict.status} under today's rules: "
+        + "; ".join(moved[:3])
+    )

@@ -151,9 +151,7 @@ class Environment(_Model):
                 del payload[name]
         return payload
 
-    def fingerprint(
-        self, against: Environment | None = None, exclude: tuple[str, ...] = ()
-    ) -> str:
+    def fingerprint(self, against: Environment | None = None, exclude: tuple[str, ...] = ()) -> str:
         """What must match for hashes to be reproducible: versions, backend, devices and
         their compute capabilities, ranks, deterministic settings (:meth:`fingerprint_fields`);
         where it ran (the machine's names, memory) is context, never part of it."""

@@ -147,8 +147,7 @@ def _incomparability(baseline: Record, candidate: Record) -> list[str]:
     reasons = []
     if baseline.schema_version != candidate.schema_version:
         reasons.append(
-            f"schema major versions differ: {baseline.schema_version} -> "
-            f"{candidate.schema_version}"
+            f"schema major versions differ: {baseline.schema_version} -> {candidate.schema_version}"
         )
         return reasons  # the rest of the comparison assumes one schema
     reasons += _environment(baseline, candidate)[0]
