@@ -17,12 +17,23 @@
 # (QWZ_ALLOW_UNSIGNED=1), CPU memory is gated at 25% (QWZ_MEMORY_GROWTH_PCT, README: RSS
 # noise), night 2's bisect is off (QWZ_NIGHTLY_BISECT=0: it would qualify every
 # commit between the baseline and night 2, minutes more). Prints PASS and exits 0 when all of it
-# holds. Uses the active Python environment (QWZ_VENV, default the running python's prefix).
+# holds. Uses an environment ci/env.sh installed (QWZ_VENV; default the active one, else ./.venv).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="${1:-$(mktemp -d /tmp/qwz-judge-change.XXXXXX)}"
 mkdir -p "$work"
-export QWZ_VENV="${QWZ_VENV:-$(python -c 'import sys; print(sys.prefix)')}"
+# The nights reuse an environment ci/env.sh already installed (its stamp present): never one
+# it would create or install into.
+if [ -z "${QWZ_VENV:-}" ]; then
+  QWZ_VENV="$repo/.venv"
+  prefix="$(python3 -c 'import sys; print(sys.prefix)')"
+  [ -f "$prefix/.qwz-installed" ] && QWZ_VENV="$prefix"
+fi
+if [ ! -f "$QWZ_VENV/.qwz-installed" ]; then
+  echo "nightly-judge-change: $QWZ_VENV is no environment ci/env.sh installed; set QWZ_VENV" >&2
+  exit 2
+fi
+export QWZ_VENV
 root="$work/nightly"
 spec="$work/judge-change.toml"
 cat > "$spec" <<'TOML'

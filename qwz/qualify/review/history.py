@@ -178,7 +178,7 @@ def promote(record_path: pathlib.Path, baseline_dir: pathlib.Path) -> Record:
         why = verdict.failed or verdict.inconclusive
         raise RecordError(
             f"{record_path}: a record that did not pass cannot become the baseline "
-            f"(verdict under today's rules {verdict.status}: {', '.join(why)})"
+            f"(verdict {verdict.status}: {', '.join(why)}, under today's rules)"
         )
     unmeasured = [item.arm for item in record.performance if item.interval != "bootstrap"]
     if not record.performance or unmeasured:
