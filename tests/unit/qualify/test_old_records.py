@@ -16,6 +16,7 @@ from qwz.qualify.evidence.signing import configured_key, verifies
 from qwz.qualify.matrix import runner
 from qwz.qualify.matrix.spec import load as load_spec
 from qwz.qualify.review import history
+from qwz.qualify.review import judge_only as judge_only_module
 from qwz.qualify.review import matrix as table
 from qwz.qualify.review.compare import Status, compare, compare_files
 from qwz.qualify.review.matrix_compare import compare_matrices
@@ -358,3 +359,49 @@ def test_the_judge_is_sealed_inside_the_digest():
     body = fresh.model_dump(mode="json")
     body["judge"]["rules"]["learning"] = 9
     assert seal.canonical_digest(body) != fresh.digest
+
+
+# --------------------------------------------------------------------------- the nightly's view
+
+
+def _tonight(tmp_path: pathlib.Path, edit=None) -> tuple[pathlib.Path, pathlib.Path]:
+    """The e0eb687 matrix as the baseline, and tonight: its cell re-sealed by today's judge
+    (after ``edit`` of its observations), with the status today's verdict gives."""
+    baseline = FIXTURES / "e0eb687" / "matrix"
+    tonight = tmp_path / "tonight"
+    shutil.copytree(baseline, tonight)
+    [cell] = table.load_matrix(tonight).cells
+    path = tonight / cell.record
+    payload, _ = upgrade.upgrade(json.loads(path.read_text()))
+    payload.pop("signature", None)
+    if edit is not None:
+        edit(payload)
+    fresh = seal.seal(payload)
+    record.save(fresh, path)
+    rows = json.loads((tonight / "matrix.json").read_text())
+    rows["cells"][0].update(status=fresh.verdict.status, digest=fresh.digest)
+    (tonight / "matrix.json").write_text(json.dumps(rows))
+    return baseline, tonight
+
+
+def test_a_failure_the_baseline_shares_under_today_s_rules_is_judge_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(checks, "MIN_REFERENCE_DROP", 0.99)
+    monkeypatch.setitem(rules.RULES, "learning", 2)
+    baseline, tonight = _tonight(tmp_path)
+    [(_cell, judge_only, why)] = judge_only_module.classify(baseline, tonight)
+    assert judge_only, why
+    assert "the baseline fails learning[reference]" in why and "under today's rules too" in why
+    assert judge_only_module.main([str(baseline), str(tonight)]) == 0
+    assert compare_matrices(baseline, tonight).status == Status.NO_REGRESSION
+
+
+def test_a_failure_the_baseline_does_not_share_is_the_code_s(tmp_path, monkeypatch):
+    monkeypatch.setitem(rules.RULES, "learning", 2)
+
+    def break_update(payload):
+        payload["updates"][-1]["violations"] = 4
+
+    baseline, tonight = _tonight(tmp_path, break_update)
+    [(_cell, judge_only, why)] = judge_only_module.classify(baseline, tonight)
+    assert not judge_only and "update[candidate-g64]" in why
+    assert judge_only_module.main([str(baseline), str(tonight)]) == 1
