@@ -11,6 +11,10 @@
 #   night 1  the judge changed: learning's MARGIN_FACTOR 3.0 -> 3.5 with its rule bumped to 2
 #            (and the golden file regenerated), the engine untouched: must exit 0, say "judge
 #            changed: ..." in its summary (judge.md in tonight.txt) and start no bisect;
+#   night 1b night 1 plus a judge change the unchanged code fails: MIN_REFERENCE_DROP 0.02 ->
+#            0.99 with learning's rule bumped to 3 (the reference "did not learn", every cell
+#            INCONCLUSIVE), which the baseline fails too under today's rules: must exit 0, say
+#            "judge changed: every cell that did not pass ..." and start no bisect;
 #   night 2  night 1 plus a planted regression in the engine (scale absmax/128 instead of
 #            absmax/127): must exit 1 and name own-shard as the regression.
 # The property tests are skipped (QWZ_NIGHTLY_TESTS=0), records are unsigned
@@ -93,6 +97,20 @@ grep -qxF "$root/judge.md" "$root/tonight.txt" || problems+=("night 1: judge.md 
 [ ! -d "$root/bisect" ] || problems+=("night 1 started a bisect")
 [ -f "$root/judge.md" ] && { echo "--- night 1 summary ($root/judge.md):"; head -12 "$root/judge.md"; }
 
+tree="$work/night1b"
+git -C "$work/night1" worktree add --detach --force "$tree" HEAD >/dev/null
+trees+=("$tree")
+sed -i 's/^MIN_REFERENCE_DROP = 0.02$/MIN_REFERENCE_DROP = 0.99/; s/^@rule("learning", 2)$/@rule("learning", 3)/' \
+  "$tree/qwz/qualify/evidence/checks.py"
+(cd "$tree" && PYTHONPATH="$tree" python -m qwz.qualify.evidence.judge GOLDEN >/dev/null)
+commit_in "$tree" "judge: the reference must learn 99% (rule 3)"
+night night1b
+[ "$code" -eq 0 ] || problems+=("night 1b (judge-only failures) exited $code, not 0")
+grep -q "judge changed: every cell that did not pass tonight" "$root/judge.md" 2>/dev/null \
+  || problems+=("night 1b: judge.md does not say the failures are the judge's")
+[ ! -d "$root/bisect" ] || problems+=("night 1b started a bisect")
+[ -f "$root/judge.md" ] && { echo "--- night 1b summary ($root/judge.md):"; tail -4 "$root/judge.md"; }
+
 tree="$work/night2"
 git -C "$work/night1" worktree add --detach --force "$tree" HEAD >/dev/null
 trees+=("$tree")
@@ -107,7 +125,8 @@ echo "--- night 2 regressions ($root/compare.txt):"
 grep "^REGRESSION\|REGRESSION: " "$root/compare.txt" | head -5 || true
 
 if [ ${#problems[@]} -eq 0 ]; then
-  echo "nightly-judge-change: PASS (night 0 baseline, night 1 judge changed exit 0, night 2 regression exit 1)"
+  echo "nightly-judge-change: PASS (night 0 baseline; night 1 judge changed: exit 0; night 1b" \
+    "judge-only failures: exit 0, no bisect; night 2 regression under the new judge: exit 1)"
   exit 0
 fi
 printf 'nightly-judge-change: FAIL: %s\n' "${problems[@]}" >&2
