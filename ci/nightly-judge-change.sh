@@ -19,8 +19,8 @@
 #            absmax/127): must exit 1 and name own-shard as the regression.
 # The property tests are skipped (QWZ_NIGHTLY_TESTS=0), records are unsigned
 # (QWZ_ALLOW_UNSIGNED=1), CPU memory is gated at 25% (QWZ_MEMORY_GROWTH_PCT, README: RSS
-# noise), night 2's bisect is off (QWZ_NIGHTLY_BISECT=0: it would qualify every
-# commit between the baseline and night 2, minutes more). Prints PASS and exits 0 when all of it
+# noise). Night 2's bisect (one cell) must name the planted commit; QWZ_JUDGE_CHANGE_BISECT=0
+# skips it (it qualifies the commits between the baseline and night 2: minutes more). Prints PASS and exits 0 when all of it
 # holds. Uses an environment ci/env.sh installed (QWZ_VENV; default the active one, else ./.venv).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -117,8 +117,18 @@ trees+=("$tree")
 sed -i 's|absmax.to(torch.float64) / INT8_MAX|absmax.to(torch.float64) / 128|' "$tree/qwz/quant.py"
 grep -q "/ 128" "$tree/qwz/quant.py" || problems+=("night 2: the planted regression did not apply")
 commit_in "$tree" "planted regression: absmax/128"
-night night2 QWZ_NIGHTLY_BISECT=0
+night night2 QWZ_NIGHTLY_BISECT="${QWZ_JUDGE_CHANGE_BISECT:-1}" QWZ_NIGHTLY_BISECT_MAX=1
 [ "$code" -eq 1 ] || problems+=("night 2 (planted absmax/128) exited $code, not 1")
+planted="$(git -C "$tree" rev-parse HEAD)"
+if [ "${QWZ_JUDGE_CHANGE_BISECT:-1}" != "0" ]; then
+  found="$(find "$root/bisect" -name bisect.md 2>/dev/null | head -1)"
+  if [ -z "$found" ]; then
+    problems+=("night 2 started no bisect")
+  else
+    echo "--- night 2 bisect ($found):"; head -8 "$found"
+    grep -q "${planted:0:12}" "$found" || problems+=("night 2: the bisect does not name the planted commit ${planted:0:12}")
+  fi
+fi
 grep -q "REGRESSION: cell .*own-shard\[candidate-g64\]" "$root/compare.txt" \
   || problems+=("night 2: compare does not name own-shard[candidate-g64] as a regression")
 echo "--- night 2 regressions ($root/compare.txt):"
