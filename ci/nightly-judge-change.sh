@@ -21,7 +21,8 @@
 # (QWZ_ALLOW_UNSIGNED=1), CPU memory is gated at 25% (QWZ_MEMORY_GROWTH_PCT, README: RSS
 # noise). Night 2's bisect (one cell) must name the planted commit; QWZ_JUDGE_CHANGE_BISECT=0
 # skips it (it qualifies the commits between the baseline and night 2: minutes more). Prints
-# PASS and exits 0 when all of it holds (about 15 minutes on a loaded 2-core CPU). Uses an environment ci/env.sh installed (QWZ_VENV; default the active one, else ./.venv).
+# PASS and exits 0 when all of it holds (about 15 minutes on a loaded 2-core CPU). Uses an
+# environment ci/env.sh installed (QWZ_VENV; default the active one, else ./.venv).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="${1:-$(mktemp -d /tmp/qwz-judge-change.XXXXXX)}"
