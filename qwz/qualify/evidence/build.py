@@ -20,7 +20,7 @@ import torch
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
-from qwz.qualify.evidence.schema import Environment, Head, Record, Subject
+from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
 from qwz.rank_reports import RankEnd
@@ -319,7 +319,7 @@ def build_record(
         if first["timings"].get(arm["name"])
     ]
     payload = {
-        "schema_version": 2,
+        "schema_version": SCHEMA_VERSION,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "head": first["head"],
         "harness": first["harness"],
