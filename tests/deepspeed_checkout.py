@@ -153,7 +153,9 @@ def fetch_sdist(version: str) -> pathlib.Path:
 
     expected = SDIST_SHA256.get(version)
     if expected is None:
-        raise ValueError(f"version: {version!r} has no pinned sha256; pin one of {list(SDIST_SHA256)}")
+        raise ValueError(
+            f"version: {version!r} has no pinned sha256; pin one of {list(SDIST_SHA256)}"
+        )
     directory = _cache_dir() / "sdists" / version
     cached = directory / f"deepspeed-{version}.tar.gz"
     if not cached.is_file():
