@@ -20,13 +20,12 @@ record without ``--force``, a missing optional package, a bucket size needing to
 many collectives, more ranks or memory than the machine has, a group size larger
 than a rank's shard, a DeepSpeed the seam cannot read), 130/143 when SIGINT/SIGTERM stopped
 it (every rank is killed, nothing is written); ``report`` 0, or 2 for a record that cannot
-be trusted; ``compare`` 0 no regression, 1 regression, 2 not comparable or invalid; ``history`` 0, or 2
-when a record under the directory cannot be loaded (it is listed); ``promote``
-0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every cell
-that ran passed, 1 a cell FAILed or crashed, 4 a HARNESS-ERROR cell (and none FAILed), 3
-INCONCLUSIVE cells (or no verdict at all),
-2 a refused spec or ``--out``, 130/143 stopped (qualify/matrix/command.py); 2 for usage
-errors everywhere.
+be trusted; ``compare`` 0 no regression, 1 regression, 2 not comparable or invalid;
+``history`` 0, or 2 when a record under the directory cannot be loaded (it is listed);
+``promote`` 0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every
+cell that ran passed, 1 a cell FAILed or crashed, 4 a HARNESS-ERROR cell (and none FAILed
+or crashed), 3 INCONCLUSIVE cells (or no verdict at all), 2 a refused spec or ``--out``,
+130/143 stopped (qualify/matrix/command.py); 2 for usage errors everywhere.
 """
 
 from __future__ import annotations
