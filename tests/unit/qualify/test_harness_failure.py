@@ -181,3 +181,22 @@ def test_a_seam_that_cannot_observe_ends_harness_error_not_fail(tmp_path):
     version = real_version(package, deepspeed.__version__)
     assert content["subject"]["version"] == version and f"DeepSpeed {version}" in content["needed"]
     assert "HARNESS-ERROR: the harness could not observe deepspeed-native" in done.stdout
+
+
+# ------------------------------------------------------------------------------- crash records
+def test_a_crash_record_is_judged_at_the_ranks_world_size_not_the_launchers():
+    """The launcher writes a crash record outside any process group: judged as one rank it
+    said "one rank: nothing was quantized or sent" of arms that ran on two."""
+    from qwz.qualify.evidence import build as evidence
+    from qwz.qualify.plan import RunPlan
+    from qwz.qualify.run.workloads import get_workload
+
+    where = {"phase": "train", "arm": "reference", "step": 1, "last_completed_step": 0}
+    crashed = evidence.build_failure_record(
+        RunPlan(workload=get_workload("mlp"), steps=6, blocks=0),
+        2,
+        _end(error="RuntimeError: boom")._replace(where=where),
+    )
+    assert crashed.environment.world_size == 2
+    said = "; ".join(check.detail for check in crashed.checks)
+    assert "one rank" not in said, said
