@@ -28,9 +28,11 @@ from qwz.rank_reports import RankEnd
 HARNESS_ERROR = "HARNESS-ERROR"
 HARNESS_ERROR_EXIT = 4
 FILE_NAME = "harness-error.json"
-HARNESS_ERROR_TYPES = ("SeamError",)
+HARNESS_ERROR_TYPES = ("SeamError", "DeepSpeedSourceError")
 """Exception types (by name: a rank reports ``Type: message``) that are the harness's failure
-to observe the subject, never the subject's."""
+to observe the subject, never the subject's: the seam cannot read its optimizer
+(qwz/integrations/deepspeed/structure.py), or a rank imported another DeepSpeed than the
+subject (qualify/run/subjects.py, [Note: subject identity])."""
 
 
 def is_harness_error(cause: RankEnd) -> bool:

@@ -200,3 +200,16 @@ def test_a_crash_record_is_judged_at_the_ranks_world_size_not_the_launchers():
     assert crashed.environment.world_size == 2
     said = "; ".join(check.detail for check in crashed.checks)
     assert "one rank" not in said, said
+
+
+def test_ranks_that_imported_different_deepspeeds_are_a_harness_error():
+    from qwz.qualify.run import runner
+    from qwz.qualify.run.subjects import DeepSpeedSourceError
+
+    same = [{"rank": r, "deepspeed": "DeepSpeed 0.19.6 at abc from /ds"} for r in (0, 1)]
+    runner._same_deepspeed_everywhere(same)
+    other = [same[0], {"rank": 1, "deepspeed": "DeepSpeed 0.19.8 (not a git checkout) from /v"}]
+    with pytest.raises(DeepSpeedSourceError, match="rank 1: DeepSpeed 0.19.8") as caught:
+        runner._same_deepspeed_everywhere(other)
+    error = f"{type(caught.value).__name__}: {caught.value}"
+    assert harness_error.is_harness_error(_end(error=error))
