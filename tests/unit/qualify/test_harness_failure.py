@@ -209,7 +209,7 @@ def test_ranks_that_imported_different_deepspeeds_are_a_harness_error():
     same = [{"rank": r, "deepspeed": "DeepSpeed 0.19.6 at abc from /ds"} for r in (0, 1)]
     runner._same_deepspeed_everywhere(same)
     other = [same[0], {"rank": 1, "deepspeed": "DeepSpeed 0.19.8 (not a git checkout) from /v"}]
-    with pytest.raises(DeepSpeedSourceError, match="rank 1: DeepSpeed 0.19.8") as caught:
+    with pytest.raises(DeepSpeedSourceError, match=r"rank 1: DeepSpeed 0\.19\.8") as caught:
         runner._same_deepspeed_everywhere(other)
     error = f"{type(caught.value).__name__}: {caught.value}"
     assert harness_error.is_harness_error(_end(error=error))
