@@ -54,9 +54,7 @@ def _qualify(root: pathlib.Path, out: pathlib.Path, subject: str) -> subprocess.
 
 
 @pytest.mark.parametrize("version", ["0.19.6", "0.19.8"])
-def test_stock_native_checkout_fails_in_effect_with_its_real_version_and_commit(
-    tmp_path, version
-):
+def test_stock_native_checkout_fails_in_effect_with_its_real_version_and_commit(tmp_path, version):
     from qwz.qualify.evidence import record
 
     root = _checkout(version)
