@@ -416,7 +416,9 @@ def build_failure_record(
             return results[rank][name]
         return ArmObservation(failure=not_run)
 
-    environment = provenance.environment([provenance.device_name()] * world_size)
+    environment = provenance.environment(
+        [provenance.device_name()] * world_size, world_size=world_size
+    )
     with torch.device("meta"):
         num_parameters = sum(p.numel() for p in plan.workload.build_model(plan.seed).parameters())
     observations = [

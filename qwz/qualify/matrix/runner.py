@@ -19,7 +19,9 @@
   asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell running.
 
 How a cell's end reads: exit 0, 1 or 3 with a record that loads is its verdict (the
-record's own); exit 2 is "not run" with ``run``'s refusal (its ``error:`` lines on stderr);
+record's own); exit 4 with ``harness-error.json`` is "HARNESS-ERROR" with what the harness
+needed (run again on the next start, like any cell without a record); exit 2 is "not run"
+with ``run``'s refusal (its ``error:`` lines on stderr);
 130/143 while the matrix was being stopped is "not run" (interrupted); anything else, or a
 verdict exit without a loadable record of the cell's plan, is "crashed" with why.
 """
@@ -43,6 +45,7 @@ from typing import Any, NamedTuple
 
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
+from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
@@ -240,7 +243,20 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
         reason = f"the matrix was stopped by {name} while this cell ran; its run wrote no record"
         return _row(cell, arguments, status="not run", kind="interrupted", reason=reason)
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
-    if code in VERDICT_EXITS:
+    if code == harness_error.HARNESS_ERROR_EXIT:
+        said = harness_error.read_summary(run.cell_dir)
+        if said is not None:  # [Note: harness errors]: the subject was not judged
+            return _row(
+                cell,
+                arguments,
+                status=harness_error.HARNESS_ERROR,
+                kind="harness-error",
+                reason=said,
+                wall_s=wall_s,
+            )
+        reason = f"run exited {code} ({harness_error.HARNESS_ERROR}) but wrote no readable "
+        reason += harness_error.FILE_NAME
+    elif code in VERDICT_EXITS:
         record, why = finished_record(run.cell_dir, run.plan, run.world_size)
         if record is None:
             reason = f"run exited {code} ({VERDICT_EXITS[code]}) but {why}"
