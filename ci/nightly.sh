@@ -97,6 +97,8 @@ bisect_night() {  # which commit made tonight's matrix fail (ci/nightly-bisect.s
 }
 # The property tests with the long hypothesis profile (2000 examples per property).
 python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
+# The multigpu tests kept for the nightly (every corpus variant at world sizes 2 and 4).
+QWZ_NIGHTLY_TESTS=1 python -m pytest -n 2 --dist loadgroup -m nightly tests/multigpu || failed=1
 out="$root/history/$today/${subject_dir}$spec_name"
 echo "$out/matrix.md" >> "$root/tonight.txt"
 status=0
