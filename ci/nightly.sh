@@ -38,7 +38,8 @@
 # A night whose failed cells the baseline fails too under today's rules (python -m
 # qwz.qualify.review.judge_only: the judge changed, not the code) exits 0 and bisects
 # nothing; a failure the baseline does not share still fails the night and is bisected.
-# QWZ_NIGHTLY_TESTS=0 skips the property tests (ci/nightly-judge-change.sh);
+# QWZ_NIGHTLY_TESTS=0 skips the property tests and the multigpu tests marked nightly
+# (ci/nightly-judge-change.sh);
 # QWZ_MEMORY_GROWTH_PCT sets compare's --memory-growth-pct (CPU RSS is noisy: README).
 #
 # DeepSpeed's own implementation instead of qwz's (README "Requalify a DeepSpeed pull
@@ -108,6 +109,9 @@ bisect_night() {  # which commit made tonight's matrix fail (ci/nightly-bisect.s
 # The property tests with the long hypothesis profile (2000 examples per property).
 if [ "${QWZ_NIGHTLY_TESTS:-1}" != "0" ]; then
   python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
+  # The multigpu tests marked nightly (every corpus variant at world sizes 2 and 4, ...),
+  # which the test command deselects.
+  QWZ_NIGHTLY_TESTS=1 python -m pytest -n 2 --dist loadgroup -m nightly tests/multigpu || failed=1
 fi
 out="$root/history/$today/${subject_dir}$spec_name"
 echo "$out/matrix.md" >> "$root/tonight.txt"

@@ -92,18 +92,29 @@ def head(root: pathlib.Path) -> str:
     return git(root, "rev-parse", "HEAD").strip()
 
 
-def make_variants(tmp_path: pathlib.Path, variants: dict[str, Sequence[str]]) -> pathlib.Path:
+Files = dict[str, str]
+"""Whole files to write over a checkout: path relative to its root -> text."""
+
+
+def make_variants(
+    tmp_path: pathlib.Path, variants: dict[str, Sequence[str | Files]]
+) -> pathlib.Path:
     """One checkout (:func:`make_checkout`, stock) with a branch per entry of `variants`,
-    named by its key, holding that entry's patches committed in order on top of stock;
+    named by its key, holding that entry's changes committed in order on top of stock: a
+    unified diff's text is applied, a :data:`Files` mapping written over the tree.
     :func:`use_variant` switches between them. One checkout path for every variant, so
     DeepSpeed builds its ops once (their sources are the same in every variant)."""
     root = make_checkout(tmp_path)
-    for name, patches in variants.items():
+    for name, changes in variants.items():
         git(root, "checkout", "-q", "-b", name, "main")
-        for number, text in enumerate(patches, start=1):
-            git(root, "apply", "--whitespace=nowarn", "-", stdin=text)
+        for number, change in enumerate(changes, start=1):
+            if isinstance(change, str):
+                git(root, "apply", "--whitespace=nowarn", "-", stdin=change)
+            else:
+                for relative, text in change.items():
+                    (root / relative).write_text(text)
             git(root, "add", "-A")
-            git(root, "commit", "-q", "-m", f"{name}: patch {number} of {len(patches)}")
+            git(root, "commit", "-q", "-m", f"{name}: change {number} of {len(changes)}")
     git(root, "checkout", "-q", "main")
     return root
 
