@@ -53,7 +53,9 @@ def _qualify(root: pathlib.Path, out: pathlib.Path, subject: str) -> subprocess.
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("version", ["0.19.6", "0.19.8"])
+@pytest.mark.parametrize(
+    "version", ["0.19.6", pytest.param("0.19.8", marks=pytest.mark.nightly)]
+)  # 0.19.8 in CI is the installed copy (test_deepspeed_native.py); its sdist checkout nightly
 def test_stock_native_checkout_fails_in_effect_with_its_real_version_and_commit(tmp_path, version):
     from qwz.qualify.evidence import record
 
