@@ -395,9 +395,7 @@ class WireProbe:
             for name, measure in methods.items():
                 original = getattr(process_group, name, None)
                 if original is not None:
-                    self._patch(
-                        process_group, name, self._counted(kind, name, original, measure)
-                    )
+                    self._patch(process_group, name, self._counted(kind, name, original, measure))
         backend = getattr(torch._C._distributed_c10d, "Backend", None)
         for name in BACKEND_METHODS if backend is not None else ():
             original = getattr(backend, name, None)
@@ -411,7 +409,8 @@ class WireProbe:
                 except (AttributeError, RuntimeError):
                     continue  # not an op of this torch
                 label = f"{namespace_name}.{op}"
-                self._patch(namespace, op, _CountedPacket(original, self._uncountable(label, original)))
+                counted = _CountedPacket(original, self._uncountable(label, original))
+                self._patch(namespace, op, counted)
         if self._boundary is not None:
             self._hook = self._boundary.register_step_pre_hook(self._step_began)
 

@@ -57,9 +57,7 @@ def _all_gather() -> None:
 def _c10d_all_gather_into_tensor() -> None:
     from torch.distributed import distributed_c10d
 
-    distributed_c10d.all_gather_into_tensor(
-        torch.empty(WORLD * ROW, dtype=torch.bfloat16), _row()
-    )
+    distributed_c10d.all_gather_into_tensor(torch.empty(WORLD * ROW, dtype=torch.bfloat16), _row())
 
 
 def _broadcast_per_source() -> None:

@@ -562,7 +562,9 @@ def received_group_size(groups: list[WireGroup], group: WireGroup) -> float | No
     where they leave nothing for scales (an unquantized wire)."""
     others = [item for item in _peers(groups, group) if item.rank != group.rank]
     quantized = sum(item.quantized_numel for item in others)
-    exact_bytes = sum((item.exact_numel + item.padding_numel) * item.element_bytes for item in others)
+    exact_bytes = sum(
+        (item.exact_numel + item.padding_numel) * item.element_bytes for item in others
+    )
     overhead = (group.received_bytes_per_step or 0) - quantized - exact_bytes
     if quantized == 0 or overhead <= 0:
         return None

@@ -68,6 +68,9 @@ class FakeGroup:
         return self._size
 
 
+ROOT_0 = types.SimpleNamespace(rootRank=0)
+
+
 def bf16(numel: int) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.bfloat16)
 
@@ -83,13 +86,14 @@ def bf16(numel: int) -> torch.Tensor:
         ("broadcast", 1, ([bf16(10)], types.SimpleNamespace(rootRank=2)), (0, 20, 1, 20)),
         ("broadcast", 1, (bf16(10), 1), (20, 0, 0, 20)),
         ("alltoall_base", 0, (bf16(40), bf16(40), [], []), (60, 60, 3, 80)),
-        ("alltoall_base", 0, (bf16(40), bf16(40), [10, 30, 0, 0], [4, 12, 12, 12]), (72, 60, 3, 80)),
+        ("alltoall_base", 0, (bf16(40), bf16(40), [10, 30, 0, 0], [4, 12, 12, 12]),
+         (72, 60, 3, 80)),
         ("alltoall", 1, ([bf16(5)] * 4, [bf16(5)] * 4), (30, 30, 3, 40)),
         ("send", 0, ([bf16(10)], 1, 0), (20, 0, 0, 0)),
         ("recv", 0, ([bf16(10)], 1, 0), (0, 20, 1, 20)),
-        ("gather", 0, ([[bf16(10)] * 4], [bf16(10)], types.SimpleNamespace(rootRank=0)), (0, 60, 3, 80)),
-        ("gather", 3, ([], [bf16(10)], types.SimpleNamespace(rootRank=0)), (20, 0, 0, 0)),
-        ("scatter", 3, ([bf16(10)], [], types.SimpleNamespace(rootRank=0)), (0, 20, 1, 20)),
+        ("gather", 0, ([[bf16(10)] * 4], [bf16(10)], ROOT_0), (0, 60, 3, 80)),
+        ("gather", 3, ([], [bf16(10)], ROOT_0), (20, 0, 0, 0)),
+        ("scatter", 3, ([bf16(10)], [], ROOT_0), (0, 20, 1, 20)),
         ("allreduce", 0, ([bf16(10)],), (20, 20, 0, 20)),
         ("_reduce_scatter_base", 0, (bf16(10), bf16(40)), (80, 20, 0, 20)),
     ],
@@ -114,7 +118,8 @@ def test_calls_are_split_by_group_and_kind_and_counted_once(monkeypatch):
         optimizer.step()
         outer(world, bf16(8), bf16(2))
         outer(expert, bf16(8), bf16(4))
-        reduce = probe._counted("reduce", "allreduce", lambda g, *a: None, probe_module._reduce_in_place)
+        measure = probe_module._reduce_in_place
+        reduce = probe._counted("reduce", "allreduce", lambda g, *a: None, measure)
         reduce(world, [bf16(3)])
     assert probe.traffic["backward"][(0, 1, 2, 3)].calls == 1
     assert probe.gather_bytes_by_group == {(0, 1, 2, 3): 4, (0, 2): 8}

@@ -229,7 +229,8 @@ def test_the_known_false_failure_now_passes_and_the_old_rule_still_fails_it():
     the received-bytes rule allows them."""
     wire = simulated_wire("fp32 exact, padded per chunk", 4, 64, 3)
     fullest = max(wire, key=lambda item: item["exact_numel"])
-    old_most = checks.group_bounds([WireGroup(**item) for item in wire], WireGroup(**fullest), 64)[1]
+    groups = [WireGroup(**item) for item in wire]
+    old_most = checks.group_bounds(groups, WireGroup(**fullest), 64)[1]
     assert fullest["bytes_per_step"] > old_most
     probe, _ = judged("fp32 exact, padded per chunk", 4, 64, 3)
     assert probe.status == "pass", probe.detail
