@@ -377,8 +377,11 @@ class WireProbe:
 
     # ---- patching ------------------------------------------------------------------------
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
-        had = name in vars(owner) if isinstance(owner, type) else name in owner.__dict__
-        self._saved.append((owner, name, getattr(owner, name), had))
+        # The raw entry is what goes back: a pybind11 class stores its methods wrapped in
+        # ``instancemethod``, which binds ``self``; ``getattr`` unwraps it to a builtin that
+        # does not, and put back that way every later call would lose its group.
+        entries = vars(owner)
+        self._saved.append((owner, name, entries.get(name), name in entries))
         setattr(owner, name, replacement)
 
     def __enter__(self) -> WireProbe:

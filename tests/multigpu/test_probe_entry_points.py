@@ -165,12 +165,19 @@ def entry_points() -> dict[str, Any]:
     with WireProbe(step_boundary=optimizer) as probe:
         _before_and_after_step(optimizer)
     seen["step boundary"] = _seen(probe)
-    before = (dist.ProcessGroup.allgather, torch.ops._c10d_functional.all_gather_into_tensor)
+    raw = vars(dist.ProcessGroup)
+    before = (raw["allgather"], vars(torch.ops._c10d_functional)["all_gather_into_tensor"])
     with contextlib.suppress(RuntimeError), WireProbe():
-        patched = dist.ProcessGroup.allgather is not before[0]
+        patched = raw["allgather"] is not before[0]
         raise RuntimeError("the block fails")
-    after = (dist.ProcessGroup.allgather, torch.ops._c10d_functional.all_gather_into_tensor)
-    seen["restored"] = patched and all(a is b for a, b in zip(before, after, strict=True))
+    after = (raw["allgather"], vars(torch.ops._c10d_functional)["all_gather_into_tensor"])
+    # ... and every entry point works after the probes, outside any.
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    gathered = torch.empty(WORLD * ROW, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(gathered, _row())
+    works = total.item() == WORLD and gathered.float().sum().item() == ROW * 3
+    seen["restored"] = patched and works and all(a is b for a, b in zip(before, after, strict=True))
     return seen
 
 
