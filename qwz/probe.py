@@ -20,12 +20,15 @@ methods therefore counts every call whatever called it, once (the bindings call 
 in C++, never another patched method), and a collective is counted when it is issued, so an
 async one counts whether or not its handle is waited on inside the block.
 
-What the probe cannot attribute to a process group is counted in ``uncounted_calls`` (by
-name in ``uncounted``), never silently dropped: functional collectives
-(``torch.ops._c10d_functional.*``, ``torch.distributed._functional_collectives``, DTensor),
-which reach the backend without a ``ProcessGroup`` method, and a ``Backend`` object's
-methods called directly. A check reading such a probe is inconclusive, never a pass or a
-fail. (A functional collective inside a compiled graph is not seen at all.)
+What moves data after the step boundary (below) and cannot be attributed to a process
+group is counted in ``uncounted_calls`` (by name in ``uncounted``), never silently dropped:
+functional collectives (``torch.ops._c10d_functional.*``,
+``torch.distributed._functional_collectives``, DTensor), which reach the backend without a
+``ProcessGroup`` method, and a ``Backend`` object's methods called directly. A check reading
+such a probe is inconclusive, never a pass or a fail. Such a call that reduces, or that
+moves data before the boundary, is no part of the weight gather: it is counted under its
+kind with group None. (A functional collective inside a compiled graph, or called through
+an op overload such as ``.default``, is not seen at all.)
 
 Kinds: ``reduce`` for the reductions (all-reduce, reduce, reduce-scatter: the gradients'),
 ``gather`` for every collective that moves data (gathers, broadcast, scatter, all-to-all,
@@ -203,6 +206,18 @@ REDUCE_METHODS: dict[str, GatherMethod] = {
 BACKEND_METHODS = (*DATA_METHODS, *REDUCE_METHODS)
 """Methods of a ``Backend`` object: called directly they are uncounted (no group ranks)."""
 FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional")
+FUNCTIONAL_REDUCTIONS = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_",
+        "all_reduce_coalesced",
+        "all_reduce_coalesced_",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+    }
+)
+"""Functional ops and backend methods that reduce: their kind is known, and reductions are
+never the weight gather, so they leave the gather's account complete (group: None)."""
 FUNCTIONAL_OPS = (
     "all_gather_into_tensor",
     "all_gather_into_tensor_coalesced",
@@ -356,17 +371,29 @@ class WireProbe:
 
         return counted
 
-    def _uncountable(self, label: str, original: Any) -> Any:
+    def _unattributed(self, label: str, kind: str) -> None:
+        """A call no group can be named for: a reduction, or data moved before the step
+        boundary, is counted under group None (never the weight gather); data moved after it
+        is uncounted: the weight gather's account is incomplete."""
+        if getattr(self._local, "excluded", 0):
+            self.excluded_calls += 1
+            return
+        if kind == "gather" and not self._stepped:
+            kind = "backward"
+        if kind == "gather":
+            self.uncounted[label] += 1
+            return
+        self.traffic[kind].setdefault(None, Traffic()).calls += 1
+        self.calls[kind] += 1
+
+    def _uncountable(self, label: str, original: Any, kind: str = "gather") -> Any:
         probe = self
 
         @functools.wraps(original)
         def uncounted(*args: Any, **kwargs: Any) -> Any:
             local = probe._local
             if getattr(local, "depth", 0) == 0:
-                if getattr(local, "excluded", 0):
-                    probe.excluded_calls += 1
-                else:
-                    probe.uncounted[label] += 1
+                probe._unattributed(label, kind)
             local.depth = getattr(local, "depth", 0) + 1
             try:
                 return original(*args, **kwargs)
@@ -403,7 +430,9 @@ class WireProbe:
         for name in BACKEND_METHODS if backend is not None else ():
             original = getattr(backend, name, None)
             if original is not None:
-                self._patch(backend, name, self._uncountable(f"Backend.{name}", original))
+                kind = "reduce" if name in REDUCE_METHODS else "gather"
+                counted = self._uncountable(f"Backend.{name}", original, kind)
+                self._patch(backend, name, counted)
         for namespace_name in FUNCTIONAL_NAMESPACES:
             namespace = getattr(torch.ops, namespace_name)
             for op in FUNCTIONAL_OPS:
@@ -412,7 +441,8 @@ class WireProbe:
                 except (AttributeError, RuntimeError):
                     continue  # not an op of this torch
                 label = f"{namespace_name}.{op}"
-                counted = _CountedPacket(original, self._uncountable(label, original))
+                kind = "reduce" if op in FUNCTIONAL_REDUCTIONS else "gather"
+                counted = _CountedPacket(original, self._uncountable(label, original, kind))
                 self._patch(namespace, op, counted)
         if self._boundary is not None:
             self._hook = self._boundary.register_step_pre_hook(self._step_began)

@@ -121,6 +121,12 @@ def _functional() -> None:
     functional.all_gather_tensor(_row(), 0, dist.group.WORLD).wait()
 
 
+def _functional_reduction() -> None:
+    from torch.distributed import _functional_collectives as functional
+
+    functional.all_reduce(_row(torch.float32), "sum", dist.group.WORLD).wait()
+
+
 def _before_and_after_step(optimizer: torch.optim.Optimizer) -> None:
     """All-to-all before the optimizer's step (an MoE backward) and a gather after it."""
     _all_to_all_single()
@@ -141,6 +147,7 @@ CASES = {
     "deepspeed.comm": _deepspeed_comm,
     "all_reduce": _all_reduce,
     "functional": _functional,
+    "functional reduction": _functional_reduction,
 }
 
 
@@ -255,6 +262,11 @@ def test_functional_collectives_are_uncounted_never_dropped(seen):
         functional = seen[rank]["functional"]
         assert functional["uncounted"], functional
         assert "gather" not in functional["traffic"]
+
+
+def test_a_functional_reduction_leaves_the_gather_s_account_complete(seen):
+    for rank in range(WORLD):
+        assert seen[rank]["functional reduction"]["uncounted"] == {}
 
 
 def test_the_harness_s_own_collectives_are_excluded(seen):

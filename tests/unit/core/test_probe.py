@@ -147,3 +147,32 @@ def test_an_unattributable_call_is_uncounted_and_excluded_calls_are_not(monkeypa
             gather(FakeGroup(0, 2), bf16(4), bf16(2))
     assert probe.uncounted == {"ProcessGroup.allgather": 1} and probe.uncounted_calls == 1
     assert probe.excluded_calls == 1 and probe.bytes["gather"] == 0
+
+
+def test_an_unattributable_reduction_or_backward_call_leaves_the_gather_complete():
+    """A functional all-reduce, or data a functional op moves before the optimizer's step,
+    is no part of the weight gather: counted under group None, not uncounted."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with WireProbe(step_boundary=optimizer) as probe:
+        reduce = probe._uncountable("_c10d_functional.all_reduce", lambda: None, "reduce")
+        gather = probe._uncountable("_c10d_functional.all_gather_into_tensor", lambda: None)
+        reduce()
+        gather()  # before the step: the backward's
+        optimizer.step()
+        reduce()
+        gather()  # after it: the weight gather cannot be accounted for
+    assert probe.traffic["reduce"][None].calls == 2
+    assert probe.traffic["backward"][None].calls == 1
+    assert probe.uncounted == {"_c10d_functional.all_gather_into_tensor": 1}
+
+
+def test_the_functional_namespaces_are_wrapped_by_kind():
+    """The real op packets: a functional all-reduce wraps as a reduction, an all-gather as a
+    data move; both keep the packet's overloads for code that registers the op."""
+    with WireProbe():
+        packet = torch.ops._c10d_functional.all_gather_into_tensor
+        assert isinstance(packet, probe_module._CountedPacket)
+        assert packet.default is not None  # an overload, the packet's own
+    assert "all_reduce" in probe_module.FUNCTIONAL_REDUCTIONS
+    assert "all_gather_into_tensor" not in probe_module.FUNCTIONAL_REDUCTIONS
