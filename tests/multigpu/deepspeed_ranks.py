@@ -283,7 +283,7 @@ def plain_engine_stays_stock(steps: int = 2) -> dict[str, Any]:
 
 def probe_sees_stock_gather(steps: int = 1) -> dict[str, int]:
     """What WireProbe sees of a stock DeepSpeed step: DeepSpeed cached torch's gather at
-    init, so this checks [Note: probing DeepSpeed's collectives] (qwz/probe.py)."""
+    init, so this checks [Note: wire accounting below every entry point] (qwz/probe.py)."""
     from qwz.probe import WireProbe
 
     plain = _build(ds_config(stage=2, quantized=False), seed=0, plain=True)

@@ -1,7 +1,8 @@
 """The silent-no-op detector: did a step's weight gather move fewer bytes than stock?
 
-The detector's probe is :class:`qwz.probe.WireProbe`, which also sees the collectives
-DeepSpeed cached at init (see [Note: probing DeepSpeed's collectives] in qwz/probe.py).
+The detector's probe is :class:`qwz.probe.WireProbe`, which counts below every entry point,
+the collectives DeepSpeed cached at init included (see [Note: wire accounting below every
+entry point] in qwz/probe.py).
 """
 
 from __future__ import annotations

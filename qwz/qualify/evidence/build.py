@@ -214,7 +214,10 @@ def _replica_sets(ranks: list[ArmObservation]) -> list[dict[str, Any]]:
     return [sets[key] for key in sorted(sets)]
 
 
-def _probe(arm: dict[str, Any], ranks: list[ArmObservation], reference_bytes: int) -> dict:
+def _probe(
+    arm: dict[str, Any], ranks: list[ArmObservation], reference: list[ArmObservation]
+) -> dict:
+    uncounted = sorted({name for item in (*ranks, *reference) for name in item.uncounted})
     return {
         "arm": arm["name"],
         "requested_group_size": arm["group_size"],
@@ -222,7 +225,10 @@ def _probe(arm: dict[str, Any], ranks: list[ArmObservation], reference_bytes: in
         "reported_by": [item.reported_by for item in ranks],
         "wire": [entry for item in ranks for entry in item.wire],
         "gather_bytes_per_step": ranks[0].gather_bytes,
-        "reference_gather_bytes_per_step": reference_bytes,
+        "reference_gather_bytes_per_step": reference[0].gather_bytes,
+        "reference_wire": [entry for item in reference for entry in item.wire],
+        "uncounted_calls": sum(sum(item.uncounted.values()) for item in (*ranks, *reference)),
+        "uncounted": uncounted,
     }
 
 
@@ -255,7 +261,6 @@ def _sections(
 ) -> dict[str, list[dict[str, Any]]]:
     """The per-arm sections of the record, merged over the ranks (module docstring)."""
     per_arm = {arm["name"]: [item["arms"][arm["name"]] for item in observations] for arm in arms}
-    reference_bytes = per_arm[REFERENCE][0].gather_bytes
     code = _code_identity(observations[0])
     names = ("trajectories", "step_one", "updates", "own_shards", "drift", "hashes", "probes")
     sections: dict[str, list[dict[str, Any]]] = {
@@ -291,7 +296,7 @@ def _sections(
             | ledger_fields
         )
         if arm["quantized"]:
-            sections["probes"].append(_probe(arm, ranks, reference_bytes))
+            sections["probes"].append(_probe(arm, ranks, per_arm[REFERENCE]))
         sections["memory"] += [
             {"arm": name, "rank": item["rank"], **ranks[index].memory}
             for index, item in enumerate(observations)

@@ -56,6 +56,25 @@ The detail shows the G the bytes imply (``4q`` over the bytes beyond codes and e
 elements). A group size the subject reports ([Note: reported group size],
 qualify/run/subjects.py) is shown and must equal the requested one; it never stands in for
 the wire.
+
+[Note: received bytes per process group]
+A record whose wire holds received bytes (qwz/probe.py counts them below every entry
+point) is judged by what each rank *received* from its peers over each process group, so
+the collective is free: an all-gather into one tensor or a list, one broadcast per source,
+point-to-point, an all-to-all all deliver each peer's row once. Source ``r``'s row over the
+step, in ``c`` chunks (the rank's peer rows over ``W - 1``), takes at least the spec's
+encoding ``q_r + 4*ceil(q_r/G) + e_r*b`` and at most ``n_r + c*(G-1) + 4*(ceil(n_r/G) + c -
+1) + min(n_r, X)*max(b, 4) + c*ROW_SLACK_BYTES``, ``X`` the exact and padding elements of
+all the group's ranks: codes for every position padded per chunk to whole groups, and exact
+elements as fp32, per chunk padded to the rank with the most there (the per-chunk maxima
+sum to at most ``X``). A rank receives at least its peers' fewest summed and at most
+``W - 1`` rows of the largest most (rows padded to the fullest rank). Unquantized bf16
+(``2*n_r`` a row) lies above that unless it comes in nearly a chunk per group (the ``c*(G-1)``
+term), and ``in-effect`` fails it however it is chunked; fewer bytes than the codes and
+scales lie below it.
+``in-effect`` then compares each rank's received bytes over each group with the
+reference's on the same rank and group. Calls the probe could not attribute make both
+inconclusive.
 """
 
 from __future__ import annotations
@@ -490,9 +509,94 @@ def wire_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
     return SCALE_BYTES * fullest.quantized_numel / overhead
 
 
-@rule("probe", 1)
+EXACT_SIDE_CHANNEL_BYTES = 4
+"""[Note: received bytes per process group]: the most bytes one exact element may take on the
+wire (an fp32 side channel; the fewest is the working dtype's)."""
+ROW_SLACK_BYTES = 48
+"""[Note: received bytes per process group]: padding one source's row per chunk may carry --
+each of its three parts (codes, scales, exact elements) aligned to 16 bytes."""
+
+
+def received_rule(probe: Probe) -> bool:
+    """Whether `probe` was recorded with received bytes ([Note: received bytes per process
+    group]); an older record is judged by the bytes sent ([Note: group size from the
+    wire])."""
+    return bool(probe.wire) and all(
+        group.received_bytes_per_step is not None for group in probe.wire
+    )
+
+
+def _peers(groups: list[WireGroup], group: WireGroup) -> list[WireGroup]:
+    return [item for item in groups if item.group_ranks == group.group_ranks] or [group]
+
+
+def source_row_bounds(
+    source: WireGroup, peers: list[WireGroup], group_size: int, chunks: int
+) -> tuple[int, int]:
+    """[Note: received bytes per process group]: the fewest and the most bytes of what
+    `source` sends its peers per step in `chunks` chunks."""
+    quantized, exact = source.quantized_numel, source.exact_numel
+    numel = quantized + exact + source.padding_numel
+    chunks = max(1, chunks)
+    fewest = quantized + SCALE_BYTES * -(-quantized // group_size) + exact * source.element_bytes
+    exact_anywhere = sum(item.exact_numel + item.padding_numel for item in peers)
+    most = (
+        numel
+        + chunks * (group_size - 1)
+        + SCALE_BYTES * (-(-numel // group_size) + chunks - 1)
+        + min(numel, exact_anywhere) * max(source.element_bytes, EXACT_SIDE_CHANNEL_BYTES)
+        + chunks * ROW_SLACK_BYTES
+    )
+    return fewest, most
+
+
+def received_bounds(groups: list[WireGroup], group: WireGroup, group_size: int) -> tuple[int, int]:
+    """[Note: received bytes per process group]: the fewest and the most bytes `group`'s
+    rank may receive from its peers per step, given every rank's entry in `groups`."""
+    peers = _peers(groups, group)
+    others = [item for item in peers if item.rank != group.rank]
+    world = len(group.group_ranks)
+    chunks = -(-(group.rows_per_step or 0) // max(1, world - 1))
+    bounds = [source_row_bounds(item, peers, group_size, chunks) for item in peers]
+    fewest = sum(source_row_bounds(item, peers, group_size, chunks)[0] for item in others)
+    missing = max(0, world - 1 - len(others))  # a rank whose entry is absent: its least
+    fewest += missing * min(low for low, _ in bounds)
+    return fewest, (world - 1) * max(most for _, most in bounds)
+
+
+def received_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
+    """The group size `group`'s received bytes imply by ``1 + 4/G`` bytes per quantized
+    element, every byte beyond the peers' codes and exact elements taken for scales; None
+    where they leave nothing for scales (an unquantized wire)."""
+    others = [item for item in _peers(groups, group) if item.rank != group.rank]
+    quantized = sum(item.quantized_numel for item in others)
+    exact_bytes = sum(
+        (item.exact_numel + item.padding_numel) * item.element_bytes for item in others
+    )
+    overhead = (group.received_bytes_per_step or 0) - quantized - exact_bytes
+    if quantized == 0 or overhead <= 0:
+        return None
+    return SCALE_BYTES * quantized / overhead
+
+
+def _uncounted(probe: Probe, name: str) -> Check | None:
+    """[Note: wire accounting below every entry point] (qwz/probe.py): an account with calls
+    it could not attribute is incomplete, so neither a pass nor a fail follows from it."""
+    if probe.uncounted_calls == 0:
+        return None
+    where = ", ".join(probe.uncounted[:6]) or "unnamed entry points"
+    return _check(
+        name,
+        "inconclusive",
+        f"{probe.uncounted_calls} collective calls could not be attributed to a process "
+        f"group ({where}): the wire's account is incomplete",
+        uncounted_calls=probe.uncounted_calls,
+    )
+
+
+@rule("probe", 2)
 def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
-    """[Note: group size from the wire]."""
+    """[Note: group size from the wire]; [Note: received bytes per process group]."""
     name = f"probe[{probe.arm}]"
     requested = probe.requested_group_size
     reported = probe.reported_group_sizes
@@ -504,6 +608,11 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
         wrong = [size for size in reported if size is not None]
         status = "fail" if wrong else "n/a"
         return _check(name, status, f"one rank: the gather is exact{said}", reported=reported)
+    incomplete = _uncounted(probe, name)
+    if incomplete is not None:
+        return incomplete
+    if received_rule(probe):
+        return _probe_received(probe, failure, name, said)
     # A one-rank group (experts whose expert-data-parallel group is one rank) sends nothing:
     # its gather is a local copy, exact by the spec (own-shard holds it to that).
     local = sorted(
@@ -550,7 +659,103 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     )
 
 
-@rule("in-effect", 1)
+def _measured(probe: Probe) -> list[WireGroup]:
+    return [
+        group for group in probe.wire if group.quantized_numel > 0 and len(group.group_ranks) > 1
+    ]
+
+
+def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
+    """[Note: received bytes per process group]."""
+    requested, reported = probe.requested_group_size, probe.reported_group_sizes
+    local = sorted(
+        {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
+    )
+    measured = _measured(probe)
+    if not measured and failure is not None:
+        return _check(name, "n/a", "the arm failed before a gather was measured")
+    if not measured:
+        return _check(name, "fail", f"no quantized elements on the wire were measured{said}")
+    lines, outside = [], []
+    for group in measured:
+        fewest, most = received_bounds(probe.wire, group, requested)
+        implied = received_group_size(probe.wire, group)
+        received = group.received_bytes_per_step or 0
+        where = f"rank {group.rank} over ranks {group.group_ranks}"
+        lines.append(
+            f"{where}: received {received:,} B in {group.rows_per_step or 0} peer rows, G ~ "
+            + ("none (no bytes for scales)" if implied is None else f"{implied:.0f}")
+        )
+        if not fewest <= received <= most:
+            outside.append(f"{where}: received {received:,} B outside [{fewest:,}, {most:,}]")
+    disagree = [size for size in reported if size is not None and size != requested]
+    status = "fail" if outside or disagree else "pass"
+    if outside:
+        verdict = f"the wire does not carry groups of {requested}: {'; '.join(outside)}"
+    elif disagree:
+        verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
+    else:
+        verdict = f"the bytes each rank received fit groups of {requested}"
+    if local:
+        said += (
+            f"; one-rank groups {', '.join(map(str, map(list, local)))}: a local copy, not judged"
+        )
+    return _check(
+        name,
+        status,
+        f"requested group size {requested}: {verdict} ({'; '.join(lines[:4])}){said}",
+        requested=requested,
+        reported=reported,
+        wire_group_sizes=[received_group_size(probe.wire, group) for group in measured],
+    )
+
+
+def _in_effect_received(probe: Probe, failure: Any, name: str) -> Check:
+    """[Note: received bytes per process group]: on every rank and process group the
+    candidate's gather receives fewer bytes than the reference's on the same."""
+    reference = {(item.rank, tuple(item.group_ranks)): item for item in probe.reference_wire}
+    measured = _measured(probe)
+    if not measured and failure is not None:
+        return _check(name, "n/a", "the arm failed before a gather was measured")
+    pairs, unmatched = [], []
+    for group in measured:
+        key = (group.rank, tuple(group.group_ranks))
+        if key in reference and reference[key].received_bytes_per_step is not None:
+            pairs.append((group, reference[key].received_bytes_per_step))
+        else:
+            unmatched.append(f"rank {group.rank} over ranks {group.group_ranks}")
+    if unmatched:  # the arms disagree on their process groups: nothing to compare with
+        return _check(
+            name, "inconclusive", f"no reference gather to compare with for {', '.join(unmatched)}"
+        )
+    received = sum(group.received_bytes_per_step or 0 for group, _ in pairs)
+    reference_total = sum(bytes_ for _, bytes_ in pairs)
+    numbers = {"received_bytes": received, "reference_received_bytes": reference_total}
+    short = [
+        f"rank {group.rank} over ranks {group.group_ranks}: {group.received_bytes_per_step:,} B "
+        f"vs {bytes_:,} B unquantized"
+        for group, bytes_ in pairs
+        if not 0 < (group.received_bytes_per_step or 0) < bytes_
+    ]
+    if pairs and not short:
+        return _check(
+            name,
+            "pass",
+            f"on every rank and process group the weight gather receives fewer bytes than the "
+            f"unquantized reference's: {received:,} B per step vs {reference_total:,} B "
+            f"({received / reference_total:.4f}x)",
+            **numbers,
+        )
+    return _check(
+        name,
+        "fail",
+        "quantized weights requested but not in effect: "
+        + ("; ".join(short[:4]) if short else "no quantized elements on the wire were measured"),
+        **numbers,
+    )
+
+
+@rule("in-effect", 2)
 def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
     """Quantized weights requested and in effect: the candidate's weight gather sends fewer
     bytes than the unquantized reference's."""
@@ -558,6 +763,11 @@ def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
     name = f"in-effect[{probe.arm}]"
     if world_size == 1:
         return _check(name, "inconclusive", ONE_RANK)
+    incomplete = _uncounted(probe, name)
+    if incomplete is not None:
+        return incomplete
+    if received_rule(probe) and probe.reference_wire:
+        return _in_effect_received(probe, failure, name)
     if failure is not None and sent == 0:
         return _check(name, "n/a", "the arm failed before a gather was measured")
     if 0 < sent < reference_bytes:

@@ -52,6 +52,8 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "spec.CODE_BYTES",
         "spec.EXACT_MAX_NUMEL",
         "checks.ALIGNMENT_BYTES",
+        "checks.EXACT_SIDE_CHANNEL_BYTES",
+        "checks.ROW_SLACK_BYTES",
     ),
     "in-effect": (),
     "learning": (

@@ -56,6 +56,9 @@ class ArmObservation:
     reported_by: str | None = None
     wire: list[dict[str, Any]] = field(default_factory=list)
     """The last step's gather bytes and calls per process group, with the group's counts."""
+    uncounted: dict[str, int] = field(default_factory=dict)
+    """Collective calls over all steps the probe could not attribute to a process group,
+    by entry point ([Note: wire accounting below every entry point], qwz/probe.py)."""
     failure: dict[str, Any] | None = None
     steps_completed: int = 0
     memory: dict[str, Any] = field(default_factory=_no_memory)

@@ -430,6 +430,16 @@ class WireGroup(_Model):
         description="Which parameters this rank's shards over the group hold: dense ones, "
         "experts (gathered over their expert-data-parallel group), or both",
     )
+    received_bytes_per_step: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes this rank received from its peers in the weight gather over the "
+        "group, whatever the collective (qwz/probe.py); null: recorded by a harness that "
+        "counted only the bytes sent, judged by those",
+    )
+    rows_per_step: int | None = Field(
+        None, ge=0, description="Peer rows received: W - 1 per gathered tensor, 1 per broadcast"
+    )
 
 
 class Probe(_Model):
@@ -446,6 +456,19 @@ class Probe(_Model):
     )
     gather_bytes_per_step: int = Field(description="Bytes rank 0 sent in the weight gather")
     reference_gather_bytes_per_step: int
+    reference_wire: list[WireGroup] = Field(
+        default_factory=list,
+        description="Every rank's entries of the reference arm's wire; empty: recorded by a "
+        "harness that compared rank 0's total sent bytes",
+    )
+    uncounted_calls: int = Field(
+        0,
+        ge=0,
+        description="Collective calls of this arm or the reference that the probe could not "
+        "attribute to a process group (functional collectives, a backend called directly): "
+        "probe and in-effect are then inconclusive",
+    )
+    uncounted: list[str] = Field(default_factory=list, description="Their entry points")
 
 
 class Block(_Model):

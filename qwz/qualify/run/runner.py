@@ -344,18 +344,31 @@ def _wire_layout(
     return layout
 
 
+def _step_boundary(engine: ArmEngine) -> torch.optim.Optimizer | None:
+    """The optimizer whose first ``step`` in a training step ends its backward (None: the
+    subject's is no torch optimizer; then all data the step moves counts as the gather)."""
+    optimizer = getattr(engine, "shard_optimizer", None)
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
 def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
-    """This step's gather bytes and calls per process group, with the group's counts."""
-    return [
-        {
-            "rank": rank,
-            "group_ranks": list(ranks),
-            "bytes_per_step": int(probe.gather_bytes_by_group[ranks]),
-            "calls_per_step": int(probe.gather_calls_by_group[ranks]),
-            **counts,
-        }
-        for ranks, counts in layout.items()
-    ]
+    """This step's weight-gather traffic per process group ([Note: wire accounting below
+    every entry point], qwz/probe.py), with the group's counts."""
+    wire = []
+    for ranks, counts in layout.items():
+        traffic = probe.gather_traffic(ranks)
+        wire.append(
+            {
+                "rank": rank,
+                "group_ranks": list(ranks),
+                "bytes_per_step": traffic.sent_bytes,
+                "calls_per_step": traffic.calls,
+                "received_bytes_per_step": traffic.received_bytes,
+                "rows_per_step": traffic.rows,
+                **counts,
+            }
+        )
+    return wire
 
 
 class _ArmRun:
@@ -456,7 +469,8 @@ class _ArmRun:
                 loss = plan.workload.loss(engine.module, batch)
                 if self.overflow_watch is not None:
                     self.overflow_watch.watch(loss)
-                with WireProbe() as probe:
+                # Data moved before the masters' optimizer steps is the backward's.
+                with WireProbe(step_boundary=_step_boundary(engine)) as probe:
                     engine.train_step(loss)
             update_check.end_step()
             loss_value = _mean_over_ranks(loss)
@@ -503,6 +517,10 @@ class _ArmRun:
         if self.gathered:  # the probe's bytes are those of the last step that gathered
             observed["gather_bytes"] = int(probe.bytes["gather"])
             observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+        # Any step's unattributed collective makes the wire's account incomplete.
+        for name, count in probe.uncounted.items():
+            uncounted = observed.setdefault("uncounted", {})
+            uncounted[name] = uncounted.get(name, 0) + count
         if arm.noise_group_size is not None:
             _perturb(engine, arm.noise_group_size, plan.seed, step)
         if self.check_own and "first_update_step" not in observed:

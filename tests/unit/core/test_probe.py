@@ -1,116 +1,178 @@
-"""qwz.probe.WireProbe: counting the bytes that go through torch.distributed."""
+"""qwz.probe.WireProbe: counting at the ProcessGroup methods, without a process group (the
+entry points on real ranks: tests/multigpu/test_probe_entry_points.py)."""
 
 from __future__ import annotations
 
-import sys
 import types
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from qwz import probe as probe_module
 from qwz.probe import WireProbe
 
-# --------------------------------------------------------------------------- #
-# qwz.probe.WireProbe
-# --------------------------------------------------------------------------- #
 
-PROBED = (
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "all_gather",
-    "all_reduce",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "reduce_scatter",
-)
+def patched_attributes() -> dict[str, object]:
+    """The raw class entries (a pybind11 ``instancemethod`` binds ``self``; what ``getattr``
+    returns does not, so restoring that would break every later call)."""
+    names = {**probe_module.DATA_METHODS, **probe_module.REDUCE_METHODS}
+    found = {f"pg.{name}": vars(dist.ProcessGroup).get(name) for name in names}
+    found["functional"] = vars(torch.ops._c10d_functional).get("all_gather_into_tensor")
+    return found
 
 
-def dist_functions() -> dict[str, Any]:
-    return {name: getattr(dist, name, None) for name in PROBED}
-
-
-@pytest.fixture
-def fake_deepspeed_backend(monkeypatch):
-    """DeepSpeed's communication object caches two collectives ([Note: probing DeepSpeed's
-    collectives]); a stand-in lets the test check they are re-pointed and restored."""
-    backend = types.SimpleNamespace(
-        all_gather_function=dist.all_gather_into_tensor,
-        reduce_scatter_function=dist.reduce_scatter_tensor,
-    )
-    monkeypatch.setitem(sys.modules, "deepspeed.comm.comm", types.SimpleNamespace(cdb=backend))
-    return backend
-
-
-def assert_wrapped(originals: dict[str, Any], backend: types.SimpleNamespace) -> None:
-    for name, original in originals.items():
-        if original is not None:
-            assert getattr(dist, name) is not original, f"{name} is not wrapped"
-    assert backend.all_gather_function is dist.all_gather_into_tensor
-    assert backend.reduce_scatter_function is dist.reduce_scatter_tensor
-
-
-def assert_restored(originals: dict[str, Any], backend: types.SimpleNamespace) -> None:
-    for name, original in originals.items():
-        assert getattr(dist, name, None) is original, f"{name} was not restored"
-    assert backend.all_gather_function is originals["all_gather_into_tensor"]
-    assert backend.reduce_scatter_function is originals["reduce_scatter_tensor"]
-
-
-def test_wire_probe_restores_distributed_functions(fake_deepspeed_backend):
-    originals = dist_functions()
+def test_every_method_is_patched_inside_and_restored_after():
+    torch.ops._c10d_functional.all_gather_into_tensor  # noqa: B018 (cached on first use)
+    before = patched_attributes()
     with WireProbe():
-        assert_wrapped(originals, fake_deepspeed_backend)
-    assert_restored(originals, fake_deepspeed_backend)
+        inside = patched_attributes()
+        assert all(inside[key] is not value for key, value in before.items() if value is not None)
+    after = patched_attributes()
+    assert all(after[key] is value for key, value in before.items())
 
 
-def test_wire_probe_restores_distributed_functions_after_an_exception(fake_deepspeed_backend):
-    """Here the exception is a real one: a collective called without a process group. The
-    probe counts the call (before it fails) and still restores everything."""
-    originals = dist_functions()
-    tensor = torch.zeros(5)
-    with pytest.raises((RuntimeError, ValueError)), WireProbe() as probe:
-        assert_wrapped(originals, fake_deepspeed_backend)
-        dist.all_reduce(tensor)
-    assert probe.calls["reduce"] == 1 and probe.bytes["reduce"] == 5 * 4
-    assert_restored(originals, fake_deepspeed_backend)
+def test_methods_are_restored_after_an_exception():
+    """A real failure: a collective called without a process group."""
+    before = patched_attributes()
+    with pytest.raises((RuntimeError, ValueError)), WireProbe():
+        dist.all_reduce(torch.zeros(5))
+    after = patched_attributes()
+    assert all(after[key] is value for key, value in before.items())
 
 
-def test_wire_probe_splits_gathers_by_process_group(monkeypatch):
-    """Each gather is counted under the global ranks of the group it ran on, whether the
-    group is passed by position or by keyword; the default group counts as the world."""
-    expert_group = object()
+def test_a_set_up_that_fails_half_way_restores_what_it_patched(monkeypatch):
+    before = patched_attributes()
+    monkeypatch.setattr(probe_module, "FUNCTIONAL_NAMESPACES", ("_c10d_functional", "no_such"))
 
-    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-        return None
+    class Failing:
+        def __getattr__(self, name):
+            raise KeyError(name)  # not an AttributeError: the set-up itself fails
 
-    def get_process_group_ranks(group):
-        return [0, 2] if group is expert_group else [0, 1, 2, 3]
+    original = torch.ops.__class__.__getattr__
 
-    monkeypatch.setattr(dist, "all_gather_into_tensor", all_gather_into_tensor)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_process_group_ranks", get_process_group_ranks)
-    with WireProbe() as probe:
-        dist.all_gather_into_tensor(torch.empty(8), torch.empty(2), expert_group)
-        dist.all_gather_into_tensor(
-            torch.empty(8), input_tensor=torch.empty(3, dtype=torch.bfloat16), group=expert_group
-        )
-        dist.all_gather_into_tensor(torch.empty(16), torch.empty(4))
-    assert probe.gather_bytes_by_group == {(0, 2): 2 * 4 + 3 * 2, (0, 1, 2, 3): 4 * 4}
-    assert probe.gather_calls_by_group == {(0, 2): 2, (0, 1, 2, 3): 1}
-    assert probe.bytes["gather"] == 30 and probe.calls["gather"] == 3
+    def ops_getattr(self, name):
+        return Failing() if name == "no_such" else original(self, name)
 
-
-def test_probe_entry_that_fails_leaves_torch_distributed_unwrapped(monkeypatch):
-    """A probe whose set-up fails half-way restores every function it had wrapped."""
-    original = dist.all_gather_into_tensor
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: None)
-
-    def fail(self):
-        raise RuntimeError("set-up failed")
-
-    monkeypatch.setattr(WireProbe, "_repoint_deepspeed", fail)
-    with pytest.raises(RuntimeError, match="set-up failed"), WireProbe():
+    monkeypatch.setattr(torch.ops.__class__, "__getattr__", ops_getattr)
+    with pytest.raises(KeyError), WireProbe():
         pass
-    assert dist.all_gather_into_tensor is original
+    after = patched_attributes()
+    assert all(after[key] is value for key, value in before.items())
+
+
+class FakeGroup:
+    """What the measuring functions read of a group: its rank and size."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+ROOT_0 = types.SimpleNamespace(rootRank=0)
+
+
+def bf16(numel: int) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("method", "rank", "args", "expected"),
+    [
+        # (sent, received, peer rows, output bytes)
+        ("_allgather_base", 1, (bf16(40), bf16(10)), (20, 60, 3, 80)),
+        ("allgather", 0, ([[bf16(10)] * 4], [bf16(10)]), (20, 60, 3, 80)),
+        ("allgather_coalesced", 0, ([[bf16(10)] * 4] * 2, [bf16(10)] * 2), (40, 120, 6, 160)),
+        ("broadcast", 2, ([bf16(10)], types.SimpleNamespace(rootRank=2)), (20, 0, 0, 20)),
+        ("broadcast", 1, ([bf16(10)], types.SimpleNamespace(rootRank=2)), (0, 20, 1, 20)),
+        ("broadcast", 1, (bf16(10), 1), (20, 0, 0, 20)),
+        ("alltoall_base", 0, (bf16(40), bf16(40), [], []), (60, 60, 3, 80)),
+        ("alltoall_base", 0, (bf16(40), bf16(40), [10, 30, 0, 0], [4, 12, 12, 12]),
+         (72, 60, 3, 80)),
+        ("alltoall", 1, ([bf16(5)] * 4, [bf16(5)] * 4), (30, 30, 3, 40)),
+        ("send", 0, ([bf16(10)], 1, 0), (20, 0, 0, 0)),
+        ("recv", 0, ([bf16(10)], 1, 0), (0, 20, 1, 20)),
+        ("gather", 0, ([[bf16(10)] * 4], [bf16(10)], ROOT_0), (0, 60, 3, 80)),
+        ("gather", 3, ([], [bf16(10)], ROOT_0), (20, 0, 0, 0)),
+        ("scatter", 3, ([bf16(10)], [], ROOT_0), (0, 20, 1, 20)),
+        ("allreduce", 0, ([bf16(10)],), (20, 20, 0, 20)),
+        ("_reduce_scatter_base", 0, (bf16(10), bf16(40)), (80, 20, 0, 20)),
+    ],
+)  # fmt: skip
+def test_each_method_measures_what_this_rank_sent_and_received(method, rank, args, expected):
+    methods = {**probe_module.DATA_METHODS, **probe_module.REDUCE_METHODS}
+    assert methods[method](FakeGroup(rank, 4), args, {}) == expected
+
+
+def test_calls_are_split_by_group_and_kind_and_counted_once(monkeypatch):
+    """A counted method calling another counted one (a subclass's override) counts once;
+    data moved before the optimizer's step is the backward's."""
+    expert, world = FakeGroup(0, 2), FakeGroup(0, 4)
+    ranks = {id(expert): (0, 2), id(world): (0, 1, 2, 3)}
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: ranks[id(group)])
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with WireProbe(step_boundary=optimizer) as probe:
+        outer = probe._counted("gather", "outer", lambda g, *a: inner(g, *a), probe_module._gather)
+        inner = probe._counted("gather", "inner", lambda g, *a: None, probe_module._gather)
+        outer(world, bf16(8), bf16(2))  # before the step: the backward's
+        optimizer.step()
+        outer(world, bf16(8), bf16(2))
+        outer(expert, bf16(8), bf16(4))
+        measure = probe_module._reduce_in_place
+        reduce = probe._counted("reduce", "allreduce", lambda g, *a: None, measure)
+        reduce(world, [bf16(3)])
+    assert probe.traffic["backward"][(0, 1, 2, 3)].calls == 1
+    assert probe.gather_bytes_by_group == {(0, 1, 2, 3): 4, (0, 2): 8}
+    assert probe.gather_calls_by_group == {(0, 1, 2, 3): 1, (0, 2): 1}
+    assert probe.gather_traffic((0, 2)).received_bytes == 8
+    assert probe.bytes["gather"] == 12 and probe.calls["gather"] == 2
+    assert probe.bytes["reduce"] == 6 and probe.largest_gather_output_bytes == 16
+
+
+def test_an_unattributable_call_is_uncounted_and_excluded_calls_are_not(monkeypatch):
+    def unknown(group):
+        raise ValueError("not a group torch knows")
+
+    monkeypatch.setattr(dist, "get_process_group_ranks", unknown)
+    with WireProbe() as probe:
+        gather = probe._counted("gather", "allgather", lambda g, *a: None, probe_module._gather)
+        gather(FakeGroup(0, 2), bf16(4), bf16(2))
+        with probe.excluded():
+            gather(FakeGroup(0, 2), bf16(4), bf16(2))
+    assert probe.uncounted == {"ProcessGroup.allgather": 1} and probe.uncounted_calls == 1
+    assert probe.excluded_calls == 1 and probe.bytes["gather"] == 0
+
+
+def test_an_unattributable_reduction_or_backward_call_leaves_the_gather_complete():
+    """A functional all-reduce, or data a functional op moves before the optimizer's step,
+    is no part of the weight gather: counted under group None, not uncounted."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with WireProbe(step_boundary=optimizer) as probe:
+        reduce = probe._uncountable("_c10d_functional.all_reduce", lambda: None, "reduce")
+        gather = probe._uncountable("_c10d_functional.all_gather_into_tensor", lambda: None)
+        reduce()
+        gather()  # before the step: the backward's
+        optimizer.step()
+        reduce()
+        gather()  # after it: the weight gather cannot be accounted for
+    assert probe.traffic["reduce"][None].calls == 2
+    assert probe.traffic["backward"][None].calls == 1
+    assert probe.uncounted == {"_c10d_functional.all_gather_into_tensor": 1}
+
+
+def test_the_functional_namespaces_are_wrapped_by_kind():
+    """The real op packets: a functional all-reduce wraps as a reduction, an all-gather as a
+    data move; both keep the packet's overloads for code that registers the op."""
+    with WireProbe():
+        packet = torch.ops._c10d_functional.all_gather_into_tensor
+        assert isinstance(packet, probe_module._CountedPacket)
+        assert packet.default is not None  # an overload, the packet's own
+    assert "all_reduce" in probe_module.FUNCTIONAL_REDUCTIONS
+    assert "all_gather_into_tensor" not in probe_module.FUNCTIONAL_REDUCTIONS

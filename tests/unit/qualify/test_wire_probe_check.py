@@ -4,10 +4,12 @@ a group size the subject reports is compared too, and never stands in for the wi
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from qwz.qualify.evidence import checks
-from qwz.qualify.evidence.schema import WireGroup
+from qwz.qualify.evidence.schema import Probe, WireGroup
 
 from ..records import CANDIDATE, make_payload, make_record, wire_group
 
@@ -110,3 +112,194 @@ def test_rows_sized_for_the_fullest_rank_pass_and_are_still_judged():
     probe["wire"] = [rank_0 | {"bytes_per_step": 274_592}, rank_1 | {"bytes_per_step": 274_592}]
     checked = {check.name: check for check in make_record(**payload).checks}
     assert checked[f"probe[{CANDIDATE}]"].status == "fail"  # groups of 8192 on that wire
+
+
+# --------------------------------------------------------------------------------------- #
+# [Note: received bytes per process group]: what each rank received, whatever the collective
+# --------------------------------------------------------------------------------------- #
+
+MLP_PARAMS = (271_153, 1_031, 264_967, 257, 771, 3)
+"""The ``mlp`` workload's parameters in layout order (the biases and the head are exact)."""
+
+
+def partitions(world: int, group_size: int) -> list[dict[str, list[int]]]:
+    """Per rank, per position of its equal partition (whole groups), whether it is a
+    quantized element, an exact one or padding: a flat buffer of MLP_PARAMS split W ways."""
+    total = sum(MLP_PARAMS)
+    numel = -(-total // (world * group_size)) * group_size
+    kinds = []
+    for size in MLP_PARAMS:
+        kinds += ["exact" if size <= 65_536 else "quantized"] * size
+    kinds += ["padding"] * (world * numel - total)
+    return [kinds[rank * numel : (rank + 1) * numel] for rank in range(world)]
+
+
+def chunk_counts(kinds: list[str], chunks: int, group_size: int) -> list[dict[str, int]]:
+    """The partition cut into `chunks` chunks of whole groups: each chunk's counts."""
+    groups = len(kinds) // group_size
+    edges = [group_size * (groups * k // chunks) for k in range(chunks + 1)]
+    return [
+        {kind: kinds[start:end].count(kind) for kind in ("quantized", "exact", "padding")}
+        | {"numel": end - start}
+        for start, end in itertools.pairwise(edges)
+    ]
+
+
+def simulated_wire(scheme: str, world: int, group_size: int, chunks: int) -> list[dict]:
+    """Every rank's WireGroup entry for a weight gather written `scheme`'s way."""
+    ranks = partitions(world, group_size)
+    per_rank = [chunk_counts(kinds, chunks, group_size) for kinds in ranks]
+    exact_bytes = 4 if scheme == "fp32 exact, padded per chunk" else 2
+
+    def row(rank: int, chunk: int) -> int:
+        counts = per_rank[rank][chunk]
+        codes_and_scales = counts["numel"] + 4 * counts["numel"] // group_size
+        if scheme == "bf16":
+            return 2 * counts["numel"]
+        if scheme == "codes, no scales":
+            return counts["numel"] + 2 * counts["exact"]
+        if scheme.startswith("broadcast"):  # each source sends its own row: no padding
+            return codes_and_scales + exact_bytes * counts["exact"]
+        # one collective per chunk: every rank's row as long as the fullest rank's there
+        fullest = max(per_rank[peer][chunk]["exact"] for peer in range(world))
+        return codes_and_scales + exact_bytes * fullest
+
+    rows_per_chunk = 3 if scheme == "list all_gather, three tensors a chunk" else 1
+    wire = []
+    for rank, kinds in enumerate(ranks):
+        received = sum(row(peer, k) for peer in range(world) if peer != rank for k in range(chunks))
+        wire.append(
+            {
+                "rank": rank,
+                "group_ranks": list(range(world)),
+                "bytes_per_step": sum(row(rank, k) for k in range(chunks)),
+                "calls_per_step": chunks * (world if scheme.startswith("broadcast") else 1),
+                "received_bytes_per_step": received,
+                "rows_per_step": (world - 1) * chunks * rows_per_chunk,
+                "quantized_numel": kinds.count("quantized"),
+                "exact_numel": kinds.count("exact"),
+                "padding_numel": kinds.count("padding"),
+                "element_bytes": 2,
+            }
+        )
+    return wire
+
+
+def judged(scheme: str, world: int, group_size: int, chunks: int, **probe_fields):
+    wire = simulated_wire(scheme, world, group_size, chunks)
+    reference = simulated_wire("bf16", world, group_size, 1)
+    probe = Probe(
+        arm=CANDIDATE,
+        requested_group_size=group_size,
+        reported_group_sizes=[None] * world,
+        wire=wire,
+        gather_bytes_per_step=wire[0]["bytes_per_step"],
+        reference_gather_bytes_per_step=reference[0]["bytes_per_step"],
+        reference_wire=reference,
+        **probe_fields,
+    )
+    return checks._probe(probe, world, None), checks._in_effect(probe, world, None)
+
+
+CORRECT = (
+    "all_gather_into_tensor, padded per chunk",
+    "fp32 exact, padded per chunk",
+    "broadcast per source",
+    "list all_gather, three tensors a chunk",
+)
+
+
+@pytest.mark.parametrize("scheme", CORRECT)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("group_size", [64, 8192])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_correct_gather_passes_whatever_its_collective_and_packing(
+    scheme, world, group_size, chunks
+):
+    probe, in_effect = judged(scheme, world, group_size, chunks)
+    assert probe.status == "pass", probe.detail
+    assert in_effect.status == "pass", in_effect.detail
+    if group_size == 64:  # the implied G is context: padding codes blur it at 8192
+        assert probe.numbers["wire_group_sizes"][0] == pytest.approx(group_size, rel=0.5)
+
+
+def test_the_known_false_failure_now_passes_and_the_old_rule_still_fails_it():
+    """Exact elements padded per chunk to the fullest rank's count, in fp32, at W = 4: the
+    bytes sent exceed the sent-bytes rule's most (the record of an older harness), while
+    the received-bytes rule allows them."""
+    wire = simulated_wire("fp32 exact, padded per chunk", 4, 64, 3)
+    fullest = max(wire, key=lambda item: item["exact_numel"])
+    groups = [WireGroup(**item) for item in wire]
+    old_most = checks.group_bounds(groups, WireGroup(**fullest), 64)[1]
+    assert fullest["bytes_per_step"] > old_most
+    probe, _ = judged("fp32 exact, padded per chunk", 4, 64, 3)
+    assert probe.status == "pass", probe.detail
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("group_size", [64, 8192])
+def test_unquantized_bf16_on_the_wire_fails_probe_and_in_effect(world, group_size):
+    probe, in_effect = judged("bf16", world, group_size, 1)
+    assert probe.status == "fail" and "outside" in probe.detail
+    assert in_effect.status == "fail" and "not in effect" in in_effect.detail
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_too_few_bytes_fail_probe(world):
+    """Codes and exact elements without the scales: fewer bytes than the spec's encoding."""
+    probe, in_effect = judged("codes, no scales", world, 64, 1)
+    assert probe.status == "fail" and "outside" in probe.detail, probe.detail
+    assert in_effect.status == "pass"  # fewer bytes than bf16: in effect, but not the spec
+
+
+def test_groups_of_8192_on_the_wire_fail_a_request_of_64_by_received_bytes():
+    wire = simulated_wire("broadcast per source", 2, 8192, 1)
+    probe = Probe(
+        arm=CANDIDATE, requested_group_size=64, reported_group_sizes=[64, 64], wire=wire,
+        gather_bytes_per_step=0, reference_gather_bytes_per_step=0,
+    )  # fmt: skip
+    assert checks._probe(probe, 2, None).status == "fail"
+
+
+@pytest.mark.parametrize("scheme", ["broadcast per source", "bf16"])
+def test_uncounted_calls_make_probe_and_in_effect_inconclusive(scheme):
+    """A pass and a fail alike: with unattributed collectives the account is incomplete."""
+    probe, in_effect = judged(
+        scheme, 2, 64, 1, uncounted_calls=3, uncounted=["_c10d_functional.all_gather_into_tensor"]
+    )
+    for check in (probe, in_effect):
+        assert check.status == "inconclusive" and "_c10d_functional" in check.detail
+
+
+def test_in_effect_compares_each_rank_and_group_with_the_reference_s():
+    """Rank 1 receives bf16 while rank 0 receives codes: fewer bytes in total, but not on
+    every rank and group, so not in effect."""
+    wire = simulated_wire("broadcast per source", 2, 64, 1)
+    reference = simulated_wire("bf16", 2, 64, 1)
+    wire[1]["received_bytes_per_step"] = reference[1]["received_bytes_per_step"]
+    probe = Probe(
+        arm=CANDIDATE, requested_group_size=64, reported_group_sizes=[None, None], wire=wire,
+        gather_bytes_per_step=1, reference_gather_bytes_per_step=2, reference_wire=reference,
+    )  # fmt: skip
+    check = checks._in_effect(probe, 2, None)
+    assert check.status == "fail" and "rank 1" in check.detail, check.detail
+
+
+def test_the_received_rule_runs_in_a_record():
+    """derive() judges a record with received bytes by them (two ranks, the synthetic record)."""
+    payload = make_payload()
+    probe = payload["probes"][0]
+    half = QUANTIZED + 4 * -(-QUANTIZED // 64)
+    probe["wire"] = [
+        wire_group(rank, half) | {"received_bytes_per_step": half, "rows_per_step": 1}
+        for rank in (0, 1)
+    ]
+    probe["reference_wire"] = [
+        wire_group(rank, 2 * QUANTIZED) | {"received_bytes_per_step": 2 * QUANTIZED}
+        for rank in (0, 1)
+    ]
+    checked = {check.name: check for check in make_record(**payload).checks}
+    assert checked[f"probe[{CANDIDATE}]"].status == "pass"
+    assert "received" in checked[f"probe[{CANDIDATE}]"].detail
+    assert checked[f"in-effect[{CANDIDATE}]"].status == "pass"
+    assert "every rank and process group" in checked[f"in-effect[{CANDIDATE}]"].detail
