@@ -243,8 +243,7 @@ def decode_choices(
         raise ValueError(f"group_size: {group_size!r} is invalid: must be a positive integer")
     if master.shape != exact.shape or master.dim() != 1:
         raise ValueError(
-            f"master {tuple(master.shape)} and exact {tuple(exact.shape)} must be one flat "
-            "shape"
+            f"master {tuple(master.shape)} and exact {tuple(exact.shape)} must be one flat shape"
         )
     numel = master.numel()
     inputs = [(False, master.float())]
