@@ -68,12 +68,13 @@ would stay within half a scale. Per group, one choice of :func:`spec.decode_choi
 or, at a near-tie, its neighbour; the first such choice is the group's, so an element is
 counted as ``reference`` when it is bit for bit the reference arithmetic and otherwise under
 each freedom it used (``working_input``, ``scale_ulp``, ``near_ties``). In a group no choice
-gives whole, the choice that gives the most elements is taken and the others are the
-mismatches. Elements the spec sends exactly (parameters of at most 65,536 elements,
-everything when nothing is quantized) must equal the master cast to the working dtype. The
-worst error over ``scale/2 + 2**-15 scale + two half-ulps`` (the input's and the output's
-casts) is kept as context. The shards are checked in bounded pieces of whole groups on
-every device (:func:`piece_numel`), with one host synchronisation per shard.
+gives whole, the choice that gives the most elements is taken, the others are the
+mismatches, and no freedom is counted (the group used none the contract allows).
+Elements the spec sends exactly (parameters of at most 65,536 elements, everything when
+nothing is quantized) must equal the master cast to the working dtype. The worst error over
+``scale/2 + 2**-15 scale + two half-ulps`` (the input's and the output's casts) is kept as
+context. The shards are checked in bounded pieces of whole groups on every device
+(:func:`piece_numel`), with one host synchronisation per shard.
 
 [Note: layout-independent digests]
 Two arms may shard differently (the group size changes the padding), so the
@@ -231,11 +232,11 @@ def exact_masks(
 
 @dataclass
 class OwnShardResult:
-    """Totals of [Note: own shard against the spec] on one rank for one arm. Every checked
-    element is counted once in ``reference`` (bit for bit the reference arithmetic), in
-    ``mismatches`` (outside the contract), or else under each freedom of [Note: the contract
+    """Totals of [Note: own shard against the spec] on one rank for one arm. Where every
+    group is within the contract, every checked element is counted once in ``reference``
+    (bit for bit the reference arithmetic) or else under each freedom of [Note: the contract
     and its freedoms] it used (``working_input``, ``scale_ulp``, ``near_ties``; one element
-    may use several)."""
+    may use several); ``mismatches`` are the elements outside it."""
 
     checked: int = 0
     mismatches: int = 0
@@ -259,11 +260,14 @@ class _PieceVerdict(NamedTuple):
     reference: torch.Tensor
     """(n,) bool: bit for bit the reference arithmetic, and not a mismatch."""
     near_tie: torch.Tensor
-    """(n,) bool: not the reference, took the other code of a near-tie (allowed)."""
+    """(n,) bool: not the reference, in a group the contract accepts, took the other code
+    of a near-tie."""
     working_input: torch.Tensor
-    """(n,) bool: not the reference, its group decoded from the working-dtype cast."""
+    """(n,) bool: not the reference, in a group the contract accepts as decoded from the
+    working-dtype cast."""
     scale_ulp: torch.Tensor
-    """(n,) bool: not the reference, its group's scale one ulp from the spec's."""
+    """(n,) bool: not the reference, in a group the contract accepts with a scale one ulp
+    from the spec's."""
     ratio: torch.Tensor
     """(n,) fp32: context, |working - master| / (scale/2 + allowance + two half-ulps)."""
     expected: torch.Tensor
@@ -310,10 +314,13 @@ def _judge_piece(
     accepted = whole.any(dim=0)
     chosen = torch.where(accepted, whole.int().argmax(dim=0), counts.argmax(dim=0))
     chosen = chosen.repeat_interleave(group_size)[: master.numel()]  # (n,)
+    in_contract = accepted.repeat_interleave(group_size)[: master.numel()]  # (n,)
     pick = chosen.unsqueeze(0)
     mismatch = ~matches.gather(0, pick)[0]
     reference = equal_nearest[0] & ~mismatch
-    freedom = ~reference & ~mismatch
+    # Freedoms are counted only where the contract accepts the whole group: the closest choice
+    # of a group outside it says nothing about what the candidate meant to do.
+    freedom = ~reference & ~mismatch & in_contract
     working_input = torch.tensor([c.working_input for c in choices], device=master.device)
     scale_ulp = torch.tensor([c.scale_ulp != 0 for c in choices], device=master.device)
     near_tie = freedom & ~equal_nearest.gather(0, pick)[0]

@@ -145,6 +145,7 @@ def test_a_scale_one_ulp_off_is_counted_and_two_ulps_fail():
         result = judged(master, working, 64)
         assert result.mismatches > 3000, result
         assert "no decode the contract allows" in result.first_violation["what"]
+        assert result.scale_ulp == 0  # a group outside the contract used no freedom
 
 
 def test_a_tie_may_go_either_way():
