@@ -199,8 +199,10 @@ class _StepPeak:
     and gather, with the arm's resident state. The counter is reset before each step's
     forward and read right after its gather, and the record keeps the largest step; the
     harness's own checks (own-shard decode, digests, held-out loss) run outside that
-    window, so what they allocate is not charged to the subject. An arm that never
-    completed a step reports the peak since the arm began instead."""
+    window, so what they allocate is not charged to the subject; the observation at the
+    next use runs inside the next step's forward ([Note: observed at the next use]), so
+    the window is paused around it (:meth:`paused`). An arm that never completed a step
+    reports the peak since the arm began instead."""
 
     def __init__(self) -> None:
         self.steps = 0
