@@ -15,9 +15,12 @@ default is the minimal speed measurement (1 block of 1 timed step after 1 warm-u
 no ``--min-speedup``, which leaves the speed-up unjudged. Pass ``--blocks`` and friends to
 measure with more.
 
-Example (what the issue's acceptance asks for)::
+Arguments after ``--`` go to every run unchanged, e.g. a DeepSpeed subject (a correct
+implementation in a checkout) and its chunking::
 
     python ci/false-failure-rate.py --seeds 20 --world-size 4 --out runs/false-failures
+    python ci/false-failure-rate.py --seeds 20 --world-size 2 --out runs/ff-native -- \
+        --subject deepspeed-native --deepspeed-src ../DeepSpeed --bucket-size 65536
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--max-rate", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.run_args = argv[split + 1 :]
     args.world_sizes = args.world_sizes or [4]
     args.group_sizes = args.group_sizes or [64, 8192]
     if args.seeds < 1:
@@ -71,6 +77,7 @@ def qualify_once(args: argparse.Namespace, world_size: int, seed: int) -> tuple[
         "--block-steps", str(args.block_steps), "--warmup-steps", str(args.warmup_steps),
         "--no-compile",
     ] + [item for size in args.group_sizes for item in ("--group-size", str(size))]  # fmt: skip
+    command += args.run_args
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=args.timeout, check=False
@@ -99,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             detail = f": {', '.join(names)}" if names else ""
             print(f"W={world_size} seed={seed}: {status} ({took:.0f} s){detail}", flush=True)
     sizes = "+".join(str(size) for size in args.group_sizes)
+    passed_on = f", {' '.join(args.run_args)}" if args.run_args else ""
     print(
         f"\nfalse failures (correct candidate, G={sizes}, {args.workload}, {args.dtype}, "
-        f"{args.steps} steps):"
+        f"{args.steps} steps{passed_on}):"
     )
     total_runs = total_failures = 0
     for world_size, statuses in runs.items():

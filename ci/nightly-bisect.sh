@@ -9,7 +9,9 @@
 # --matrix (a night run as `qwz-qualify matrix`): each cell of tonight's matrix.json whose
 # status is FAIL is bisected with its own run arguments from its baseline cell's record
 # (OUT/<cell id>/); when no cell failed but the gate did, the cells with a baseline are
-# bisected with --speed. At most QWZ_NIGHTLY_BISECT_MAX cells (default 2) a night.
+# bisected with --speed. At most QWZ_NIGHTLY_BISECT_MAX cells (default 2) a night. A cell
+# whose failed checks the baseline fails too under today's rules (a judge change:
+# qwz/qualify/review/judge_only.py) is not bisected.
 #
 # RUN-ARGS are the stage's `qwz-qualify run` arguments after `--out DIR`; `--ledger DIR` is
 # dropped (a bisect's trials must not write the night's ledger) and `--deepspeed-src PATH`
@@ -32,7 +34,17 @@ baseline, tonight, out = (pathlib.Path(a) for a in sys.argv[1:4])
 most = int(sys.argv[4])
 rows = json.loads((tonight / "matrix.json").read_text())["cells"]
 known = [row for row in rows if row.get("record") and (baseline / row["record"]).is_file()]
-chosen = [row for row in known if row["status"] == "FAIL"] or [row for row in known if row["status"] == "PASS"]
+# A failure the baseline shares under today's rules is the judge's, not a commit's: not bisected.
+try:
+    from qwz.qualify.review.judge_only import classify
+    judge_only = {cell: why for cell, only, why in classify(baseline, tonight) if only}
+except Exception as error:  # tables or records it cannot read: every FAIL is bisected
+    print(f"nightly-bisect: judge-only failures not told apart: {error}", file=sys.stderr)
+    judge_only = {}
+for cell, why in judge_only.items():
+    print(f"nightly-bisect: cell {cell}: judge-only failure ({why}): not bisected", file=sys.stderr)
+failed = [row for row in known if row["status"] == "FAIL" and row["id"] not in judge_only]
+chosen = failed or [row for row in known if row["status"] == "PASS"]
 for row in chosen[:most]:
     (out / f"{row['id']}.args").write_bytes(b"".join(a.encode() + b"\0" for a in row["arguments"]))
     print(row["id"])

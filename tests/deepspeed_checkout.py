@@ -92,18 +92,29 @@ def head(root: pathlib.Path) -> str:
     return git(root, "rev-parse", "HEAD").strip()
 
 
-def make_variants(tmp_path: pathlib.Path, variants: dict[str, Sequence[str]]) -> pathlib.Path:
+Files = dict[str, str]
+"""Whole files to write over a checkout: path relative to its root -> text."""
+
+
+def make_variants(
+    tmp_path: pathlib.Path, variants: dict[str, Sequence[str | Files]]
+) -> pathlib.Path:
     """One checkout (:func:`make_checkout`, stock) with a branch per entry of `variants`,
-    named by its key, holding that entry's patches committed in order on top of stock;
+    named by its key, holding that entry's changes committed in order on top of stock: a
+    unified diff's text is applied, a :data:`Files` mapping written over the tree.
     :func:`use_variant` switches between them. One checkout path for every variant, so
     DeepSpeed builds its ops once (their sources are the same in every variant)."""
     root = make_checkout(tmp_path)
-    for name, patches in variants.items():
+    for name, changes in variants.items():
         git(root, "checkout", "-q", "-b", name, "main")
-        for number, text in enumerate(patches, start=1):
-            git(root, "apply", "--whitespace=nowarn", "-", stdin=text)
+        for number, change in enumerate(changes, start=1):
+            if isinstance(change, str):
+                git(root, "apply", "--whitespace=nowarn", "-", stdin=change)
+            else:
+                for relative, text in change.items():
+                    (root / relative).write_text(text)
             git(root, "add", "-A")
-            git(root, "commit", "-q", "-m", f"{name}: patch {number} of {len(patches)}")
+            git(root, "commit", "-q", "-m", f"{name}: change {number} of {len(changes)}")
     git(root, "checkout", "-q", "main")
     return root
 
@@ -112,3 +123,110 @@ def use_variant(root: pathlib.Path, name: str) -> str:
     """Check out the branch `name` of a :func:`make_variants` checkout; its commit SHA."""
     git(root, "checkout", "-q", name)
     return head(root)
+
+
+# ------------------------------------------------------ checkouts from source distributions
+SDIST_SHA256 = {
+    "0.19.6": "31593acffbe4794c74446094122b1bc29d8c73a137e37aff899ca4a6480df2d8",
+    "0.19.8": "9e491abd0827ea5c389dd702e15e11e13d83d904bac4a20d6c2a4cb37207a9af",
+}
+"""sha256 of DeepSpeed's source distributions as downloaded from the package registry: a
+download that differs is refused, never unpacked."""
+
+BUILD_GENERATED = ("deepspeed/git_version_info_installed.py", "deepspeed.egg-info", "PKG-INFO")
+"""What the sdist has and a git clone does not: ``setup.py``'s install-time version file (with
+it DeepSpeed reports its version from anywhere; without it, only from the checkout's root)
+and the packaging metadata."""
+
+
+class SdistUnavailable(RuntimeError):
+    """The registry cannot be reached and no copy of the sdist is cached: tests skip."""
+
+
+def _cache_dir() -> pathlib.Path:
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    return base / "qwz"
+
+
+def _sha256(path: pathlib.Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def fetch_sdist(version: str) -> pathlib.Path:
+    """DeepSpeed `version`'s source distribution, from ``~/.cache/qwz/sdists/<version>/`` or
+    downloaded there with ``pip download --no-deps --no-binary :all:``; its sha256 must be
+    :data:`SDIST_SHA256`'s. Raises :class:`SdistUnavailable` when it is neither cached nor
+    downloadable."""
+    import sys
+    import tempfile
+
+    expected = SDIST_SHA256.get(version)
+    if expected is None:
+        raise ValueError(
+            f"version: {version!r} has no pinned sha256; pin one of {list(SDIST_SHA256)}"
+        )
+    directory = _cache_dir() / "sdists" / version
+    cached = directory / f"deepspeed-{version}.tar.gz"
+    if not cached.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as download:
+            done = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                 "--no-build-isolation", "-d", download, f"deepspeed=={version}"],
+                capture_output=True, text=True, timeout=600, check=False,
+            )  # fmt: skip
+            found = sorted(pathlib.Path(download).glob("deepspeed-*.tar.gz"))
+            if done.returncode != 0 or not found:
+                said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SdistUnavailable(
+                    f"DeepSpeed {version}'s sdist is not cached in {directory} and pip download "
+                    f"failed (exit {done.returncode}): {said}"
+                )
+            found[0].replace(cached)
+    actual = _sha256(cached)
+    if actual != expected:
+        raise RuntimeError(
+            f"{cached}: sha256 {actual}, not the pinned {expected}; remove it to download again"
+        )
+    return cached
+
+
+def sdist_checkout(version: str) -> pathlib.Path:
+    """A git checkout of DeepSpeed `version` as a user has one: its source distribution
+    (:func:`fetch_sdist`) unpacked into a git repository without :data:`BUILD_GENERATED`
+    (so, like a clone, it reports "0.0.0" unless imported from its root), committed as
+    "stock". Built once under ``~/.cache/qwz/checkouts/`` (a fixed path, so DeepSpeed's JIT
+    ops are built once, [Note: ops of a checkout]) and rebuilt when it is not clean; the
+    fixed author and dates give the same commit SHA on every machine."""
+    import tarfile
+    import tempfile
+
+    root = _cache_dir() / "checkouts" / f"DeepSpeed-{version}"
+    if root.is_dir():
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if status.returncode == 0 and not status.stdout.strip():
+            return root
+        shutil.rmtree(root)
+    archive = fetch_sdist(version)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
+        with tarfile.open(archive) as tar:
+            tar.extractall(scratch, filter="data")
+        [unpacked] = pathlib.Path(scratch).iterdir()
+        for name in BUILD_GENERATED:
+            generated = unpacked / name
+            if generated.is_dir():
+                shutil.rmtree(generated)
+            elif generated.exists():
+                generated.unlink()
+        (unpacked / ".gitignore").write_text(GITIGNORE)
+        git(unpacked, "init", "-q")
+        git(unpacked, "add", "-A")
+        git(unpacked, "commit", "-q", "-m", f"DeepSpeed {version} (its source distribution)")
+        unpacked.rename(root)
+    return root

@@ -11,18 +11,21 @@ rank runs it and rank 0 writes the files::
 Exit codes: ``run`` 0 PASS, 1 FAIL (a check failed, an arm diverged or a rank
 crashed), 3 INCONCLUSIVE (the reference did not learn, so learning could not be
 judged; or one rank, where nothing was quantized or sent) -- the record and report
-are written in every one of these cases; 2 when the request is refused before any
+are written in every one of these cases; 4 HARNESS-ERROR (the harness could not observe
+the subject, e.g. its seam met a DeepSpeed optimizer without what it reads: no verdict,
+``harness-error.json`` names what the harness needed and the subject's version and commit,
+qualify/evidence/harness_error.py); 2 when the request is refused before any
 rank starts (a bad flag value, an unusable ``--out`` or ``--ledger``, an existing
 record without ``--force``, a missing optional package, a bucket size needing too
 many collectives, more ranks or memory than the machine has, a group size larger
-than a rank's shard), 130/143 when SIGINT/SIGTERM stopped it (every rank is killed, nothing is
-written); ``report`` 0, or 2 for a record that cannot be trusted; ``compare`` 0
-no regression, 1 regression, 2 not comparable or invalid; ``history`` 0, or 2
-when a record under the directory cannot be loaded (it is listed); ``promote``
-0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every cell
-that ran passed, 1 a cell FAILed or crashed, 3 INCONCLUSIVE cells (or no verdict at all),
-2 a refused spec or ``--out``, 130/143 stopped (qualify/matrix/command.py); 2 for usage
-errors everywhere.
+than a rank's shard, a DeepSpeed the seam cannot read), 130/143 when SIGINT/SIGTERM stopped
+it (every rank is killed, nothing is written); ``report`` 0, or 2 for a record that cannot
+be trusted; ``compare`` 0 no regression, 1 regression, 2 not comparable or invalid;
+``history`` 0, or 2 when a record under the directory cannot be loaded (it is listed);
+``promote`` 0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every
+cell that ran passed, 1 a cell FAILed or crashed, 4 a HARNESS-ERROR cell (and none FAILed
+or crashed), 3 INCONCLUSIVE cells (or no verdict at all), 2 a refused spec or ``--out``,
+130/143 stopped (qualify/matrix/command.py); 2 for usage errors everywhere.
 """
 
 from __future__ import annotations
@@ -154,6 +157,10 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         "run",
         help="qualify reference vs quantized arms; write evidence",
         formatter_class=_DefaultsFormatter,
+        epilog="exit status: 0 PASS, 1 FAIL, 2 refused before any rank starts, "
+        "3 INCONCLUSIVE, 4 HARNESS-ERROR (the harness could not observe the subject: no "
+        "verdict; harness-error.json in --out names what it needed and the subject's "
+        "version and commit), 130/143 stopped by SIGINT/SIGTERM",
     )
     run.add_argument("--out", type=_path, required=True, help="output directory")
     run.add_argument("--force", action="store_true", help="overwrite a record already in --out")
@@ -507,7 +514,7 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.launch import RankFailure, launch
     from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.evidence import machine
+    from qwz.qualify.evidence import harness_error, machine
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.run.runner import qualify_rank
     from qwz.qualify.run.subjects import use_deepspeed_source
@@ -555,6 +562,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
         if failure.cause is None:
             raise
+        if harness_error.is_harness_error(failure.cause):
+            # [Note: harness errors]: the harness could not observe the subject; no verdict.
+            content = harness_error.report(failure.cause, plan.subject, invocation)
+            path = harness_error.write(args.out, content)
+            print(f"wrote {path}; {harness_error.summary(content)}")
+            return harness_error.HARNESS_ERROR_EXIT
         built = evidence.build_failure_record(
             plan, world_size, failure.cause, failure.context, failure.results, invocation
         )
@@ -573,7 +586,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _write_evidence(built, out: pathlib.Path) -> int:
     """The plots, the report and the record of a run in `out`; the run's exit code."""
-    from qwz.qualify.evidence import signing
+    from qwz.qualify.evidence import harness_error, signing
     from qwz.qualify.review import outputs
 
     key = signing.configured_key()  # usable: check_run_request tried it
@@ -583,6 +596,7 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     # no record.json, or the previous one, never a partial one (qwz.qualify.files); a
     # plot that fails costs neither ([Note: nothing lost after a run], review/outputs.py).
     plots = outputs.write_run_outputs(built, out, key, _signature_section(built, key)).plots
+    (out / harness_error.FILE_NAME).unlink(missing_ok=True)  # an earlier run's, now moot
     verdict = built.verdict
     status = verdict.status
     if verdict.failed:

@@ -96,10 +96,12 @@ def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) 
 
 
 def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
-    """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject; for
+    """``--deepspeed-src`` names a usable checkout for a DeepSpeed subject, whose optimizer
+    the harness's seam can read (run/seam_check.py); for
     ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
     subprocess with the ranks' import path, qualify/run/subjects.py)."""
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.run.seam_check import seam_problems
     from qwz.qualify.run.subjects import deepspeed_native_problems
 
     source = args.deepspeed_src
@@ -107,6 +109,10 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
         return [f"--deepspeed-src applies to --subject {' or '.join(DEEPSPEED_SUBJECTS)} only"]
     if source is not None and not (source / "deepspeed" / "__init__.py").is_file():
         return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
+    if args.subject in DEEPSPEED_SUBJECTS:  # [Note: seam preflight], no import of DeepSpeed
+        unreadable = seam_problems(args.subject, source)
+        if unreadable:
+            return unreadable
     if args.subject in DEEPSPEED_SUBJECTS and args.dtype == "fp16":
         refused = _deepspeed_fp16_problems(args)
         if refused:

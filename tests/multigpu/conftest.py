@@ -64,7 +64,18 @@ def worlds():
     pool.close()
 
 
-def pytest_collection_modifyitems(items):
+NIGHTLY = os.environ.get("QWZ_NIGHTLY_TESTS") == "1"
+"""``QWZ_NIGHTLY_TESTS=1`` (ci/nightly.sh) runs the tests marked ``nightly``; otherwise they
+are deselected (reported as such, never as passed): they repeat a check at more world sizes
+and variants than a pull request's CI has time for."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if not NIGHTLY:
+        nightly = [item for item in items if item.get_closest_marker("nightly") is not None]
+        if nightly:
+            config.hook.pytest_deselected(items=nightly)
+            items[:] = [item for item in items if item.get_closest_marker("nightly") is None]
     # Under `pytest -n N --dist loadgroup`, keep each multigpu file on one xdist worker so its
     # ranks are spawned once, while different files (and the unit suite) run in parallel.
     for item in items:

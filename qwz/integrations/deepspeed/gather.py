@@ -17,7 +17,7 @@ multiple of ``2 * W``; qwz never changes that layout). qwz gathers it with one
 * *Exact elements, in the same rows.* Parameters of at most ``preserve_numel``
   elements (``zero_quantized_weights_preserve_numel``, default 65,536) travel
   exactly, cast from the fp32 master to the working dtype as DeepSpeed casts
-  them. From DeepSpeed's parameter offsets (``round_robin_bit16_offsets``) the
+  them. From DeepSpeed's parameter offsets ([Note: reading DeepSpeed by capability]) the
   plan keeps, for every rank, the runs ``[start, end)`` of small-parameter
   elements inside its partition (a parameter may straddle two partitions):
   a few Python ints per small parameter, no per-element index. Each run travels
@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from qwz.collectives import GatherStats, MaskedGroups, Staging, gather
 from qwz.config import ConfigError, QuantizedWeights
+from qwz.integrations.deepspeed.structure import parameter_offsets
 from qwz.kernels import EAGER_KERNELS, QuantKernels
 from qwz.layout import GatherPlan, plan_gather
 
@@ -209,14 +210,7 @@ def plan_optimizer(optimizer: Any, requested: QuantizedWeights) -> list[FlatGrou
                 f"flat buffer of {flat.numel()} elements are not {world_size} equal, contiguous "
                 "slices; qwz.integrations.deepspeed cannot gather this layout"
             )
-        ranges = [
-            (int(offset), int(meta.numel()))
-            for offset, meta in zip(
-                optimizer.round_robin_bit16_offsets[i],
-                optimizer.round_robin_bit16_meta[i],
-                strict=True,
-            )
-        ]
+        ranges = [(offset, numel) for _, offset, numel in parameter_offsets(optimizer, i)]
         plans.append(
             plan_flat_group(
                 ranges,

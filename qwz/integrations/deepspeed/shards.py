@@ -3,9 +3,10 @@
 The same for a stock optimizer and one qwz took over. DeepSpeed keeps, per param
 group ``i``, this rank's fp32 master partition (``single_partition_of_fp32_groups[i]``)
 and the working copy of the same elements (``parallel_partitioned_bit16_groups[i][rank]``,
-a slice of the flat bit16 buffer the parameters view). When qwz's gather took over, a
-partition travels in groups of G elements starting at the partition's first element,
-except the small parameters' positions, which travel exactly (the plan's
+a slice of the flat bit16 buffer the parameters view), read by capability ([Note: reading
+DeepSpeed by capability], structure.py: a DeepSpeed it cannot read raises SeamError). When
+qwz's gather took over, a partition travels in groups of G elements starting at the
+partition's first element, except the small parameters' positions, which travel exactly (the plan's
 ``exact_positions``); stock DeepSpeed sends the working dtype for everything.
 """
 
@@ -18,11 +19,13 @@ import torch
 import torch.distributed as dist
 
 from qwz.integrations.deepspeed.state import state_of
+from qwz.integrations.deepspeed.structure import NEEDED, parameter_offsets, require
 from qwz.shards import OwnShard, make_own_shard, slots_in_range
 
 
 def own_shards(optimizer: Any) -> list[OwnShard]:
     """One OwnShard per DeepSpeed param group of `optimizer` (a DeepSpeedZeroOptimizer)."""
+    require(optimizer, *NEEDED)
     state = state_of(optimizer)
     plans = None if state is None else state.plans
     group_size = optimizer.quantization_group_size if plans is not None else None
@@ -35,14 +38,8 @@ def own_shards(optimizer: Any) -> list[OwnShard]:
         working = partitions[rank]
         partition_numel = working.numel()
         ranges = [
-            (names.get(param, f"group{i}.param{index}"), int(offset), int(param.numel()))
-            for index, (param, offset) in enumerate(
-                zip(
-                    optimizer.round_robin_bit16_groups[i],
-                    optimizer.round_robin_bit16_offsets[i],
-                    strict=True,
-                )
-            )
+            (names.get(param, f"group{i}.param{index}"), offset, numel)
+            for index, (param, offset, numel) in enumerate(parameter_offsets(optimizer, i))
         ]
         start = rank * partition_numel
         slots = slots_in_range(ranges, start, start + partition_numel)

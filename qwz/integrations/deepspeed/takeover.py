@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import pathlib
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -85,24 +86,20 @@ from qwz.config import (
     QuantizedWeights,
     parse_stage,
 )
-from qwz.integrations.deepspeed import resume, shards
+from qwz.integrations.deepspeed import resume, shards, structure
 from qwz.integrations.deepspeed.config import check_supported, gather_enabled, take_config
 from qwz.integrations.deepspeed.gather import gather_optimizer_weights, plan_optimizer
 from qwz.integrations.deepspeed.state import DropInState
 from qwz.kernels import choose_kernels
 
 _OPTIMIZER_ATTRIBUTES = (
-    "bit16_groups_flat",
-    "parallel_partitioned_bit16_groups",
-    "single_partition_of_fp32_groups",
-    "real_dp_process_group",
-    "round_robin_bit16_meta",
-    "round_robin_bit16_offsets",
+    *structure.NEEDED,
     "allgather_bucket_size",
     "cpu_offload",
     "overflow",
 )
-"""What the gather reads from DeepSpeedZeroOptimizer; a build without one of them is refused."""
+"""What the gather reads from DeepSpeedZeroOptimizer (the parameter offsets by capability,
+[Note: reading DeepSpeed by capability] in structure.py); a build without one is refused."""
 
 
 def initialize(
@@ -142,7 +139,7 @@ def initialize(
             "only qwz's stage 1/2 gather honours it; stage 3 uses DeepSpeed's own qwZ"
         )
     if take_over:
-        check_supported(deepspeed.__version__, config, zero, stage)
+        check_supported(installed_version(deepspeed), config, zero, stage)
     for key in (GROUP_SIZE_KEY, PRESERVE_KEY) + ((QUANTIZED_WEIGHTS_KEY,) if take_over else ()):
         zero.pop(key, None)
     if "zero_optimization" in config:
@@ -160,6 +157,13 @@ def initialize(
         optimizer.quantization_group_size = None
         optimizer.qwz = DropInState()
     return result
+
+
+def installed_version(deepspeed: Any) -> str:
+    """The imported DeepSpeed's real version ([Note: a checkout's real version], structure.py):
+    a git checkout says "0.0.0" unless imported from its own root."""
+    package = pathlib.Path(deepspeed.__file__).resolve().parent
+    return structure.real_version(package, deepspeed.__version__)
 
 
 def _is_zero_optimizer(optimizer: Any) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from qwz.qualify.evidence.checks import summarize_blocks
+from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import Record
 
 CHECK_FAMILIES = (
@@ -71,13 +72,16 @@ class CheckOracle(NamedTuple):
         return {"kind": "check", "checks": list(self.targets)}
 
     def judge(self, record: Record) -> Judgement:
-        matched = [c for c in record.checks if any(_matches(c.name, t) for t in self.targets)]
+        """By today's rules ([Note: rejudging]): a commit is bad for what the bisecting judge
+        fails, never for what an older judge said."""
+        judged = rejudged(record)
+        matched = [c for c in judged.checks if any(_matches(c.name, t) for t in self.targets)]
         failed = [check for check in matched if check.status == "fail"]
         if failed:
             first = failed[0]
             return Judgement("bad", f"{', '.join(c.name for c in failed)} fail: {first.detail}")
-        if record.verdict.status == "INCONCLUSIVE":
-            return Judgement("skip", f"INCONCLUSIVE: {', '.join(record.verdict.inconclusive)}")
+        if judged.verdict.status == "INCONCLUSIVE":
+            return Judgement("skip", f"INCONCLUSIVE: {', '.join(judged.verdict.inconclusive)}")
         crash = _crash(record)
         if crash is not None:
             return Judgement("skip", f"a crash that is not the check under search: {crash}")

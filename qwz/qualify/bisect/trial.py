@@ -26,6 +26,7 @@ from typing import Any
 from qwz.launch import Interrupted, signals_interrupt
 from qwz.qualify.bisect import worktrees
 from qwz.qualify.bisect.state import Attempt
+from qwz.qualify.evidence import harness_error
 
 STOP_GRACE_S = 60.0
 """How long a stopped run gets to stop its ranks before its process group is killed."""
@@ -102,7 +103,11 @@ def run_trial(request: dict[str, Any], out: pathlib.Path, attempt: Attempt) -> d
         log = attempt.directory / "run.log"
         env = _environment(first_on_path, attempt.sha)
         exit_code = _run_logged(command, worktree, env, log)
-        if not attempt.record.is_file():
+        if exit_code == harness_error.HARNESS_ERROR_EXIT:
+            # [Note: harness errors]: the commit was not judged, so it is skipped
+            said = harness_error.read_summary(attempt.directory)
+            why = said or f"{harness_error.HARNESS_ERROR} (exit {exit_code}): {_last_line(log)}"
+        elif not attempt.record.is_file():
             why = f"no record (exit {exit_code}): {_last_line(log)}"
     outcome = {"exit_code": exit_code, "wall_s": round(time.monotonic() - started, 3), "why": why}
     attempt.write_outcome(outcome)

@@ -20,7 +20,7 @@ import torch
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
-from qwz.qualify.evidence.schema import Environment, Head, Record, Subject
+from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
 from qwz.rank_reports import RankEnd
@@ -323,7 +323,7 @@ def build_record(
         if first["timings"].get(arm["name"])
     ]
     payload = {
-        "schema_version": 2,
+        "schema_version": SCHEMA_VERSION,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "head": first["head"],
         "harness": first["harness"],
@@ -420,7 +420,9 @@ def build_failure_record(
             return results[rank][name]
         return ArmObservation(failure=not_run)
 
-    environment = provenance.environment([provenance.device_name()] * world_size)
+    environment = provenance.environment(
+        [provenance.device_name()] * world_size, world_size=world_size
+    )
     with torch.device("meta"):
         num_parameters = sum(p.numel() for p in plan.workload.build_model(plan.seed).parameters())
     observations = [

@@ -66,6 +66,7 @@ import statistics
 from typing import Any
 
 from qwz.qualify.evidence import gather_speed, horizon, loss_scaling, stats
+from qwz.qualify.evidence.rules import SPEED, rule
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
 
@@ -142,6 +143,7 @@ def _skips(record: Record) -> dict[str, loss_scaling.Skips]:
     }
 
 
+@rule("overflow-pattern", 1)
 def _overflow_patterns(record: Record, reference: str | None) -> list[Check]:
     """``overflow-pattern[arm]`` for every fp16 arm (loss_scaling.py)."""
     traces = {trace.arm: trace for trace in record.loss_scaling}
@@ -160,6 +162,7 @@ def _overflow_patterns(record: Record, reference: str | None) -> list[Check]:
     ]
 
 
+@rule("finite", 1)
 def _finite(trajectory, skips: loss_scaling.Skips | None = None) -> Check:
     """Every arm ran to the end with finite numbers (fp16: except on legitimately skipped
     steps, [Note: overflow pattern])."""
@@ -204,6 +207,7 @@ def _finite(trajectory, skips: loss_scaling.Skips | None = None) -> Check:
     )
 
 
+@rule("step1-exact", 1)
 def _step_one(arm: str, digests: dict[str, Any], reference: str | None) -> Check:
     """Step 1 (the first optimizer step: later where fp16 overflows skipped the first): a
     candidate's masters equal the reference's, bit for bit."""
@@ -257,6 +261,7 @@ def arm_final_hash(per_rank: list[str | None], set_hashes: list[list[str | None]
     return hashlib.sha256(joined.encode()).hexdigest()
 
 
+@rule("replicas", 1)
 def _replicas(hashes, world_size: int) -> Check:
     """Replicas identical after every step and at the end, each parameter over the ranks
     that hold it ([Note: replica sets])."""
@@ -301,6 +306,7 @@ def _replicas(hashes, world_size: int) -> Check:
     )
 
 
+@rule("speedup", 1)
 def _speedup(performance, min_speedup: float) -> Check:
     """An explicit speed requirement, when the run was given one."""
     name = f"speedup[{performance.arm}]"
@@ -336,6 +342,7 @@ def _skip_problems(skips: loss_scaling.Skips | None) -> str:
     return "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
 
 
+@rule("update", 1)
 def _update(updates, skips: loss_scaling.Skips | None = None) -> Check:
     """[Note: exact update check] and [Note: global norm check] (qualify/run/observers.py);
     fp16: the skips against the overflows ([Note: overflow pattern])."""
@@ -394,6 +401,7 @@ def _kernel_fallbacks(own) -> str:
     return f"; kernel fallbacks: {'; '.join(reasons)}" if reasons else ""
 
 
+@rule("own-shard", 2)
 def _own_shard(own, quantized: bool, failure) -> Check:
     """[Note: own shard against the spec] (qualify/run/observers.py): every element equals the
     spec's decode (qualify/evidence/spec.py), or the exact cast where the spec sends it exactly."""
@@ -501,6 +509,7 @@ def wire_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
     return SCALE_BYTES * fullest.quantized_numel / overhead
 
 
+@rule("probe", 1)
 def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     """[Note: group size from the wire]."""
     name = f"probe[{probe.arm}]"
@@ -560,6 +569,7 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     )
 
 
+@rule("in-effect", 1)
 def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
     """Quantized weights requested and in effect: the candidate's weight gather sends fewer
     bytes than the unquantized reference's."""
@@ -588,6 +598,7 @@ def _in_effect(probe: Probe, world_size: int, failure: Any) -> Check:
     )
 
 
+@rule("reproduced", 1)
 def _reproduced(hashes) -> Check:
     name = f"reproduced[{hashes.arm}]"
     this = arm_final_hash(hashes.per_rank, [item.hashes for item in hashes.replica_sets])
@@ -648,6 +659,7 @@ def learning_margin(record: Record) -> dict[str, Any]:
     }
 
 
+@rule("learning", 1)
 def _learning(record: Record, reference: str | None, candidates) -> list[Check]:
     numbers = learning_margin(record)
     held_out = _held_out(record)
@@ -745,6 +757,7 @@ def _horizon(record: Record, arm: str, reference: str) -> Check:
     return _check(f"learning[{arm}]", judged.status, judged.detail, **judged.numbers, gaps=series)
 
 
+@rule(SPEED, 1)
 def summarize_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     """The derived speed fields of a Performance from its raw block times."""
     timings = [

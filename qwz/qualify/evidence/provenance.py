@@ -88,6 +88,18 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _deepspeed_version() -> str | None:
+    """The version of the DeepSpeed this process imported (a ``--deepspeed-src`` checkout's
+    real one, [Note: a checkout's real version]), else the installed distribution's."""
+    imported = sys.modules.get("deepspeed")
+    if imported is None or getattr(imported, "__file__", None) is None:
+        return _version("deepspeed")
+    from qwz.integrations.deepspeed.structure import real_version
+
+    package = pathlib.Path(imported.__file__).resolve().parent
+    return real_version(package, getattr(imported, "__version__", "unknown"))
+
+
 def package_checkout(package: pathlib.Path) -> Head | None:
     """The git checkout `package` (an imported package's directory) was imported from, or
     None. Only the package's own source checkout counts -- the package directory sits at the
@@ -140,6 +152,8 @@ def subject(name: str) -> Subject:
         )
     import deepspeed
 
+    from qwz.integrations.deepspeed import structure
+
     package = pathlib.Path(deepspeed.__file__).resolve().parent
     checkout = package_checkout(package)
     installed = None
@@ -149,7 +163,7 @@ def subject(name: str) -> Subject:
         installed = getattr(git_version_info, "git_hash", None)
     return Subject(
         name=name,
-        version=deepspeed.__version__,
+        version=structure.real_version(package, deepspeed.__version__),
         sha=checkout.sha if checkout else None,
         dirty=checkout.dirty if checkout else None,
         diff_sha256=checkout.diff_sha256 if checkout else None,
@@ -257,17 +271,21 @@ def environment(
     compute_capabilities: list[str | None] | None = None,
     determinism: Determinism | None = None,
     machines: list[dict] | None = None,
+    world_size: int | None = None,
 ) -> Environment:
     """Versions, backend, device names and compute capabilities (one per rank), the
     deterministic settings, the world shape of this run, and every rank's machine
-    ([Note: where it ran], qualify/evidence/machine.py; default: this process's, for every rank)."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    ([Note: where it ran], qualify/evidence/machine.py; default: this process's, for every rank).
+    `world_size`: the ranks' (default: this process group's; the launcher, which writes a
+    crash record outside any group, passes the ranks' own, or one-rank rules would judge it)."""
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     capabilities = [item for item in compute_capabilities or [] if item is not None]
     return Environment(
         python=platform.python_version(),
         torch=torch.__version__,
-        deepspeed=_version("deepspeed"),
+        deepspeed=_deepspeed_version(),
         transformers=_version("transformers"),
         backend=dist.get_backend() if dist.is_initialized() else "none",
         device_names=device_names,

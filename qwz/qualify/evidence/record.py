@@ -1,12 +1,14 @@
 """Records on disk: ``save`` writes one atomically (signed when asked), ``load`` reads one and
 trusts it only if everything derived in it follows from its observations.
 
-Loading validates the schema (unknown or missing fields, wrong types, a truncated file are
-errors), recomputes the digest (an accidental edit is an error), and derives the checks, the
-verdict and the speed summaries again from the observations (checks.py): a record whose
-stored conclusions do not follow from its data is invalid, however it was sealed. Every
-failure is a :class:`RecordError` naming the file and the cause. This module sits above the
-schema, the seal and the checks, so none of them imports it.
+Loading checks the schema version (a newer one is refused by its number), recomputes the digest
+on the payload as written (an accidental edit is an error), upgrades an older schema in memory
+([Note: schema versions], upgrade.py), validates the schema (unknown or missing fields, wrong
+types, a truncated file are errors), and judges the record again by today's rules ([Note:
+rejudging], rejudge.py): a stored check of an unchanged rule that does not follow from the data
+makes the record invalid, however it was sealed; a check of another rule version is kept as
+judged, with today's beside it. Every failure is a :class:`RecordError` naming the file and the
+cause. This module sits above the schema, the seal and the checks, so none of them imports it.
 """
 
 from __future__ import annotations
@@ -17,49 +19,25 @@ import pathlib
 from pydantic import ValidationError
 
 from qwz import jsonio
-from qwz.qualify.evidence.checks import derive, summarize_blocks
-from qwz.qualify.evidence.schema import SCHEMA_VERSION, Check, Record, RecordError
+from qwz.qualify.evidence.rejudge import absent_inputs, rejudge
+from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.seal import canonical_digest, verdict_of
 from qwz.qualify.evidence.signing import SigningKey, SigningKeyError, configured_key, sign, verifies
+from qwz.qualify.evidence.upgrade import upgrade, version_problem
 from qwz.qualify.files import atomic_write_text
-
-
-def _rederive(path: pathlib.Path, record: Record) -> None:
-    """Raise unless every derived field follows from the raw observations."""
-    for performance in record.performance:
-        raw = [block.model_dump(mode="json") for block in performance.blocks]
-        expected = summarize_blocks(raw)
-        stored = performance.model_dump(mode="json")
-        wrong = [key for key, value in expected.items() if stored[key] != value]
-        if wrong:
-            raise RecordError(
-                f"{path}: performance of {performance.arm!r}: {', '.join(wrong)} do not follow "
-                "from the recorded step times"
-            )
-    checks = derive(record)
-    stored_checks = [check.model_dump(mode="json") for check in record.checks]
-    derived_checks = [
-        Check.model_validate(check.model_dump(mode="json")).model_dump(mode="json")
-        for check in checks
-    ]
-    if stored_checks != derived_checks:
-        names = {check["name"] for check in stored_checks} ^ {c["name"] for c in derived_checks}
-        differing = [
-            stored["name"]
-            for stored, ours in zip(stored_checks, derived_checks, strict=False)
-            if stored != ours
-        ]
-        raise RecordError(
-            f"{path}: the stored checks do not follow from the recorded observations "
-            f"(differ: {', '.join(sorted(set(differing) | names)) or 'order'})"
-        )
-    if record.verdict != verdict_of(record.checks):
-        raise RecordError(f"{path}: the verdict does not follow from the checks")
 
 
 def save(record: Record, path: pathlib.Path, *, key: SigningKey | None = None) -> None:
     """Write ``record`` atomically; signed with ``key`` when given ([Note: digest and
-    signature] in qwz/qualify/evidence/signing.py), else with the signature it already carries."""
+    signature] in qwz/qualify/evidence/signing.py), else with the signature it already carries.
+
+    A record load upgraded from an older schema is never written back (its digest and
+    signature are of the bytes as written): copy its file instead."""
+    if record.upgraded_from is not None:
+        raise RecordError(
+            f"{path}: this record was written in schema {record.upgraded_from} and upgraded in "
+            "memory; it is never rewritten (copy its file)"
+        )
     payload = record.model_dump(mode="json")
     signature = sign(record.digest, key) if key is not None else record.signature
     if signature is not None:
@@ -80,12 +58,21 @@ def load(path: str | pathlib.Path) -> Record:
         raise RecordError(str(error)) from None
     if not isinstance(payload, dict):
         raise RecordError(f"{path}: a record is a JSON object, not {type(payload).__name__}")
-    version = payload.get("schema_version")
-    if type(version) is not int or version != SCHEMA_VERSION:
+    problem = version_problem(payload.get("schema_version"))
+    if problem:
+        raise RecordError(f"{path}: {problem}")
+    stored_digest = payload.get("digest")
+    expected = canonical_digest(
+        {key: value for key, value in payload.items() if key != "signature"}
+    )
+    if not isinstance(stored_digest, str) or stored_digest != expected:
+        shown = stored_digest[:16] if isinstance(stored_digest, str) else repr(stored_digest)
         raise RecordError(
-            f"{path}: schema_version {jsonio.bounded_repr(version, 60)} is not supported "
-            f"(this qwz reads the integer {SCHEMA_VERSION})"
+            f"{path}: digest mismatch: the record was edited after it was written "
+            f"(stored {shown}..., content {expected[:16]}...)"
         )
+    absent = absent_inputs(payload)
+    payload, upgraded_from = upgrade(payload)
     try:
         record = Record.model_validate(payload, strict=True)
     except ValidationError as error:
@@ -98,15 +85,12 @@ def load(path: str | pathlib.Path) -> Record:
         raise RecordError(
             f"{path}: does not match the record schema: {'; '.join(problems[:3])}{more}"
         ) from None
-    expected = canonical_digest(
-        {key: value for key, value in payload.items() if key != "signature"}
-    )
-    if record.digest != expected:
-        raise RecordError(
-            f"{path}: digest mismatch: the record was edited after it was written "
-            f"(stored {record.digest[:16]}..., content {expected[:16]}...)"
-        )
-    _rederive(path, record)
+    if upgraded_from is not None:
+        record = record.model_copy(update={"upgraded_from": upgraded_from})
+    if record.verdict != verdict_of(record.checks):
+        raise RecordError(f"{path}: the verdict does not follow from the checks")
+    record._absent = absent
+    record._rejudged = (id(record), rejudge(record, absent, f"{path}: "))
     if record.signature is not None:
         try:
             key = configured_key()

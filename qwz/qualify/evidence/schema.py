@@ -18,11 +18,14 @@ import json
 import pathlib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from qwz.qualify.evidence.signing import Signature
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""The one place the record's schema version is written ([Note: schema versions], upgrade.py)."""
+OLDEST_SCHEMA_VERSION = 2
+"""The oldest schema this qwz reads (upgrade.py upgrades it in memory)."""
 SCHEMA_PATH = pathlib.Path(__file__).with_name("record.schema.json")
 
 
@@ -133,21 +136,32 @@ class Environment(_Model):
         None, description="sha256 of the ranks' sorted distinct host names, one per line"
     )
 
-    def fingerprint(self) -> str:
-        """What must match for hashes to be reproducible: versions, backend, devices and
-        their compute capabilities, ranks, deterministic settings. Fields a record written
-        before they existed lacks (None, empty) are left out, so its fingerprint stays;
-        where it ran (the machine's names, memory) is context, never part of it."""
-        payload = self.model_dump(exclude={"platform", *_MACHINE_FIELDS})
-        for name in _LATER_ENVIRONMENT_FIELDS:
-            if payload[name] in (None, []):
+    def fingerprint_fields(
+        self, against: Environment | None = None, exclude: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """What the fingerprint hashes. Fields a record written before they existed lacks
+        (None, empty) are left out -- on both sides when ``against`` is given, so an old
+        baseline without ``cuda`` keeps matching a record that has one."""
+        payload = self.model_dump(exclude={"platform", *MACHINE_FIELDS, *exclude})
+        others = against.model_dump() if against is not None else {}
+        for name in LATER_ENVIRONMENT_FIELDS:
+            if name in payload and (
+                payload[name] in (None, []) or (against is not None and others[name] in (None, []))
+            ):
                 del payload[name]
+        return payload
+
+    def fingerprint(self, against: Environment | None = None, exclude: tuple[str, ...] = ()) -> str:
+        """What must match for hashes to be reproducible: versions, backend, devices and
+        their compute capabilities, ranks, deterministic settings (:meth:`fingerprint_fields`);
+        where it ran (the machine's names, memory) is context, never part of it."""
+        payload = self.fingerprint_fields(against, exclude)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_MACHINE_FIELDS = ("cpu_model", "cpu_flags", "device_memory_bytes", "host_count", "hosts_sha256")
+MACHINE_FIELDS = ("cpu_model", "cpu_flags", "device_memory_bytes", "host_count", "hosts_sha256")
 
-_LATER_ENVIRONMENT_FIELDS = (
+LATER_ENVIRONMENT_FIELDS = (
     "cuda",
     "cudnn",
     "nccl",
@@ -523,8 +537,14 @@ CheckStatus = Literal["pass", "fail", "n/a", "inconclusive"]
 class Check(_Model):
     name: str
     status: CheckStatus
-    detail: str
+    detail: str = Field(description="Presentation: never versioned, never compared")
     numbers: dict[str, Any] = Field(default_factory=dict)
+    rule: int = Field(
+        0,
+        ge=0,
+        description="The version of its family's rule that judged it ([Note: rule versions], "
+        "qualify/evidence/rules.py); 0: judged before rules were versioned (schema 2)",
+    )
 
     @property
     def passed(self) -> bool:
@@ -545,6 +565,24 @@ class Verdict(_Model):
     not_applicable: list[str] = Field(description="Checks with nothing to test, and why")
 
 
+class Judge(_Model):
+    """Who judged the record ([Note: judge identity], qualify/evidence/judge.py), sealed
+    inside the digest."""
+
+    version: str = Field(description="qwz's version that ran the judge")
+    rules: dict[str, int] = Field(description="Check family -> its rule version (RULES)")
+    constants_sha256: str = Field(
+        description="sha256 of the judge's normative constants (margins, thresholds, the spec's "
+        "numbers, the bootstrap's seed and resamples, the horizon's constants)"
+    )
+    rule_constants_sha256: dict[str, str] = Field(
+        default_factory=dict, description="Per rule family, sha256 of the constants it reads"
+    )
+    libraries: dict[str, str | None] = Field(
+        default_factory=dict, description="The statistics libraries' versions (scipy, numpy)"
+    )
+
+
 class Plan(BaseModel):
     """The run plan (qwz.qualify.plan.RunPlan) as data; the one key a check reads is typed."""
 
@@ -556,7 +594,11 @@ class Plan(BaseModel):
 
 
 class Record(_Model):
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: int = Field(
+        SCHEMA_VERSION,
+        description="The schema the record is written in (SCHEMA_VERSION; older ones are "
+        "upgraded in memory on load, qualify/evidence/upgrade.py)",
+    )
     created_at: str
     head: Head
     harness: Head | None = Field(
@@ -585,12 +627,20 @@ class Record(_Model):
     performance: list[Performance]
     checks: list[Check]
     verdict: Verdict
+    judge: Judge | None = Field(
+        None, description="The judge's identity; null: a record of schema 2 (judge unknown)"
+    )
     digest: str = Field(description="sha256 of the canonical JSON of the record without digest")
 
     @model_validator(mode="after")
     def _arms_agree(self) -> Record:
         """Every section names arms the record has: each arm once in its own sections, one
         reference (the checks are derived per arm and compare with the reference)."""
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version}: a record in memory is of schema "
+                f"{SCHEMA_VERSION} (load upgrades older ones)"
+            )
         names = [arm.name for arm in self.arms]
         if len(set(names)) != len(names):
             raise ValueError(f"arm names repeat: {names}")
@@ -609,6 +659,24 @@ class Record(_Model):
     signature: Signature | None = Field(
         None, exclude=True, description="Keyed signature of the digest; outside the digest"
     )
+    upgraded_from: int | None = Field(
+        None,
+        exclude=True,
+        description="In memory only: the schema the file was written in, where load upgraded "
+        "it (the file is never rewritten)",
+    )
+    _absent: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    """Rule inputs the file's schema lacked (qualify/evidence/rejudge.py)."""
+    _rejudged: Any = PrivateAttr(default=None)
+    """(id of the record, its rejudge.Rejudged): what load found, for review's reuse."""
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields (the signature and upgraded_from too); the caches above never count."""
+        if not isinstance(other, Record):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def json_schema() -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from qwz.qualify.evidence import judge
 from qwz.qualify.evidence.checks import derive, summarize_blocks
 from qwz.qualify.evidence.schema import Check, Record, RecordError, Verdict
 
@@ -51,13 +52,20 @@ _PLACEHOLDER_VERDICT = {
 
 def seal(payload: dict[str, Any]) -> Record:
     """Validate a record payload of raw observations (any ``checks``, ``verdict``,
-    ``digest`` and speed summaries in it are ignored), derive its speed summaries, checks and
-    verdict (qualify/evidence/checks.py), and return it with its digest set.
+    ``digest``, ``judge`` and speed summaries in it are ignored), derive its speed summaries,
+    checks and verdict (qualify/evidence/checks.py), name today's judge ([Note: judge
+    identity], judge.py), and return it with its digest set.
 
     The digest is computed over the validated model's JSON, exactly what `save` writes,
     so normalisation by pydantic (an int given for a float, a default filled in) cannot
     make a freshly sealed record fail `load`."""
-    payload = dict(payload, checks=[], verdict=_PLACEHOLDER_VERDICT, digest="")
+    payload = dict(
+        payload,
+        checks=[],
+        verdict=_PLACEHOLDER_VERDICT,
+        digest="",
+        judge=judge.current().model_dump(mode="json"),
+    )
     if isinstance(payload.get("performance"), list):
         payload["performance"] = [
             dict(item, **summarize_blocks(item["blocks"]))

@@ -19,7 +19,9 @@
   asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell running.
 
 How a cell's end reads: exit 0, 1 or 3 with a record that loads is its verdict (the
-record's own); exit 2 is "not run" with ``run``'s refusal (its ``error:`` lines on stderr);
+record's own); exit 4 with ``harness-error.json`` is "HARNESS-ERROR" with what the harness
+needed (run again on the next start, like any cell without a record); exit 2 is "not run"
+with ``run``'s refusal (its ``error:`` lines on stderr);
 130/143 while the matrix was being stopped is "not run" (interrupted); anything else, or a
 verdict exit without a loadable record of the cell's plan, is "crashed" with why.
 """
@@ -43,7 +45,9 @@ from typing import Any, NamedTuple
 
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
+from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.record import load as load_record
+from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.matrix.spec import Cell, Declared, Spec
 from qwz.qualify.plan import plan_dict
@@ -154,8 +158,12 @@ def finished_record(cell_dir: pathlib.Path, plan: dict | None, world_size: int):
     if plan is None:
         return None, "this build's run refuses the cell's arguments"
     stored = record.plan.model_dump(mode="json")
-    if stored != plan:
-        keys = sorted(key for key in set(stored) | set(plan) if stored.get(key) != plan.get(key))
+    # A key the record's plan lacks is a setting its harness did not have yet: what it ran
+    # is what that setting's default means now (the record schema's rule for new fields).
+    keys = sorted(
+        key for key in set(stored) | set(plan) if key in stored and stored[key] != plan.get(key)
+    )
+    if keys:
         return None, f"its record has another plan (differs in {', '.join(keys)})"
     if record.environment.world_size != world_size:
         return None, f"its record ran {record.environment.world_size} ranks, not {world_size}"
@@ -171,9 +179,13 @@ def refusal_reason(stderr_text: str) -> str:
 
 
 def _verdict_reason(record: Record) -> str:
-    """The failed (else inconclusive) checks of a record with their details; "" for a PASS."""
-    names = record.verdict.failed or record.verdict.inconclusive
-    details = [f"{check.name}: {check.detail}" for check in record.checks if check.name in names]
+    """The failed (else inconclusive) checks of a record under today's rules with their
+    details, after any judge change that moved its verdict; "" for a PASS."""
+    judged = rejudged(record)
+    names = judged.verdict.failed or judged.verdict.inconclusive
+    details = [f"{check.name}: {check.detail}" for check in judged.checks if check.name in names]
+    if judged.verdict.status != record.verdict.status:
+        details.insert(0, f"re-judged: {verdict_text(record)}")
     text = "; ".join(details)
     return text if len(text) <= 400 else text[:397] + "..."
 
@@ -231,7 +243,20 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
         reason = f"the matrix was stopped by {name} while this cell ran; its run wrote no record"
         return _row(cell, arguments, status="not run", kind="interrupted", reason=reason)
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
-    if code in VERDICT_EXITS:
+    if code == harness_error.HARNESS_ERROR_EXIT:
+        said = harness_error.read_summary(run.cell_dir)
+        if said is not None:  # [Note: harness errors]: the subject was not judged
+            return _row(
+                cell,
+                arguments,
+                status=harness_error.HARNESS_ERROR,
+                kind="harness-error",
+                reason=said,
+                wall_s=wall_s,
+            )
+        reason = f"run exited {code} ({harness_error.HARNESS_ERROR}) but wrote no readable "
+        reason += harness_error.FILE_NAME
+    elif code in VERDICT_EXITS:
         record, why = finished_record(run.cell_dir, run.plan, run.world_size)
         if record is None:
             reason = f"run exited {code} ({VERDICT_EXITS[code]}) but {why}"
@@ -276,10 +301,10 @@ def run_cell(matrix: MatrixRun, cell: Cell, stop: Stop, previous: MatrixCell | N
     record, _ = finished_record(cell_dir, plan, world)
     if record is not None:
         same = previous is not None and previous.digest == record.digest
-        return _row(
+        return _row(  # re-judged by today's rules, never re-run for a judge change
             cell,
             arguments,
-            status=record.verdict.status,
+            status=rejudged(record).verdict.status,
             kind="resumed",
             reason=_verdict_reason(record),
             record=record,

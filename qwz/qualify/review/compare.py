@@ -4,13 +4,23 @@ Status 0 means no regression, 1 a regression, 2 that the records cannot be
 compared (then nothing else is judged: a gate that compares unlike runs
 produces noise, not evidence). ``lines`` say why, regressions first.
 
+One judge for both sides ([Note: rejudging], qualify/evidence/rejudge.py): the baseline's and
+the candidate's observations are judged by today's rules -- checks, verdicts and speed intervals
+re-derived -- so the gate keeps its full power however old the baseline is. What the baseline's
+own judge said is reported apart, as a *judge change* ("judge changed: CHECK: PASS (rule 1) /
+FAIL under rule 2"), never as a regression; a regression is a change between baseline and
+candidate under today's rules (code or environment).
+
 Not comparable:
-  - schema versions differ;
+  - schema major versions differ (older records are upgraded in memory on load, so this is
+    only a record newer than this qwz, which load refuses);
   - environment fingerprints differ (python, torch, deepspeed, transformers,
-    backend, devices, world size, nodes: what hashes depend on) -- for two
+    backend, devices, world size, nodes: what hashes depend on; a field one side's
+    schema did not record yet, such as ``cuda``, is left out of both) -- for two
     ``deepspeed-native`` records the DeepSpeed version is the subject's, not the
     environment's, so ``compare BASE HEAD`` of two DeepSpeed commits (even two
-    versions) is allowed and reports the change;
+    versions) is allowed and reports the change; other machine differences (CPU model,
+    memory, host names) are notes;
   - the subject differs (qwz against DeepSpeed, DeepSpeed's own code against
     DeepSpeed with qwz's gather);
   - the workload differs (name, params, steps, seed) or the arms differ (names,
@@ -46,7 +56,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from qwz.qualify.evidence.record import load
-from qwz.qualify.evidence.schema import Record, RecordError
+from qwz.qualify.evidence.rejudge import rejudged
+from qwz.qualify.evidence.schema import MACHINE_FIELDS, Check, Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe, verifies
 from qwz.qualify.review.report import (
     format_bytes,
@@ -109,25 +120,37 @@ def _differences(before: Any, after: Any, path: str) -> list[str]:
     return [] if before == after else [f"{path}: {before!r} -> {after!r}"]
 
 
+def _environment(baseline: Record, candidate: Record) -> tuple[list[str], list[Finding]]:
+    """(why the environments are not comparable, the machine differences as notes)."""
+    native = baseline.subject.name == candidate.subject.name == "deepspeed-native"
+    exclude = ("deepspeed",) if native else ()
+    before, after = baseline.environment, candidate.environment
+    changed = _differences(
+        before.fingerprint_fields(after, exclude),
+        after.fingerprint_fields(before, exclude),
+        "environment",
+    )
+    reasons = []
+    if changed:
+        reasons.append(
+            f"environment fingerprints differ ({before.fingerprint(after, exclude)} -> "
+            f"{after.fingerprint(before, exclude)}): {'; '.join(changed)}"
+        )
+    fields = ("platform", *MACHINE_FIELDS)
+    machine = _differences(
+        before.model_dump(include=set(fields)), after.model_dump(include=set(fields)), "machine"
+    )
+    return reasons, [_note(f"{line} (context, not part of the fingerprint)") for line in machine]
+
+
 def _incomparability(baseline: Record, candidate: Record) -> list[str]:
     reasons = []
     if baseline.schema_version != candidate.schema_version:
         reasons.append(
-            f"schema versions differ: {baseline.schema_version} -> {candidate.schema_version}"
+            f"schema major versions differ: {baseline.schema_version} -> {candidate.schema_version}"
         )
         return reasons  # the rest of the comparison assumes one schema
-    native = baseline.subject.name == candidate.subject.name == "deepspeed-native"
-    ignored = {"platform", "deepspeed"} if native else {"platform"}
-    changed = _differences(
-        baseline.environment.model_dump(exclude=ignored),
-        candidate.environment.model_dump(exclude=ignored),
-        "environment",
-    )
-    if changed:
-        reasons.append(
-            f"environment fingerprints differ ({baseline.environment.fingerprint()} -> "
-            f"{candidate.environment.fingerprint()}): {'; '.join(changed)}"
-        )
+    reasons += _environment(baseline, candidate)[0]
     if baseline.subject.name != candidate.subject.name:
         reasons.append(f"subjects differ: {baseline.subject.name} -> {candidate.subject.name}")
     workload_changes = _differences(
@@ -174,8 +197,14 @@ def describe_subject(record: Record) -> str:
 
 def _context(baseline: Record, candidate: Record) -> list[Finding]:
     findings = []
-    verdicts = [r.verdict.status for r in (baseline, candidate)]
+    verdicts = [rejudged(r).verdict.status for r in (baseline, candidate)]
     findings.append(_note(f"verdict: {verdicts[0]} -> {verdicts[1]}"))
+    for role, record in (("baseline", baseline), ("candidate", candidate)):
+        if record.upgraded_from is not None:
+            findings.append(
+                _note(f"the {role} was written in schema {record.upgraded_from} (read upgraded)")
+            )
+    findings += _environment(baseline, candidate)[1]
     if baseline.subject.identity() != candidate.subject.identity():
         findings.append(
             _note(f"subject changed: {describe_subject(baseline)} -> {describe_subject(candidate)}")
@@ -193,12 +222,48 @@ def _context(baseline: Record, candidate: Record) -> list[Finding]:
     return findings
 
 
+def judge_changes(role: str, record: Record) -> list[Finding]:
+    """``judge changed: ...`` for every check of ``record`` its own judge judged by another
+    rule version than today's (or that only one of them derives), and its speed summaries."""
+    judged = rejudged(record)
+    findings = [
+        _note(f"judge changed: {role}: {item.text()}")
+        for item in judged.judge_changes
+        if item.stored is None or item.stored.rule != 0 or item.result_changed
+    ]
+    unversioned = [
+        item.name
+        for item in judged.judge_changes
+        if item.stored is not None and item.stored.rule == 0 and not item.result_changed
+    ]
+    if unversioned:
+        findings.append(
+            _note(
+                f"judge changed: {role}: {len(unversioned)} checks judged before rules were "
+                "versioned (rule 0, schema 2) give the same result under today's rules: "
+                + ", ".join(unversioned)
+            )
+        )
+    findings += [_note(f"judge changed: {role}: {line}") for line in judged.speed_changed]
+    if judged.verdict.status != record.verdict.status:
+        findings.append(
+            _note(
+                f"judge changed: {role}: verdict {record.verdict.status} as judged / "
+                f"{judged.verdict.status} under today's rules"
+            )
+        )
+    return findings
+
+
 def _checks(baseline: Record, candidate: Record) -> list[Finding]:
-    """pass -> fail or inconclusive is a regression, and so is a new failing check;
-    pass -> n/a is reported (the check had nothing to test this time)."""
+    """Under today's rules on both sides: pass -> fail or inconclusive is a regression, and so
+    is a new failing check; pass -> n/a is reported (the check had nothing to test this time).
+    A check failing on both sides under today's rules that the baseline's own judge passed is
+    a judge change, not a regression."""
     findings = []
-    before = {check.name: check for check in baseline.checks}
-    after = {check.name: check for check in candidate.checks}
+    as_judged = {check.name: check for check in baseline.checks}
+    before = {check.name: check for check in rejudged(baseline).checks}
+    after = {check.name: check for check in rejudged(candidate).checks}
     bad = ("fail", "inconclusive")
     for name, check in after.items():
         previous = before.get(name)
@@ -219,6 +284,15 @@ def _checks(baseline: Record, candidate: Record) -> list[Finding]:
                     )
                 )
             else:
+                old: Check | None = as_judged.get(name)
+                if old is not None and old.status not in bad:
+                    findings.append(
+                        _note(
+                            f"judge changed: check {name!r} {old.status} in the baseline as "
+                            f"judged ({_rule(old)}), {check.status} under rule {check.rule} on "
+                            "both sides: the judge changed, not the code"
+                        )
+                    )
                 findings.append(_note(f"check {name!r} still {check.status}: {check.detail}"))
         elif check.status == "n/a":
             if was == "pass":
@@ -234,6 +308,10 @@ def _checks(baseline: Record, candidate: Record) -> list[Finding]:
     for name in before.keys() - after.keys():
         findings.append(_note(f"check {name!r} of the baseline is absent from the candidate"))
     return findings
+
+
+def _rule(check: Check) -> str:
+    return "rule 0: unversioned, schema 2" if check.rule == 0 else f"rule {check.rule}"
 
 
 def _same_code(baseline: Record, candidate: Record) -> tuple[bool, str]:
@@ -284,9 +362,10 @@ def _hashes(baseline: Record, candidate: Record) -> list[Finding]:
 
 
 def _speed(baseline: Record, candidate: Record) -> list[Finding]:
+    """Both sides' intervals as today's ``speed`` rule derives them from the block times."""
     findings = []
-    before = {performance.arm: performance for performance in baseline.performance}
-    for performance in candidate.performance:
+    before = {performance.arm: performance for performance in rejudged(baseline).performance}
+    for performance in rejudged(candidate).performance:
         previous = before.get(performance.arm)
         if previous is None:
             findings.append(_note(f"speed-up of {performance.arm!r} has no baseline"))
@@ -453,6 +532,8 @@ def compare(baseline: Record, candidate: Record, *, memory_growth_pct: float = 1
         )
     findings = [
         *_context(baseline, candidate),
+        *judge_changes("baseline", baseline),
+        *judge_changes("candidate", candidate),
         *_checks(baseline, candidate),
         *_hashes(baseline, candidate),
         *_speed(baseline, candidate),

@@ -8,7 +8,10 @@ history directory, and ``qwz-qualify history DIR`` renders them: a markdown tabl
 (one row per night and candidate arm: speed-up with its interval, final losses,
 verdict, signature) and one plot (speed-up interval and final loss per night).
 
-Records that cannot be loaded are listed, not skipped silently.
+Records that cannot be loaded are listed, not skipped silently. A night judged by an older
+rule shows both verdicts ([Note: rejudging], qualify/evidence/rejudge.py): "PASS (as judged) /
+FAIL under today's rules: learning[candidate-g64]: PASS (rule 1) / FAIL under rule 2" -- a
+judge change is never a reason to refuse a night.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import pathlib
 import shutil
 from dataclasses import dataclass
 
-from qwz.qualify.evidence.record import load, save
+from qwz.qualify.evidence.record import load
+from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe
 
@@ -98,7 +102,7 @@ def render_markdown(
             reference = _final_loss(record, record.arms[0].name) if record.arms else None
             signature = describe(record.digest, record.signature, key).split(";")[0]
             signature = signature.split(":")[0]
-            verdict = record.verdict.status
+            verdict = verdict_text(record).replace("|", "\\|")
             for performance in record.performance or [None]:
                 arm = "—" if performance is None else performance.arm
                 speed, interval = _speed_cells(performance)
@@ -169,11 +173,12 @@ def promote(record_path: pathlib.Path, baseline_dir: pathlib.Path) -> Record:
     The record and, when present beside it, its report and plots are copied; the record
     is copied last and atomically, so a baseline directory never holds a partial one."""
     record = load(record_path)
-    if not record.verdict.passed:
-        why = record.verdict.failed or record.verdict.inconclusive
+    verdict = rejudged(record).verdict
+    if not verdict.passed:
+        why = verdict.failed or verdict.inconclusive
         raise RecordError(
             f"{record_path}: a record that did not pass cannot become the baseline "
-            f"(verdict {record.verdict.status}: {', '.join(why)})"
+            f"(verdict {verdict.status}: {', '.join(why)}, under today's rules)"
         )
     unmeasured = [item.arm for item in record.performance if item.interval != "bootstrap"]
     if not record.performance or unmeasured:
@@ -188,5 +193,8 @@ def promote(record_path: pathlib.Path, baseline_dir: pathlib.Path) -> Record:
     for name in ("report.md", "loss.png", "speedup.png"):
         if (source_dir / name).is_file():
             shutil.copyfile(source_dir / name, baseline_dir / name)
-    save(record, baseline_dir / "record.json")  # keeps its signature
+    # The file as written (its signature, its schema): a record is never rewritten.
+    copy = baseline_dir / ".record.json.partial"
+    shutil.copyfile(record_path, copy)
+    copy.replace(baseline_dir / "record.json")
     return record

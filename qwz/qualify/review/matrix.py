@@ -3,10 +3,13 @@
 One row per cell of the spec (qwz/qualify/matrix/spec.py), run or not: its axis values, its
 status -- PASS, FAIL or INCONCLUSIVE from the cell's record (the record's own verdict,
 re-derived when it is loaded), ``crashed`` (the cell's run ended without a record that
-loads, or with an exit status ``run`` does not give), or ``not run`` -- and why, the
-record's digest and the cell's wall time. Nothing here runs a cell.
+loads, or with an exit status ``run`` does not give), ``HARNESS-ERROR`` (the harness could
+not observe the cell's subject: no verdict, [Note: harness errors] in
+qualify/evidence/harness_error.py), or ``not run`` -- and why, the record's digest and the cell's
+wall time. Nothing here runs a cell.
 
-The matrix's exit status (``status_of``): 1 if any cell FAILed or crashed; else 3 if any
+The matrix's exit status (``status_of``): 1 if any cell FAILed or crashed; else 4 if any
+cell is a HARNESS-ERROR; else 3 if any
 cell is INCONCLUSIVE, or if no cell has a verdict at all (a matrix that judged nothing is
 not a pass); else 0. Cells that were not run (refused by ``run``, excluded by the spec, out
 of scope) do not change it: the table says why each was not run.
@@ -21,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qwz import jsonio
+from qwz.qualify.evidence.harness_error import HARNESS_ERROR_EXIT
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.files import atomic_write_text
@@ -29,9 +33,17 @@ MATRIX_FORMAT = "qwz-matrix/1"
 MATRIX_JSON = "matrix.json"
 MATRIX_MD = "matrix.md"
 VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
-CellStatus = Literal["PASS", "FAIL", "INCONCLUSIVE", "crashed", "not run"]
+CellStatus = Literal["PASS", "FAIL", "INCONCLUSIVE", "HARNESS-ERROR", "crashed", "not run"]
 CellKind = Literal[
-    "ran", "resumed", "refused", "crashed", "interrupted", "pending", "excluded", "out of scope"
+    "ran",
+    "resumed",
+    "refused",
+    "crashed",
+    "harness-error",
+    "interrupted",
+    "pending",
+    "excluded",
+    "out of scope",
 ]
 AXIS_COLUMNS = (
     ("subject", "subject"),
@@ -91,6 +103,8 @@ def status_of(cells: list[MatrixCell]) -> int:
     statuses = {cell.status for cell in cells}
     if statuses & {"FAIL", "crashed"}:
         return 1
+    if "HARNESS-ERROR" in statuses:
+        return HARNESS_ERROR_EXIT
     if "INCONCLUSIVE" in statuses or not statuses & set(VERDICTS):
         return 3
     return 0

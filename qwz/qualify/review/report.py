@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import Arm, Record
 from qwz.qualify.evidence.stats import METHOD_NOTE
 from qwz.qualify.review import report_sections
@@ -301,9 +302,10 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
         + (" (" + "; ".join(verdict.not_applicable) + ")" if verdict.not_applicable else "")
         + ".",
         "",
-        f"Record written {record.created_at}, schema version {record.schema_version}, "
-        f"digest `{short_hash(record.digest)}`.",
+        f"Record written {record.created_at}, schema version "
+        f"{record.upgraded_from or record.schema_version}, digest `{short_hash(record.digest)}`.",
         "",
+        *_judge_lines(record),
     ]
     lines += _failures_section(record)
     lines += _code_section(record)
@@ -368,6 +370,24 @@ def _quantized(record: Record, arm: Arm) -> str:
         record.subject.name == "deepspeed" and arm.integration_enabled
     )
     return "yes" if qwz_decides else "requested"
+
+
+def _judge_lines(record: Record) -> list[str]:
+    """Who judged the record, and what today's rules say where they moved a result ([Note:
+    rejudging], qualify/evidence/rejudge.py)."""
+    judge = record.judge
+    who = (
+        "a judge before rules were versioned (schema 2: rule 0)"
+        if judge is None
+        else f"qwz {judge.version}'s judge (constants `{short_hash(judge.constants_sha256)}`)"
+    )
+    judged = rejudged(record)
+    moved = [item.text() for item in judged.judge_changes if item.result_changed]
+    lines = [f"Judged by {who}; under today's rules the verdict is {judged.verdict.status}."]
+    if moved:
+        lines += ["", "Judge changes (as judged / under today's rule):", ""]
+        lines += [f"- {text}" for text in moved]
+    return [*lines, ""]
 
 
 def _failures_section(record: Record) -> list[str]:

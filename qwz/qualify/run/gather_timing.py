@@ -100,7 +100,10 @@ def timed_gather(arm: Any) -> Iterator[GatherClock]:
         elif isinstance(arm, DeepSpeedArm):  # NativeDeepSpeedArm too
             from deepspeed.runtime.zero import stage_1_and_2
 
-            stack.enter_context(_patched(stage_1_and_2, "all_gather_dp_groups", clock, False))
+            # A DeepSpeed without that module-level gather has no gather phase to time: the
+            # clock reads None (context only), never a crash blamed on the subject.
+            if hasattr(stage_1_and_2, "all_gather_dp_groups"):
+                stack.enter_context(_patched(stage_1_and_2, "all_gather_dp_groups", clock, False))
             if getattr(arm.optimizer, "qwz_gathers", None) is not None:
                 from qwz.integrations.deepspeed import takeover
 

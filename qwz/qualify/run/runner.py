@@ -72,13 +72,19 @@ import torch.distributed as dist
 
 from qwz import devices, rank_reports
 from qwz.hashing import param_hash
+from qwz.integrations.deepspeed import structure
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.probe import WireProbe
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import determinism, gather_timing, next_use, observers, replicas, timing
-from qwz.qualify.run.subjects import ArmEngine, make_arm, use_deepspeed_source
+from qwz.qualify.run.subjects import (
+    ArmEngine,
+    DeepSpeedSourceError,
+    make_arm,
+    use_deepspeed_source,
+)
 
 
 class NonFiniteStep(FloatingPointError):
@@ -680,6 +686,17 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
     return timings
 
 
+def _same_deepspeed_everywhere(gathered: list[dict[str, Any]]) -> None:
+    """[Note: subject identity]: every rank judged the same DeepSpeed (version, commit, path);
+    ranks that imported different ones observed no one subject: a harness error."""
+    seen = {item["rank"]: item["deepspeed"] for item in gathered if "deepspeed" in item}
+    if len(set(seen.values())) > 1:
+        raise DeepSpeedSourceError(
+            "the ranks imported different DeepSpeeds: "
+            + "; ".join(f"rank {rank}: {identity}" for rank, identity in sorted(seen.items()))
+        )
+
+
 def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
     """Run the plan on this rank under [Note: deterministic ranks] (determinism.py); rank 0
     gets every rank's observations. A failure only this rank sees ends the run through
@@ -703,6 +720,8 @@ def _qualify(
     refusals = plan.workload.refusals(plan.subject, world_size)
     if refusals:  # the CLI refuses these before any rank starts; torchrun and tests get here
         raise ValueError("; ".join(refusals))
+    if plan.subject in DEEPSPEED_SUBJECTS:
+        progress.say(f"{plan.subject}: {structure.deepspeed_identity()}")
     progress.say(
         f"{plan.subject}: {len(plan.arms)} arms one after another, {plan.steps} steps each, "
         f"then {plan.blocks} blocks x {plan.block_steps} steps per candidate"
@@ -744,11 +763,14 @@ def _qualify(
         "arms": arms,
         "timings": timings,
     }
+    if plan.subject in DEEPSPEED_SUBJECTS:
+        observation["deepspeed"] = structure.deepspeed_identity()
     if rank == 0:
         observation.update(provenance.code_under_test(plan.subject))
     progress.at(phase="gather observations")
     gathered = _agree(observation)
     if rank == 0:
+        _same_deepspeed_everywhere(gathered)
         names = [item["device_name"] for item in gathered]
         capabilities = [item["compute_capability"] for item in gathered]
         machines = [item["machine"] for item in gathered]

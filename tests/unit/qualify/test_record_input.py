@@ -101,7 +101,7 @@ CASES = [
     (
         "bool-for-schema-version",
         lambda p: p.write_text(sealed_text(_set("schema_version", True))),
-        "schema_version True is not supported",
+        "schema_version True is not an integer",
     ),
     (
         "float-for-int",

@@ -1,0 +1,67 @@
+"""Reading records of older schemas: in-memory upgraders, one per version step.
+
+[Note: schema versions]
+The schema's version is written once, ``schema.SCHEMA_VERSION``. A record of an older version is
+read by upgrading its payload in memory, step by step, *after* its digest (and, by the loader,
+its signature) has been verified on the bytes as written: a file is never rewritten, a signed
+one least of all (record.save refuses an upgraded record; promote copies the file). Every field
+a version adds has a default that means what an older record meant, so most steps only name
+the version. A record newer than this qwz is refused by its version, before any field is
+judged: "written by schema N; this qwz reads up to M".
+
+2 -> 3: the judge's identity (``judge``, null: unknown) and each check's rule version
+(``Check.rule`` 0: judged before rules were versioned) are new; records of schema 2 also
+gained fields during schema 2 (every one optional, with its old meaning as default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qwz.qualify.evidence.schema import OLDEST_SCHEMA_VERSION, SCHEMA_VERSION, RecordError
+
+
+def _from_2(payload: dict[str, Any]) -> dict[str, Any]:
+    checks = payload.get("checks")
+    if isinstance(checks, list):
+        payload["checks"] = [
+            dict(check, rule=0) if isinstance(check, dict) and "rule" not in check else check
+            for check in checks
+        ]
+    return dict(payload, schema_version=3)
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2}
+"""Version N -> the step from N to N + 1."""
+
+
+def version_problem(version: Any) -> str | None:
+    """Why a record of ``version`` cannot be read, or None."""
+    if type(version) is not int:
+        return f"schema_version {version!r} is not an integer"
+    if version > SCHEMA_VERSION:
+        return (
+            f"written by schema {version}; this qwz reads up to {SCHEMA_VERSION} "
+            "(upgrade qwz to read it)"
+        )
+    if version < OLDEST_SCHEMA_VERSION:
+        return (
+            f"schema_version {version} is not supported (this qwz reads schemas "
+            f"{OLDEST_SCHEMA_VERSION} to {SCHEMA_VERSION})"
+        )
+    return None
+
+
+def upgrade(payload: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """``payload`` at ``SCHEMA_VERSION`` and the version it was written in (None: current)."""
+    version = payload.get("schema_version")
+    problem = version_problem(version)
+    if problem:
+        raise RecordError(problem)
+    if version == SCHEMA_VERSION:
+        return payload, None
+    upgraded = dict(payload)
+    for step in range(version, SCHEMA_VERSION):
+        upgraded = UPGRADERS[step](upgraded)
+    return upgraded, version

@@ -1,0 +1,74 @@
+"""The corpus: independently written DeepSpeed implementations of the proposal (for tests).
+
+Each correct variant is a whole ``deepspeed/runtime/zero/quantized_allgather.py`` written from
+the PR's text (not from qwz), applied over ``proposal.patch`` (which wires the module into
+``stage_1_and_2.py``, the engine and the config). Each uses some of the contract's freedoms;
+``FREEDOMS`` says which. A broken variant is a correct one with one line changed (``BROKEN``:
+base, the line's old text, its new text, and the checks of which at least one must FAIL), or a
+whole module (``broken_stock_gather``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+CORPUS_DIR = pathlib.Path(__file__).resolve().parent
+MODULE = "deepspeed/runtime/zero/quantized_allgather.py"
+"""Where a variant's module goes in the checkout."""
+
+FREEDOMS: dict[str, str] = {
+    "master_packed_list": "fp32 master; scale absmax * (1/127); one uint8 message [scales|codes|exact] "
+    "per chunk; list all_gather",
+    "bf16_three_gathers": "bf16 partition; codes, scales and exact values in three all_gather_into_tensor",
+    "broadcast_per_source": "bf16 partition; one source at a time by broadcast, last rank first; "
+    "exact values in fp32",
+    "c10d_async_reciprocal": "fp32 master; codes x * (1/scale); distributed_c10d.all_gather_into_tensor, "
+    "all chunks in flight (async handles)",
+    "async_fp32_exact": "bf16 partition; exact values in fp32; three async deepspeed.comm gathers",
+    "even_chunks_list": "bf16 partition; fewest equal chunks of whole groups; two list all_gathers",
+}
+"""Each correct variant and the freedoms of the contract it uses."""
+
+BROKEN: dict[str, tuple[str, str, str, frozenset[str]]] = {
+    "broken_floor_codes": (
+        "even_chunks_list", ".round().clamp(-127, 127)", ".floor().clamp(-127, 127)",
+        frozenset({"own-shard"}),
+    ),
+    "broken_scale_two_ulps": (
+        "bf16_three_gathers", "amax(dim=1) / 127.0", "amax(dim=1) / 126.99997",
+        frozenset({"own-shard"}),
+    ),
+    "broken_skip_source": (
+        "broadcast_per_source", "                rows[source, start:end].copy_(decoded)",
+        "                if source != 0 or self.rank == 0:\n"
+        "                    rows[source, start:end].copy_(decoded)",
+        frozenset({"replicas", "own-shard"}),
+    ),
+    "broken_stale_chunk_edge": (
+        "master_packed_list",
+        "                rows[source, chunk.start:chunk.end].copy_(self._decode(chunk, payload, source))",
+        "                skip = 1 if chunk.start > 0 else 0\n"
+        "                rows[source, chunk.start + skip:chunk.end].copy_(self._decode(chunk, payload, source)[skip:])",
+        frozenset({"own-shard", "replicas"}),
+    ),
+}  # fmt: skip
+"""Broken variants derived from a correct one by a one-line edit."""
+
+WHOLE_BROKEN: dict[str, frozenset[str]] = {"broken_stock_gather": frozenset({"in-effect"})}
+"""Broken variants written as whole modules."""
+
+
+def module_text(name: str) -> str:
+    """The module text of variant `name` (correct, derived broken or whole broken)."""
+    if name in BROKEN:
+        base, old, new, _ = BROKEN[name]
+        text = (CORPUS_DIR / f"{base}.py").read_text()
+        if text.count(old) != 1:
+            raise ValueError(f"{name}: {old!r} occurs {text.count(old)} times in {base}.py, not once")
+        return text.replace(old, new)
+    return (CORPUS_DIR / f"{name}.py").read_text()
+
+
+def expected_failures(name: str) -> frozenset[str]:
+    """The checks of which at least one must FAIL for broken variant `name`."""
+    return BROKEN[name][3] if name in BROKEN else WHOLE_BROKEN[name]
