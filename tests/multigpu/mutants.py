@@ -151,27 +151,75 @@ def one_chunk_skipped(arm, engine, plan):
     engine.train_step = train_step
 
 
-def scale_absmax_over_128(arm, engine, plan):
-    """The upstream bug: the scale maps absmax to 128, then the codes are clamped to 127."""
+def _encode_with(engine, scale_of, prepare=None) -> None:
+    """Replace the candidate's encode kernel with one written from the PR's text: per group
+    of the wire row, ``scale = scale_of(absmax)`` (fp32), codes ``round(x / scale)`` clamped
+    to [-127, 127], of the values `prepare` returns (the fp32 source by default). Groups that
+    share elements with exactly-sent parameters keep qwz's own masked path."""
     from qwz import kernels as wire_kernels
     from qwz import quant
 
-    def bad_encode(values, scales_out, codes_out):
+    def encode(values, scales_out, codes_out):
+        if prepare is not None:
+            values = prepare(values)
         padding = codes_out.shape[0] - values.shape[0]
         groups = torch.nn.functional.pad(values.to(torch.float32), (0, padding))
         groups = groups.view(scales_out.shape[0], -1)
-        scales = groups.abs().amax(dim=1) / 128
+        absmax = groups.abs().amax(dim=1)
+        scales = torch.where(absmax == 0, absmax, scale_of(absmax))
         divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
         codes = torch.round(groups / divisor[:, None]).clamp_(-127, 127)
         scales_out.copy_(scales)
         codes_out.copy_(codes.to(torch.int8).view(-1))
 
-    kernels = wire_kernels.QuantKernels("eager", bad_encode, quant.decode_into)
+    kernels = wire_kernels.QuantKernels("eager", encode, quant.decode_into)
     optimizer = engine.optimizer
     if hasattr(optimizer, "qwz"):  # the DeepSpeed drop-in: [Note: drop-in state]
         optimizer.qwz.kernels = kernels
     else:
         optimizer.kernels = kernels
+
+
+def scale_absmax_over_128(arm, engine, plan):
+    """The upstream bug: the scale maps absmax to 128, then the codes are clamped to 127."""
+    _encode_with(engine, lambda absmax: absmax / 128)
+
+
+# ------------------------------------------------------------ when the decode completes
+
+
+def _decode_deferred(engine, completes: bool) -> None:
+    """After each step the working copy goes back to what it held before the step (the
+    decode has not landed yet); the decoded values are written by a forward pre-hook of the
+    model just before its next forward -- or, when not `completes`, never."""
+    module = engine.module
+    params = list(module.parameters())
+    original = engine.train_step
+    pending: dict[str, list[torch.Tensor]] = {}
+
+    def train_step(loss):
+        before = [param.detach().clone() for param in params]
+        original(loss)
+        with torch.no_grad():
+            pending["decoded"] = [param.detach().clone() for param in params]
+            for param, value in zip(params, before, strict=True):
+                param.copy_(value)
+
+    def finish_decode(module, args):
+        decoded = pending.pop("decoded", None)
+        if decoded is not None and completes:
+            with torch.no_grad():
+                for param, value in zip(params, decoded, strict=True):
+                    param.copy_(value)
+
+    engine.train_step = train_step
+    module.register_forward_pre_hook(finish_decode)
+
+
+def decode_never_completes(arm, engine, plan):
+    """The decode is deferred to the next forward and never lands: the working copy keeps
+    the weights as built."""
+    _decode_deferred(engine, completes=False)
 
 
 # --------------------------------------------------------------------------- the config
@@ -450,8 +498,47 @@ KILLED_BY = {
     "spec_exact_threshold_1m": "own-shard",
     "clip_coefficient_scaled": "update",
     "wrong_global_norm": "update",
+    "decode_never_completes": "own-shard",
 }
 """Mutant -> the family of the check that must fail (``<family>[<candidate arm>]``)."""
+
+
+# --------------------------------------------------------------------------- correct variants
+#
+# Candidates that use a freedom of [Note: the contract and its freedoms]
+# (qwz/qualify/evidence/spec.py) and so must PASS, written from the PR's text.
+
+
+def quantizes_working_cast(arm, engine, plan):
+    """Freedom 1: quantizes the master cast to the working dtype (what a PR that quantizes
+    inside DeepSpeed's gather of the bf16 partition does), not the fp32 master."""
+    from qwz.optimizer import WORKING_DTYPES
+
+    working = WORKING_DTYPES[plan.dtype]
+    _encode_with(engine, lambda absmax: absmax / 127, prepare=lambda values: values.to(working))
+
+
+RECIPROCAL_127 = torch.tensor(1 / 127, dtype=torch.float32)
+"""fp32 1/127: ``absmax * (1/127)`` is ``absmax/127`` or one of its fp32 neighbours."""
+
+
+def scale_times_reciprocal(arm, engine, plan):
+    """Freedom 2: the scale as ``absmax * (1/127)`` in fp32 (one ulp from absmax/127 in a
+    few percent of groups), at least the smallest normal float32."""
+    _encode_with(
+        engine,
+        lambda absmax: torch.clamp(absmax * RECIPROCAL_127, min=torch.finfo(torch.float32).tiny),
+    )
+
+
+def decode_completes_late(arm, engine, plan):
+    """Freedom 4: the decode lands just before the next forward, not when ``step()``
+    returns (the overlap DeepSpeed issue #6876 asks for)."""
+    _decode_deferred(engine, completes=True)
+
+
+CORRECT_VARIANTS = ("quantizes_working_cast", "scale_times_reciprocal", "decode_completes_late")
+"""Correct candidates, each using a freedom of the contract: each must PASS."""
 
 
 # --------------------------------------------------------------------------- fp16 loss scaling

@@ -182,8 +182,12 @@ def _own_shards(name: str, ranks: list[ArmObservation]) -> dict[str, Any]:
         "first_violation": _violation(_earliest([item["first_violation"] for item in present])),
         **{
             key: sum(item.get(key, 0) for item in present)
-            for key in ("checked", "mismatches", "near_ties")
+            for key in ("checked", "mismatches", "near_ties", "working_input", "scale_ulp")
         },
+        # None where any rank's judge did not count it (an older observation).
+        "reference": None
+        if any("reference" not in item for item in present)
+        else sum(item["reference"] for item in present),
         "kernels": [item.kernels for item in ranks if item.kernels],
     }
 

@@ -420,7 +420,7 @@ def _kernel_fallbacks(own) -> str:
     return f"; kernel fallbacks: {'; '.join(reasons)}" if reasons else ""
 
 
-@rule("own-shard", 1)
+@rule("own-shard", 2)
 def _own_shard(own, quantized: bool, failure) -> Check:
     """[Note: own shard against the spec] (qualify/run/observers.py): every element equals the
     spec's decode (qualify/evidence/spec.py), or the exact cast where the spec sends it exactly."""
@@ -430,8 +430,9 @@ def _own_shard(own, quantized: bool, failure) -> Check:
     if own.checked == 0 and own.first_violation is None:
         return _check(name, "n/a", "no own-shard element was observed")
     rule = (
-        "the spec's decode of its fp32 master (scale absmax/127 in fp32, codes rounded to "
-        "nearest in [-127, 127]; qwz/qualify/evidence/spec.py) cast to the working dtype"
+        "a decode of its fp32 master the contract allows (scale absmax/127 in fp32, codes "
+        "rounded to nearest in [-127, 127], per group; [Note: the contract and its freedoms], "
+        "qwz/qualify/evidence/spec.py) cast to the working dtype"
         if quantized
         else "its fp32 master cast to the working dtype"
     )
@@ -447,21 +448,39 @@ def _own_shard(own, quantized: bool, failure) -> Check:
             mismatches=own.mismatches,
             max_ratio=own.max_ratio,
         )
-    ties = (
-        f"; {own.near_ties} near-ties took the other neighbouring code (allowed)"
-        if own.near_ties
-        else ""
-    )
     return _check(
         name,
         "pass",
         f"after every step all {own.checked} own-shard elements are {rule}, parameters of at "
-        f"most 65,536 elements exact{ties} (worst error {format(own.max_ratio or 0.0, '.4g')} "
-        f"of scale/2 + 2**-15 scale + half-ulp){fallbacks}",
+        f"most 65,536 elements exact{_freedoms_used(own)} (worst error "
+        f"{format(own.max_ratio or 0.0, '.4g')} of scale/2 + 2**-15 scale + half-ulps)"
+        f"{fallbacks}",
         checked=own.checked,
         near_ties=own.near_ties,
         max_ratio=own.max_ratio,
+        **({} if own.reference is None else {"reference": own.reference}),
+        working_input=own.working_input,
+        scale_ulp=own.scale_ulp,
     )
+
+
+def _freedoms_used(own) -> str:
+    """How many own-shard elements were the reference arithmetic bit for bit, and which
+    freedom of [Note: the contract and its freedoms] (qualify/evidence/spec.py) the others
+    used; empty when all were the reference (or an older record counted nothing)."""
+    used = [
+        f"{count} {what}"
+        for count, what in (
+            (own.working_input, "from the master cast to the working dtype"),
+            (own.scale_ulp, "with a scale one fp32 ulp from absmax/127"),
+            (own.near_ties, "near-ties that took the other neighbouring code"),
+        )
+        if count
+    ]
+    if not used:
+        return ""
+    reference = "" if own.reference is None else f"{own.reference} bit for bit the reference; "
+    return f"; {reference}{', '.join(used)} (allowed by the contract)"
 
 
 ALIGNMENT_BYTES = 3

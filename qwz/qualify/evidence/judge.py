@@ -44,6 +44,8 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "spec.MIN_SCALE",
         "spec.EXACT_MAX_NUMEL",
         "spec.TIE_ALLOWANCE",
+        "spec.SCALE_ULPS",
+        "spec.QUANTIZATION_INPUTS",
     ),
     "replicas": (),
     "reproduced": (),

@@ -367,6 +367,22 @@ class OwnShards(_Model):
     near_ties: int = Field(
         0, description="Elements at a near-tie that took the other neighbouring code (allowed)"
     )
+    reference: int | None = Field(
+        None,
+        description="Elements equal bit for bit to the reference arithmetic (fp32 master, scale "
+        "absmax/127, nearest code; the exact cast where exact); null: a judge that did not "
+        "count them ([Note: the contract and its freedoms], qualify/evidence/spec.py)",
+    )
+    working_input: int = Field(
+        0,
+        description="Elements not the reference whose group was decoded from the master cast "
+        "to the working dtype (a freedom of the contract; 0 before it was allowed)",
+    )
+    scale_ulp: int = Field(
+        0,
+        description="Elements not the reference whose group's scale is one fp32 ulp from "
+        "absmax/127 (a freedom of the contract; 0 before it was allowed)",
+    )
     kernels: list[KernelUse] = Field(default_factory=list, description="Per rank")
 
 

@@ -8,7 +8,7 @@ or a commit that changes the rules everywhere at once (``absmax/100`` in
 file until the harness is split into folders.)
 
 [Note: the judge's independence]
-This module imports nothing from ``qwz`` (only ``math`` and ``torch``): no
+This module imports nothing from ``qwz`` (only ``typing`` and ``torch``): no
 ``qwz.quant``, ``qwz.tolerance``, ``qwz.layout``, ``qwz.shards`` or anything that
 imports them. ``tests/unit/test_spec.py`` inspects its imports and fails if one
 appears. The harness's other rules that depend on the spec (the own-shard
@@ -38,12 +38,53 @@ grants them ``2**-15 * scale``. So where ``x / scale`` lies within
 (``k`` or ``k + 1``) is accepted; everywhere else the code must be the spec's
 nearest one. Round-to-nearest does not say how to break an exact tie, and
 exact ties lie inside the allowance, so half-to-even and half-away-from-zero
-both conform. The scale itself has no allowance: it is one fp32 value.
+both conform. The scale's own freedom, one fp32 ulp, is in [Note: the contract and its
+freedoms].
 
 :func:`decode_alternatives` computes both candidates in float32 with one
 correctly rounded division: ``fl(x / scale)`` differs from the exact quotient
 by at most ``127 * 2**-24`` (below the allowance's margin over the kernels'
 ``127 * 2**-23``), so every code a reciprocal kernel may produce is accepted.
+
+[Note: the contract and its freedoms]
+The decode above is the *reference arithmetic*; the PR (#8511) fixes less than it. What a
+correct implementation must do, per group of ``G`` consecutive elements of a rank's
+partition (the grid anchored at the partition's first element; elements that travel
+exactly count as zeros in their group):
+
+- symmetric int8 codes in ``[-127, 127]``, one fp32 scale per group equal to ``absmax/127``
+  of the group, codes rounded to nearest, ``x_hat = code * scale`` written in the working
+  dtype;
+- every element of a parameter of at most :data:`EXACT_MAX_NUMEL` elements exact (the
+  master cast to the working dtype), and everything exact over a one-rank gather;
+- every rank, the owner too, writing the same decoded values (the ``replicas`` check);
+- chunks of whole groups (a group split across chunks has two scales, which no choice
+  below allows).
+
+What it leaves free, and a correct PR may use:
+
+1. *The quantization input*: the fp32 master, or the master cast to the working dtype
+   (DeepSpeed copies the master into the bf16 partition before its gather, so a PR that
+   quantizes inside the gather quantizes bf16). The scale is then ``absmax/127`` of that
+   input (:data:`QUANTIZATION_INPUTS`).
+2. *The scale's arithmetic*, up to one fp32 ulp: ``absmax * (1/127)``, a reciprocal kernel,
+   a fast-math division each give ``absmax/127`` correctly rounded or one of its fp32
+   neighbours (:data:`SCALE_ULPS`, :func:`scale_neighbours`); and at a rounding tie either
+   neighbouring code (:data:`TIE_ALLOWANCE`, above).
+3. *The collective primitive*, how codes, scales and exact elements are packed and chunked,
+   and the order in which sources are decoded: none of it shows in the values written (the
+   wire accounting judges the bytes, not their layout).
+4. *When the decode completes*, as long as it is complete before the weights are next used:
+   the harness observes own shards and replicas at the next forward, not when ``step()``
+   returns ([Note: observed at the next use], qualify/run/next_use.py).
+
+A group is within the contract when one choice of input (1) and one scale (2) -- the same
+for every element of the group -- gives every element of it, each code the nearest or, at a
+near-tie, its neighbour (:func:`decode_choices`). Anything else is outside: another divisor
+(``absmax/100``, ``absmax/128`` clamped), floor rounding, a scale two ulps off, groups
+anchored elsewhere, a code off by one away from a tie, another exactness threshold, a small
+parameter quantized, the owner keeping its exact values. The judge counts how many elements
+were bit for bit the reference arithmetic and which freedom each of the others used.
 
 A gather over a process group of one rank has nothing to send (it is a local copy), so
 nothing is quantized there: every element of such a shard travels exactly, whatever group
@@ -55,6 +96,8 @@ it travels exactly.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -76,6 +119,15 @@ CODE_BYTES = 1
 TIE_ALLOWANCE = 2.0**-15
 """Distance of ``x / scale`` from a half-integer, in codes, within which either
 neighbouring code is accepted (DESIGN's ``2**-15 * scale``); see the module docstring."""
+
+
+QUANTIZATION_INPUTS = ("master", "working")
+"""[Note: the contract and its freedoms], freedom 1: the values a correct PR may quantize --
+the fp32 master, or the master cast to the working dtype."""
+
+SCALE_ULPS = 1
+"""[Note: the contract and its freedoms], freedom 2: how many fp32 ulps a group's scale may
+lie from ``absmax/127`` correctly rounded."""
 
 
 def wire_bytes_per_element(group_size: int) -> float:
@@ -144,3 +196,66 @@ def decode(values: torch.Tensor, group_size: int) -> torch.Tensor:
     flat = values.detach().reshape(-1).to(torch.float32)
     element_scales = scales(flat, group_size).repeat_interleave(group_size)[: flat.numel()]
     return decode_alternatives(flat, element_scales)[0]
+
+
+def scale_neighbours(group_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(up, down)``: the fp32 neighbours, :data:`SCALE_ULPS` away, of the spec's
+    `group_scales` (:func:`scales`) that [Note: the contract and its freedoms] allows. An
+    all-zero group keeps scale 0, no scale goes below :data:`MIN_SCALE`, and none so large
+    that ``127 * scale`` is infinite (there the spec's own scale stands in)."""
+    infinity = torch.full_like(group_scales, torch.inf)
+    up = torch.nextafter(group_scales, infinity)
+    down = torch.nextafter(group_scales, -infinity)
+    zero = group_scales == 0
+    overflows = torch.isfinite(group_scales) & torch.isinf(up * CODE_MAX)
+    up = torch.where(zero | overflows, group_scales, up)
+    down = torch.where(zero, group_scales, torch.clamp(down, min=MIN_SCALE))
+    return up, down
+
+
+class DecodeChoice(NamedTuple):
+    """One way of writing a group that [Note: the contract and its freedoms] allows."""
+
+    working_input: bool
+    """Quantized the master cast to the working dtype (freedom 1), not the fp32 master."""
+    scale_ulp: int
+    """The scale's distance from ``absmax/127`` in fp32 ulps: 0, +1 or -1 (freedom 2)."""
+    nearest: torch.Tensor
+    """fp32 (n,): every element's decode with the nearest code."""
+    other: torch.Tensor
+    """fp32 (n,): the decode with the other code where ``x / scale`` is at a near-tie
+    (``nearest`` elsewhere)."""
+    element_scales: torch.Tensor
+    """fp32 (n,): each element's group scale under this choice."""
+
+
+def decode_choices(
+    master: torch.Tensor, exact: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> list[DecodeChoice]:
+    """Every decode [Note: the contract and its freedoms] allows for flat fp32 `master` (n,)
+    whose `exact` (n,) elements travel exactly (zeros in their groups), in groups of
+    `group_size` anchored at ``master[0]``, for working dtype `dtype`: the reference
+    arithmetic first (the fp32 master, the spec's scale), then the same input with the
+    scale one ulp up and one down, then those three quantizing the master cast to `dtype`
+    (absent for fp32, where the cast is the master). Decodes are fp32, before the cast to
+    `dtype`; what an ``exact`` element must hold is the caller's (the master's cast)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"group_size: {group_size!r} is invalid: must be a positive integer")
+    if master.shape != exact.shape or master.dim() != 1:
+        raise ValueError(
+            f"master {tuple(master.shape)} and exact {tuple(exact.shape)} must be one flat shape"
+        )
+    numel = master.numel()
+    inputs = [(False, master.float())]
+    if dtype != torch.float32:
+        inputs.append((True, master.float().to(dtype).float()))
+    choices = []
+    for working_input, values in inputs:
+        values = torch.where(exact, torch.zeros_like(values), values)
+        spec_scales = scales(values, group_size)
+        up, down = scale_neighbours(spec_scales)
+        for scale_ulp, group_scales in ((0, spec_scales), (1, up), (-1, down)):
+            element_scales = group_scales.repeat_interleave(group_size)[:numel]
+            nearest, other = decode_alternatives(values, element_scales)
+            choices.append(DecodeChoice(working_input, scale_ulp, nearest, other, element_scales))
+    return choices

@@ -23,12 +23,14 @@ warm-up, so even the timing holds one arm at a time.
 
 Per arm and step, on every rank:
 1. train one step (the probe counts the gather's bytes);
-2. [Note: exact update check] on a sample of this rank's master elements;
-3. every own shard against the spec's decode of its master, with the requested group size,
-   and the global norm of the gradient the optimizer was handed (observers.py);
-4. the replicas' per-parameter digests agree across ranks;
-5. at step 1, layout-independent digests of every parameter's master;
-6. at the evaluation steps, the held-out loss.
+2. [Note: exact update check] on a sample of this rank's master elements, and the global
+   norm of the gradient the optimizer was handed (observers.py);
+3. at the next use of the weights -- the start of the next forward, or of a final forward
+   after the last step ([Note: observed at the next use], next_use.py) -- every own shard
+   against the contract's decodes of its master, with the requested group size
+   (observers.py), the replicas' per-parameter digests across ranks, and the sampled values;
+4. at step 1, layout-independent digests of every parameter's master;
+5. at the evaluation steps, the held-out loss.
 A non-finite loss or gradient norm ends the arm and the run goes on with the next
 one; any other exception ends the run at once, without a collective, naming the
 rank, the arm and the last completed step ([Note: failures]).
@@ -76,7 +78,7 @@ from qwz.probe import WireProbe
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, gather_timing, observers, replicas, timing
+from qwz.qualify.run import determinism, gather_timing, next_use, observers, replicas, timing
 from qwz.qualify.run.subjects import (
     ArmEngine,
     DeepSpeedSourceError,
@@ -203,25 +205,52 @@ class _StepPeak:
     and gather, with the arm's resident state. The counter is reset before each step's
     forward and read right after its gather, and the record keeps the largest step; the
     harness's own checks (own-shard decode, digests, held-out loss) run outside that
-    window, so what they allocate is not charged to the subject. An arm that never
-    completed a step reports the peak since the arm began instead."""
+    window, so what they allocate is not charged to the subject; the observation at the
+    next use runs inside the next step's forward ([Note: observed at the next use]), so
+    the window is paused around it (:meth:`paused`). An arm that never completed a step
+    reports the peak since the arm began instead."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.peak: dict[str, Any] | None = None
+        self._window: dict[str, Any] | None = None
+        """Inside a step: the peak of the parts of its window before a pause, else None."""
 
     @contextlib.contextmanager
     def around_step(self):
         _reset_peak_memory()
-        yield
-        measured = _peak_memory()
+        self._window = {}
+        try:
+            yield
+            measured = self._merged(self._window, _peak_memory())
+        finally:
+            self._window = None
         self.steps += 1
-        if self.peak is None:
-            self.peak = measured
+        self.peak = self._merged(self.peak or {}, measured)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The harness's own work inside a step's window (the observation at the next use,
+        next_use.py) is not charged to the step: the peak before it is kept, and the counter
+        is reset after it. Outside a step, nothing to pause."""
+        if self._window is None:
+            yield
             return
+        self._window = self._merged(self._window, _peak_memory())
+        try:
+            yield
+        finally:
+            _reset_peak_memory()
+
+    @staticmethod
+    def _merged(kept: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+        if not kept:
+            return dict(measured)
+        merged = dict(kept)
         for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
             if measured[key] is not None:
-                self.peak[key] = max(self.peak[key] or 0, measured[key])
+                merged[key] = max(merged[key] or 0, measured[key])
+        return merged
 
     def result(self) -> dict[str, Any]:
         assert self.peak is not None
@@ -402,6 +431,7 @@ class _ArmRun:
         """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
         """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
         self.overflow_watch: observers.OverflowWatch | None = None
+        self.next_use: next_use.NextUse | None = None
         if self.fp16:
             self.observed.update(loss_scales=[], overflowed=[])
 
@@ -433,6 +463,7 @@ class _ArmRun:
         )
         if self.fp16:
             self.overflow_watch = observers.OverflowWatch(engine.module)
+        self.next_use = next_use.NextUse(engine.module, pause=self.peak.paused)
 
     def train(self) -> None:
         """Every step, until the last or the first failure every rank agrees on."""
@@ -449,6 +480,7 @@ class _ArmRun:
             self.observe(step, loss_value, grad_norm, probe)
             if step % 5 == 0 or step == plan.steps:
                 progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
+        self.next_use.settle(self._final_forward)
         if self.check_own:
             self.observed["own_shard"] = dataclasses.asdict(self.own_result)
         self.observed["final_hash"] = param_hash(self.engine.module)
@@ -508,10 +540,23 @@ class _ArmRun:
             self.progress.say(f"{self.arm.name}: FAILED at step {step}: {message}")
         return bool(errors)
 
+    def _final_forward(self) -> None:
+        """After the last step, one more use of the weights ([Note: observed at the next
+        use]): the next training batch in eval mode (no dropout: no random state is drawn),
+        its loss discarded."""
+        plan, module = self.plan, self.engine.module
+        was_training = module.training
+        module.eval()
+        try:
+            batch = plan.workload.batch(seed=plan.seed, step=plan.steps + 1, rank=self.rank)
+            plan.workload.loss(module, batch)
+        finally:
+            module.train(was_training)
+
     def observe(self, step: int, loss_value: float, grad_norm: float, probe: WireProbe) -> None:
-        """What the harness checks after a completed step, outside the step's memory window."""
+        """What the harness checks after a completed step, outside the step's memory window;
+        what the working copy holds is observed at its next use (:meth:`observe_weights`)."""
         plan, arm, engine, observed = self.plan, self.arm, self.engine, self.observed
-        module = engine.module
         observed["losses"].append(loss_value)
         observed["grad_norms"].append(grad_norm)
         if self.gathered:  # the probe's bytes are those of the last step that gathered
@@ -523,7 +568,25 @@ class _ArmRun:
             uncounted[name] = uncounted.get(name, 0) + count
         if arm.noise_group_size is not None:
             _perturb(engine, arm.noise_group_size, plan.seed, step)
-        if self.check_own and "first_update_step" not in observed:
+        if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
+            # The first optimizer step (step 1 unless fp16 overflows skipped the first):
+            # until then no gather ran, so every arm held the same weights.
+            observed["step1_digests"] = replicas.master_digests(self.shards, self.replica_sets)
+        first_update = observed.get("first_update_step")
+        self.next_use.defer(
+            f"the weights after step {step}",
+            lambda: self.observe_weights(step, first_update),
+        )
+        if step in plan.eval_steps:
+            observed["held_out"].append(_held_out_loss(plan, engine, self.rank, step))
+
+    def observe_weights(self, step: int, first_update_step: int | None) -> None:
+        """The working copy after `step`, at its next use ([Note: observed at the next use]):
+        every own shard against the contract, the replicas across ranks, the samples."""
+        arm, observed, module = self.arm, self.observed, self.engine.module
+        resume = self.progress.where
+        self.progress.at(phase="observe", arm=arm.name, step=step, last_completed_step=step)
+        if self.check_own and first_update_step is None:
             # fp16: every step so far overflowed and was skipped, so no gather has run: the
             # working copy must still be the model as built, its master cast exactly.
             untouched = [torch.ones_like(mask) for mask in self.exact_masks]
@@ -537,14 +600,9 @@ class _ArmRun:
         divergent = replicas.divergence(module, self.replica_sets)
         if divergent and observed.get("replica_divergence") is None:
             observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
-        if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
-            # The first optimizer step (step 1 unless fp16 overflows skipped the first):
-            # until then no gather ran, so every arm held the same weights.
-            observed["step1_digests"] = replicas.master_digests(self.shards, self.replica_sets)
         if self.samples is not None:
             self.sample(step, module)
-        if step in plan.eval_steps:
-            observed["held_out"].append(_held_out_loss(plan, engine, self.rank, step))
+        self.progress.at(**resume)
 
     def sample(self, step: int, module: torch.nn.Module) -> None:
         """The sampled parameter values, and their drift from the reference's (context)."""
@@ -573,10 +631,12 @@ class _ArmRun:
             self.update_check.close()
         if self.overflow_watch is not None:
             self.overflow_watch.close()
+        if self.next_use is not None:
+            self.next_use.close()
         observed["steps_completed"] = len(observed["losses"])
         observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
         self.engine = self.update_check = self.shards = self.exact_masks = None
-        self.overflow_watch = None
+        self.overflow_watch = self.next_use = None
         return ArmObservation(**observed)
 
 
