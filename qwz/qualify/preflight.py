@@ -109,14 +109,15 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
         return [f"--deepspeed-src applies to --subject {' or '.join(DEEPSPEED_SUBJECTS)} only"]
     if source is not None and not (source / "deepspeed" / "__init__.py").is_file():
         return [f"--deepspeed-src {source}: no deepspeed/__init__.py there (not a checkout)"]
-    if args.subject in DEEPSPEED_SUBJECTS:  # [Note: seam preflight], no import of DeepSpeed
-        unreadable = seam_problems(args.subject, source)
-        if unreadable:
-            return unreadable
+    # The machine first (what no checkout can change), then the checkout.
     if args.subject in DEEPSPEED_SUBJECTS and args.dtype == "fp16":
         refused = _deepspeed_fp16_problems(args)
         if refused:
             return refused
+    if args.subject in DEEPSPEED_SUBJECTS:  # [Note: seam preflight], no import of DeepSpeed
+        unreadable = seam_problems(args.subject, source)
+        if unreadable:
+            return unreadable
     if args.subject != "deepspeed-native":
         return []
     plan = plan_of(args)
