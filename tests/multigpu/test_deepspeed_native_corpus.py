@@ -79,7 +79,10 @@ def test_the_corpus_stands_alone_without_qwz():
     for name in (*corpus.FREEDOMS, *BROKEN):
         text = corpus.module_text(name)
         assert "qwz" not in text.lower(), name
-        assert "def build_quantized_allgathers" in text and "def quantized_all_gather_dp_groups" in text
+        assert (
+            "def build_quantized_allgathers" in text
+            and "def quantized_all_gather_dp_groups" in text
+        )
 
 
 def test_every_broken_variant_differs_from_its_base_by_its_edit():
