@@ -637,9 +637,7 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     local = sorted(
         {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
     )
-    measured = [
-        group for group in probe.wire if group.quantized_numel > 0 and len(group.group_ranks) > 1
-    ]
+    measured = _measured(probe)
     if not measured and failure is not None:
         return _check(name, "n/a", "the arm failed before a gather was measured")
     if not measured:
@@ -656,26 +654,9 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
         )
         if not fewest <= group.bytes_per_step <= most:
             outside.append(f"{where}: {group.bytes_per_step:,} B outside [{fewest:,}, {most:,}]")
-    disagree = [size for size in reported if size is not None and size != requested]
-    status = "fail" if outside or disagree else "pass"
-    if outside:
-        verdict = f"the wire does not carry groups of {requested}: {'; '.join(outside)}"
-    elif disagree:
-        verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
-    else:
-        verdict = f"the wire's bytes fit groups of {requested} on every rank"
-    if local:
-        said += (
-            f"; one-rank groups {', '.join(map(str, map(list, local)))}: a local copy, not judged"
-        )
-    return _check(
-        name,
-        status,
-        f"requested group size {requested}: {verdict} ({'; '.join(lines[:4])}){said}",
-        requested=requested,
-        reported=reported,
-        wire_group_sizes=[wire_group_size(probe.wire, group) for group in measured],
-    )
+    fits = f"the wire's bytes fit groups of {requested} on every rank"
+    sizes = [wire_group_size(probe.wire, group) for group in measured]
+    return _probe_verdict(probe, name, said, lines, outside, local, fits, sizes)
 
 
 def _measured(probe: Probe) -> list[WireGroup]:
@@ -686,7 +667,7 @@ def _measured(probe: Probe) -> list[WireGroup]:
 
 def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
     """[Note: received bytes per process group]."""
-    requested, reported = probe.requested_group_size, probe.reported_group_sizes
+    requested = probe.requested_group_size
     local = sorted(
         {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
     )
@@ -707,6 +688,23 @@ def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
         )
         if not fewest <= received <= most:
             outside.append(f"{where}: received {received:,} B outside [{fewest:,}, {most:,}]")
+    fits = f"the bytes each rank received fit groups of {requested}"
+    sizes = [received_group_size(probe.wire, group) for group in measured]
+    return _probe_verdict(probe, name, said, lines, outside, local, fits, sizes)
+
+
+def _probe_verdict(
+    probe: Probe,
+    name: str,
+    said: str,
+    lines: list[str],
+    outside: list[str],
+    local: list[tuple[int, ...]],
+    fits: str,
+    sizes: list[float | None],
+) -> Check:
+    """``probe``'s check from the bounds each measured group was held to (both rules)."""
+    requested, reported = probe.requested_group_size, probe.reported_group_sizes
     disagree = [size for size in reported if size is not None and size != requested]
     status = "fail" if outside or disagree else "pass"
     if outside:
@@ -714,7 +712,7 @@ def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
     elif disagree:
         verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
     else:
-        verdict = f"the bytes each rank received fit groups of {requested}"
+        verdict = fits
     if local:
         said += (
             f"; one-rank groups {', '.join(map(str, map(list, local)))}: a local copy, not judged"
@@ -725,7 +723,7 @@ def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
         f"requested group size {requested}: {verdict} ({'; '.join(lines[:4])}){said}",
         requested=requested,
         reported=reported,
-        wire_group_sizes=[received_group_size(probe.wire, group) for group in measured],
+        wire_group_sizes=sizes,
     )
 
 
