@@ -34,8 +34,9 @@ BROKEN: dict[str, tuple[str, str, str, frozenset[str]]] = {
         "even_chunks_list", ".round().clamp(-127, 127)", ".floor().clamp(-127, 127)",
         frozenset({"own-shard"}),
     ),
-    "broken_scale_two_ulps": (
-        "bf16_three_gathers", "amax(dim=1) / 127.0", "amax(dim=1) / 126.99997",
+    "broken_scale_in_bf16": (
+        "bf16_three_gathers", "scales = blocks.abs().amax(dim=1) / 127.0",
+        "scales = (blocks.abs().amax(dim=1).bfloat16() / 127.0).float()",
         frozenset({"own-shard"}),
     ),
     "broken_skip_source": (
