@@ -91,7 +91,7 @@ def test_every_broken_variant_differs_from_its_base_by_its_edit():
         assert old in corpus.module_text(base) and new in corpus.module_text(name)
 
 
-@pytest.mark.parametrize(("variant", "world_size"), _cases(corpus.FREEDOMS, CI_CORRECT))
+@pytest.mark.parametrize(("variant", "world_size"), list(_cases(corpus.FREEDOMS, CI_CORRECT)))
 def test_correct_variant_passes(checkout, tmp_path, variant, world_size):
     sha = use_variant(checkout, variant)
     code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size)
@@ -100,7 +100,7 @@ def test_correct_variant_passes(checkout, tmp_path, variant, world_size):
     assert loaded.head.sha == sha == head(checkout)
 
 
-@pytest.mark.parametrize(("variant", "world_size"), _cases(BROKEN, CI_BROKEN))
+@pytest.mark.parametrize(("variant", "world_size"), list(_cases(BROKEN, CI_BROKEN)))
 def test_broken_variant_fails_naming_its_check(checkout, tmp_path, variant, world_size):
     use_variant(checkout, variant)
     code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size)
