@@ -630,18 +630,13 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
     incomplete = _uncounted(probe, name)
     if incomplete is not None:
         return incomplete
-    if received_rule(probe):
-        return _probe_received(probe, failure, name, said)
-    # A one-rank group (experts whose expert-data-parallel group is one rank) sends nothing:
-    # its gather is a local copy, exact by the spec (own-shard holds it to that).
-    local = sorted(
-        {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
-    )
     measured = _measured(probe)
     if not measured and failure is not None:
         return _check(name, "n/a", "the arm failed before a gather was measured")
     if not measured:
         return _check(name, "fail", f"no quantized elements on the wire were measured{said}")
+    if received_rule(probe):
+        return _probe_received(probe, measured, name, said)
     lines, outside = [], []
     for group in measured:
         fewest, most = group_bounds(probe.wire, group, requested)
@@ -656,7 +651,7 @@ def _probe(probe: Probe, world_size: int, failure: Any) -> Check:
             outside.append(f"{where}: {group.bytes_per_step:,} B outside [{fewest:,}, {most:,}]")
     fits = f"the wire's bytes fit groups of {requested} on every rank"
     sizes = [wire_group_size(probe.wire, group) for group in measured]
-    return _probe_verdict(probe, name, said, lines, outside, local, fits, sizes)
+    return _probe_verdict(probe, name, said, lines, outside, fits, sizes)
 
 
 def _measured(probe: Probe) -> list[WireGroup]:
@@ -665,17 +660,9 @@ def _measured(probe: Probe) -> list[WireGroup]:
     ]
 
 
-def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
+def _probe_received(probe: Probe, measured: list[WireGroup], name: str, said: str) -> Check:
     """[Note: received bytes per process group]."""
     requested = probe.requested_group_size
-    local = sorted(
-        {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
-    )
-    measured = _measured(probe)
-    if not measured and failure is not None:
-        return _check(name, "n/a", "the arm failed before a gather was measured")
-    if not measured:
-        return _check(name, "fail", f"no quantized elements on the wire were measured{said}")
     lines, outside = [], []
     for group in measured:
         fewest, most = received_bounds(probe.wire, group, requested)
@@ -690,7 +677,7 @@ def _probe_received(probe: Probe, failure: Any, name: str, said: str) -> Check:
             outside.append(f"{where}: received {received:,} B outside [{fewest:,}, {most:,}]")
     fits = f"the bytes each rank received fit groups of {requested}"
     sizes = [received_group_size(probe.wire, group) for group in measured]
-    return _probe_verdict(probe, name, said, lines, outside, local, fits, sizes)
+    return _probe_verdict(probe, name, said, lines, outside, fits, sizes)
 
 
 def _probe_verdict(
@@ -699,7 +686,6 @@ def _probe_verdict(
     said: str,
     lines: list[str],
     outside: list[str],
-    local: list[tuple[int, ...]],
     fits: str,
     sizes: list[float | None],
 ) -> Check:
@@ -713,6 +699,11 @@ def _probe_verdict(
         verdict = f"the subject reports {disagree[0]}, not the requested {requested}"
     else:
         verdict = fits
+    # A one-rank group (experts whose expert-data-parallel group is one rank) sends nothing:
+    # its gather is a local copy, exact by the spec (own-shard holds it to that).
+    local = sorted(
+        {tuple(group.group_ranks) for group in probe.wire if len(group.group_ranks) == 1}
+    )
     if local:
         said += (
             f"; one-rank groups {', '.join(map(str, map(list, local)))}: a local copy, not judged"
