@@ -537,7 +537,34 @@ def decode_completes_late(arm, engine, plan):
     _decode_deferred(engine, completes=True)
 
 
-CORRECT_VARIANTS = ("quantizes_working_cast", "scale_times_reciprocal", "decode_completes_late")
+def gather_runs_at_next_forward(arm, engine, plan):
+    """Freedom 4, the whole gather: ``step()`` updates the masters only; the quantized gather
+    -- its collectives included -- runs in a forward pre-hook of the model, just before the
+    weights are next used (the probe must count it: [Note: the wire window])."""
+    optimizer = engine.optimizer
+    target = getattr(optimizer, "qwz", optimizer)  # the drop-in: [Note: drop-in state]
+    gather = target.gather_weights
+    pending = {"gather": False}
+
+    def deferred():
+        pending["gather"] = True
+        return target.last_gather
+
+    def finish_gather(module, args):
+        if pending["gather"]:
+            pending["gather"] = False
+            gather()
+
+    target.gather_weights = deferred
+    engine.module.register_forward_pre_hook(finish_gather)
+
+
+CORRECT_VARIANTS = (
+    "quantizes_working_cast",
+    "scale_times_reciprocal",
+    "decode_completes_late",
+    "gather_runs_at_next_forward",
+)
 """Correct candidates, each using a freedom of the contract: each must PASS."""
 
 

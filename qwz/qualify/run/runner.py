@@ -22,7 +22,8 @@ candidate ([Note: order-balanced blocks], evidence/stats.py; timed by run/timing
 warm-up, so even the timing holds one arm at a time.
 
 Per arm and step, on every rank:
-1. train one step (the probe counts the gather's bytes);
+1. train one step (the probe counts the gather's bytes, from the step to the next use of the
+   weights: [Note: the wire window], wire_window.py);
 2. [Note: exact update check] on a sample of this rank's master elements, and the global
    norm of the gradient the optimizer was handed (observers.py);
 3. at the next use of the weights -- the start of the next forward, or of a final forward
@@ -79,6 +80,7 @@ from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import determinism, gather_timing, next_use, observers, replicas, timing
+from qwz.qualify.run.wire_window import WireWindow
 from qwz.qualify.run.subjects import (
     ArmEngine,
     DeepSpeedSourceError,
@@ -432,6 +434,7 @@ class _ArmRun:
         """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
         self.overflow_watch: observers.OverflowWatch | None = None
         self.next_use: next_use.NextUse | None = None
+        self.wire = WireWindow()
         if self.fp16:
             self.observed.update(loss_scales=[], overflowed=[])
 
@@ -475,9 +478,10 @@ class _ArmRun:
             progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
             trained = self.train_step(step)
             if trained is None:
+                self.wire.close()  # the step that ended the arm: its window is not read
                 break
-            loss_value, grad_norm, probe = trained
-            self.observe(step, loss_value, grad_norm, probe)
+            loss_value, grad_norm = trained
+            self.observe(step, loss_value, grad_norm)
             if step % 5 == 0 or step == plan.steps:
                 progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
         self.next_use.settle(self._final_forward)
@@ -486,8 +490,9 @@ class _ArmRun:
         self.observed["final_hash"] = param_hash(self.engine.module)
         self.observed["final_hashes"] = replicas.final_hashes(self.engine.module, self.replica_keys)
 
-    def train_step(self, step: int) -> tuple[float, float, WireProbe] | None:
-        """One step: its loss and gradient norm and the probe of its gather; None when every
+    def train_step(self, step: int) -> tuple[float, float] | None:
+        """One step: its loss and gradient norm, its wire window left open and suspended
+        ([Note: the wire window]); None when every
         rank raised an AGREED_FAILURES error (recorded; the arm ends). In fp16 a non-finite
         loss or norm ends the arm only on a step some rank's optimizer took: a step every
         rank skipped is the evidence's to judge ([Note: overflow pattern])."""
@@ -498,12 +503,16 @@ class _ArmRun:
             update_check.begin_step(step)
             with self.peak.around_step():
                 batch = plan.workload.batch(seed=plan.seed, step=step, rank=self.rank)
+                self.wire.resume()
                 loss = plan.workload.loss(engine.module, batch)
                 if self.overflow_watch is not None:
                     self.overflow_watch.watch(loss)
                 # Data moved before the masters' optimizer steps is the backward's.
-                with WireProbe(step_boundary=_step_boundary(engine)) as probe:
+                self.wire.open(_step_boundary(engine))
+                try:
                     engine.train_step(loss)
+                finally:
+                    self.wire.suspend()
             update_check.end_step()
             loss_value = _mean_over_ranks(loss)
             grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
@@ -529,7 +538,7 @@ class _ArmRun:
         self.gathered = stepped  # an overflow-skipped step runs no gather
         if stepped and "first_update_step" not in self.observed:
             self.observed["first_update_step"] = step
-        return loss_value, grad_norm, probe
+        return loss_value, grad_norm
 
     def _agreed_failure(self, step: int, error: dict[str, Any] | None) -> bool:
         """Whether any rank failed at `step` (collective); the failure is recorded."""
@@ -549,41 +558,39 @@ class _ArmRun:
         module.eval()
         try:
             batch = plan.workload.batch(seed=plan.seed, step=plan.steps + 1, rank=self.rank)
+            self.wire.resume()
             plan.workload.loss(module, batch)
         finally:
             module.train(was_training)
 
-    def observe(self, step: int, loss_value: float, grad_norm: float, probe: WireProbe) -> None:
+    def observe(self, step: int, loss_value: float, grad_norm: float) -> None:
         """What the harness checks after a completed step, outside the step's memory window;
-        what the working copy holds is observed at its next use (:meth:`observe_weights`)."""
+        what the working copy holds, and what the wire carried, is observed at the weights'
+        next use (:meth:`observe_weights`)."""
         plan, arm, engine, observed = self.plan, self.arm, self.engine, self.observed
         observed["losses"].append(loss_value)
         observed["grad_norms"].append(grad_norm)
-        if self.gathered:  # the probe's bytes are those of the last step that gathered
-            observed["gather_bytes"] = int(probe.bytes["gather"])
-            observed["wire"] = _wire(probe, self.wire_layout, self.rank)
-        # Any step's unattributed collective makes the wire's account incomplete.
-        for name, count in probe.uncounted.items():
-            uncounted = observed.setdefault("uncounted", {})
-            uncounted[name] = uncounted.get(name, 0) + count
         if arm.noise_group_size is not None:
             _perturb(engine, arm.noise_group_size, plan.seed, step)
         if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
             # The first optimizer step (step 1 unless fp16 overflows skipped the first):
             # until then no gather ran, so every arm held the same weights.
             observed["step1_digests"] = replicas.master_digests(self.shards, self.replica_sets)
-        first_update = observed.get("first_update_step")
+        first_update, gathered = observed.get("first_update_step"), self.gathered
         self.next_use.defer(
             f"the weights after step {step}",
-            lambda: self.observe_weights(step, first_update),
+            lambda: self.observe_weights(step, first_update, gathered),
         )
         if step in plan.eval_steps:
+            self.wire.resume()
             observed["held_out"].append(_held_out_loss(plan, engine, self.rank, step))
 
-    def observe_weights(self, step: int, first_update_step: int | None) -> None:
-        """The working copy after `step`, at its next use ([Note: observed at the next use]):
-        every own shard against the contract, the replicas across ranks, the samples."""
+    def observe_weights(self, step: int, first_update_step: int | None, gathered: bool) -> None:
+        """The wire and the working copy after `step`, at its next use ([Note: observed at
+        the next use]): what the step's window carried, every own shard against the
+        contract, the replicas across ranks, the samples."""
         arm, observed, module = self.arm, self.observed, self.engine.module
+        self.observe_wire(self.wire.close(), gathered)
         resume = self.progress.where
         self.progress.at(phase="observe", arm=arm.name, step=step, last_completed_step=step)
         if self.check_own and first_update_step is None:
@@ -603,6 +610,20 @@ class _ArmRun:
         if self.samples is not None:
             self.sample(step, module)
         self.progress.at(**resume)
+
+    def observe_wire(self, probe: WireProbe | None, gathered: bool) -> None:
+        """What a step's window carried ([Note: the wire window]); the bytes are those of the
+        last step that gathered (an fp16 overflow skip gathers nothing)."""
+        if probe is None:
+            return
+        observed = self.observed
+        if gathered:
+            observed["gather_bytes"] = int(probe.bytes["gather"])
+            observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+        # Any step's unattributed collective makes the wire's account incomplete.
+        for name, count in probe.uncounted.items():
+            uncounted = observed.setdefault("uncounted", {})
+            uncounted[name] = uncounted.get(name, 0) + count
 
     def sample(self, step: int, module: torch.nn.Module) -> None:
         """The sampled parameter values, and their drift from the reference's (context)."""
@@ -633,6 +654,7 @@ class _ArmRun:
             self.overflow_watch.close()
         if self.next_use is not None:
             self.next_use.close()
+        self.wire.close()
         observed["steps_completed"] = len(observed["losses"])
         observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
         self.engine = self.update_check = self.shards = self.exact_masks = None
