@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from qwz.launch import LocalWorld
 from qwz.qualify.plan import RunPlan
 from qwz.qualify.run import runner
+from qwz.qualify.run.launch import LocalWorld
 from qwz.qualify.run.workloads import Workload
 
 GIB = 1024**3

@@ -9,7 +9,7 @@
     does), per world size, group size and buffer size (elements of the whole buffer), plus
     the raw collective of the int8 rows alone (what the wire allows).
 (b) Quantize + dequantize element rate (one rank, fused kernels) against a bf16 copy of
-    the same buffer, on one thread (as each rank of the gather runs: ``qwz.launch`` and
+    the same buffer, on one thread (as each rank of the gather runs: ``qwz.qualify.run.launch`` and
     torchrun give every rank one thread) and on torch's default thread count.
 
 Each variant is timed interleaved with its baseline (AB, AB, ...), median of `repeats`
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from qwz.collectives import Staging, gather
 from qwz.kernels import choose_kernels, native_kernels
-from qwz.launch import launch
 from qwz.layout import plan_gather
+from qwz.qualify.run.launch import launch
 from qwz.quant import WireRow, row_codes, row_scales
 
 BUCKET_ELEMENTS = 500_000_000

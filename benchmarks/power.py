@@ -60,7 +60,7 @@ def power_plan(preset_name: str, seed: int, names: Sequence[str], steps: int | N
 
 def run_one(plan, path: pathlib.Path, timeout_s: float) -> float:
     """Train the plan's arms on two local ranks and save the record; the wall seconds."""
-    from qwz.launch import launch
+    from qwz.qualify.run.launch import launch
     from qwz.qualify.run.runner import qualify_rank
 
     started = time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import qwz
-from qwz.launch import launch
+from qwz.qualify.run.launch import launch
 
 MICRO_BATCH = 8
 

@@ -26,8 +26,8 @@ threads would stall behind torch's workers spinning after each parallel region (
 right after a parallel torch operation waits up to a scheduler tick for a core), so there
 the kernels serve only where torch
 runs one intra-op thread (every rank under torchrun, which sets ``OMP_NUM_THREADS=1``, or
-under ``qwz.launch``) and the ``torch.compile`` kernels serve elsewhere. The bytes do not
-depend on the thread count: one thread encodes a whole group.
+under ``qwz.qualify.run.launch``) and the ``torch.compile`` kernels serve elsewhere. The bytes do
+not depend on the thread count: one thread encodes a whole group.
 """
 
 from __future__ import annotations

@@ -442,8 +442,8 @@ def _add_bisect_commands(commands) -> None:
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
-    from qwz.launch import Interrupted, signals_interrupt
     from qwz.qualify.bisect import command
+    from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
     for flag in ("--out", "--force", "--deepspeed-src"):
         if any(item == flag or item.startswith(flag + "=") for item in args.run_args):
@@ -481,14 +481,14 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 
 def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
-    """Under torchrun a rank's own failure ends it through qwz.rank_reports.crash (exit 70,
+    """Under torchrun a rank's own failure ends it through qwz.qualify.rank_reports.crash (exit 70,
     its report in ``<out>/rank-reports`` of its node); torchrun's agent then stops the other
     ranks. No record is written for such a run: no process outlives the ranks to read every
     node's reports (a local run's launcher does)."""
     import torch
     import torch.distributed as dist
 
-    from qwz import rank_reports
+    from qwz.qualify import rank_reports
     from qwz.qualify.run.runner import qualify_rank
 
     if rank_reports.REPORTS_ENV not in os.environ:
@@ -512,10 +512,10 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from qwz.launch import RankFailure, launch
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.evidence import harness_error, machine
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.run.launch import RankFailure, launch
     from qwz.qualify.run.runner import qualify_rank
     from qwz.qualify.run.subjects import use_deepspeed_source
 
@@ -725,7 +725,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qwz.launch import Interrupted
+    from qwz.qualify.run.launch import Interrupted
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # [Note: reproduce]

@@ -100,7 +100,7 @@ def indices_for_run(world_size: int, under_torchrun: bool) -> list[int]:
     import torch
 
     from qwz.devices import uses_cuda
-    from qwz.launch import pick_backend
+    from qwz.qualify.run.launch import pick_backend
 
     if under_torchrun:
         return [int(os.environ.get("LOCAL_RANK", "0"))] if torch.cuda.is_available() else []

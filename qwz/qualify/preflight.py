@@ -127,7 +127,7 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
 
 def _deepspeed_fp16_problems(args: argparse.Namespace) -> list[str]:
     """DeepSpeed's accelerator for the ranks' backend must support fp16 (run/subjects.py)."""
-    from qwz.launch import pick_backend
+    from qwz.qualify.run.launch import pick_backend
     from qwz.qualify.run.subjects import deepspeed_fp16_problems
 
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
@@ -147,7 +147,7 @@ def _workload_numel(name: str, seed: int) -> int:
 
 
 def _local_resource_problems(world_size: int, numel: int) -> list[str]:
-    from qwz.launch import pick_backend
+    from qwz.qualify.run.launch import pick_backend
 
     problems = []
     cores = available_cores()

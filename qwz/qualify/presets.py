@@ -77,7 +77,7 @@ def _has_gpu_per_rank(world_size: int, torchrun: bool) -> bool:
     one (the CLI then binds it, cli._run_torchrun); else the launcher's own choice."""
     import torch
 
-    from qwz.launch import pick_backend
+    from qwz.qualify.run.launch import pick_backend
 
     if torchrun:
         return torch.cuda.is_available()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from qwz.launch import LocalWorld
+from qwz.qualify.run.launch import LocalWorld
 
 RANK_TIMEOUT_S = float(os.environ.get("QWZ_RANK_TIMEOUT_S", "240"))
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import qwz
 from qwz.integrations import deepspeed as qwz_deepspeed
 from qwz.integrations.deepspeed.state import state_of
-from qwz.tolerance import element_bound, half_ulp
+from qwz.qualify.evidence.spec import half_ulp
+from qwz.qualify.evidence.tolerance import element_bound
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp, device_of
 from tests.multigpu.ranks import BETAS, LR
 from tests.multigpu.scales import element_scales
@@ -189,8 +190,8 @@ def compare_with_stock(
 
     Each rank compares every element of its own partition of the flat buffer (replicas
     are identical, so together the ranks cover the whole model) against
-    ``qwz.tolerance.element_bound``; after step 1, where both masters are still equal,
-    also against the tighter ``scale / 2 + two half-ulps``.
+    ``qwz.qualify.evidence.tolerance.element_bound``; after step 1, where both masters are still
+    equal, also against the tighter ``scale / 2 + two half-ulps``.
     """
     stock = _build(ds_config(stage=stage, dtype=dtype, quantized=False), seed, plain=True)
     candidate = _build(ds_config(stage=stage, dtype=dtype, group_size=group_size), seed)
@@ -283,8 +284,9 @@ def plain_engine_stays_stock(steps: int = 2) -> dict[str, Any]:
 
 def probe_sees_stock_gather(steps: int = 1) -> dict[str, int]:
     """What WireProbe sees of a stock DeepSpeed step: DeepSpeed cached torch's gather at
-    init, so this checks [Note: wire accounting below every entry point] (qwz/probe.py)."""
-    from qwz.probe import WireProbe
+    init, so this checks [Note: wire accounting below every entry point]
+    (qwz/integrations/probe.py)."""
+    from qwz.integrations.probe import WireProbe
 
     plain = _build(ds_config(stage=2, quantized=False), seed=0, plain=True)
     _forward_backward(plain, 0, 1)

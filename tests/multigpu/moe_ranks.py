@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from qwz.hashing import tensors_hash
 from qwz.integrations import deepspeed as qwz_deepspeed
-from qwz.probe import WireProbe
+from qwz.integrations.probe import WireProbe
 from tests.multigpu import models
 from tests.multigpu.deepspeed_ranks import _quiet, ds_config
 

@@ -261,8 +261,8 @@ def small_parameters_quantized(arm, engine, plan):
 # [Note: spec mutants]
 # A commit that changes the spec inside qwz -- the scale formula, the rounding, the exactness
 # threshold -- changes every path that computes it together: the kernels, the engine's
-# own-shard scales (qwz/shards.py), the tolerance (qwz/tolerance.py). These mutants patch the
-# one definition in qwz (``qwz.quant`` / ``qwz.config``), rebuild the candidate under the
+# own-shard scales (qwz/shards.py), the tolerance (qwz/qualify/evidence/tolerance.py). These mutants
+# patch the one definition in qwz (``qwz.quant`` / ``qwz.config``), rebuild the candidate under the
 # patch, and keep it until the engine is collected (the next arm and the next test see the
 # original; qwz's cached kernel choice is cleared both ways). The native C kernels cannot be
 # patched from Python, so the candidate runs the eager kernels, which the patch reaches;

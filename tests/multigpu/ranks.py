@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import qwz
-from qwz.probe import WireProbe
-from qwz.tolerance import element_bound
+from qwz.integrations.probe import WireProbe
+from qwz.qualify.evidence.tolerance import element_bound
 from tests.multigpu.models import MICRO_BATCH, batch, build_odd_width_mlp, device_of
 from tests.multigpu.scales import element_scales
 

@@ -18,7 +18,7 @@ bit-identical. From step 2 on the gradients differ, and each Adam(W) step moves
 an element by at most ``lr * C_t`` in either run (``C_t`` from Cauchy-Schwarz on
 Adam's two moving averages, ``C_1 = 1``; decoupled weight decay only shrinks
 differences), so the masters drift apart by at most ``2 * lr * sum_k C_k``. That
-is ``qwz.tolerance.element_bound`` ([Note: parameter-sample tolerance]), checked
+is ``qwz.qualify.evidence.tolerance.element_bound`` ([Note: parameter-sample tolerance]), checked
 on every element of every partition after every step: zero violations allowed.
 
 Parity with qwz's own engine (``test_parity_*``): ``qwz.initialize`` and

@@ -4,8 +4,8 @@ Directly: a copy of the installed DeepSpeed with ``proposal.patch`` committed on
 (:func:`tests.deepspeed_checkout.make_checkout`) trains the tiny ``DeepSpeedLayoutMLP`` with
 plain ``deepspeed.initialize`` on 2 gloo ranks, in a child process whose ``PYTHONPATH`` starts
 with the checkout (every rank asserts ``deepspeed.__file__`` lies inside it). Per step the rank
-body counts the weight gather's bytes with :class:`qwz.probe.WireProbe`, recomputes its own
-partition from its fp32 master with the spec written out here (scale absmax/127 in fp32, round
+body counts the weight gather's bytes with :class:`qwz.integrations.probe.WireProbe`, recomputes its
+own partition from its fp32 master with the spec written out here (scale absmax/127 in fp32, round
 to nearest, clamp [-127, 127], elements of parameters of at most 65,536 elements exact) and
 hashes its whole working copy. Each broken variant must differ from that observably.
 
@@ -102,7 +102,7 @@ def native_steps(checkout: str, stage: int, group_size: int, steps: int = STEPS)
     import deepspeed
     from deepspeed.utils import logger
 
-    from qwz.probe import WireProbe
+    from qwz.integrations.probe import WireProbe
 
     assert pathlib.Path(deepspeed.__file__).resolve().is_relative_to(checkout), deepspeed.__file__
     logger.setLevel("WARNING")
@@ -154,7 +154,7 @@ def native_steps(checkout: str, stage: int, group_size: int, steps: int = STEPS)
 
 def drive(checkout: str, runs: list[tuple[int, int]]) -> dict[str, list[dict[str, Any]]]:
     """In the child process: every (stage, group_size) run on one 2-rank world."""
-    from qwz.launch import LocalWorld
+    from qwz.qualify.run.launch import LocalWorld
 
     with LocalWorld(2, timeout_s=300) as world:
         return {f"{s}-{g}": world.run(native_steps, checkout, s, g) for s, g in runs}

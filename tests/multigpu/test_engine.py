@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import qwz
-from qwz.launch import LocalWorld, RankFailure
 from qwz.layout import quantized_unit_bytes
+from qwz.qualify.run.launch import LocalWorld, RankFailure
 from tests.multigpu import models, ranks
 
 pytestmark = pytest.mark.multigpu
@@ -116,8 +116,8 @@ def test_unquantized_fp32_matches_single_process_adamw(worlds, world_size, stage
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_quantized_within_parameter_sample_tolerance(worlds, world_size, stage, dtype):
-    """Zero violations of [Note: parameter-sample tolerance] (qwz/tolerance.py) at every
-    step, and the master shard is never quantized: after step 1 (identical start, identical
+    """Zero violations of [Note: parameter-sample tolerance] (qwz/qualify/evidence/tolerance.py) at
+    every step, and the master shard is never quantized: after step 1 (identical start, identical
     gradients) the candidate's master equals the reference's bit for bit, and it is not on
     the int8 grid of its own groups."""
     results = worlds.get(world_size).run(ranks.compare_arms, stage, dtype, STEPS)

@@ -28,7 +28,7 @@ import qwz
 from qwz import devices
 from qwz.config import QwzConfig
 from qwz.hashing import tensors_hash
-from qwz.probe import WireProbe
+from qwz.integrations.probe import WireProbe
 from tests.loss_scale_reference import deepspeed_scaler, step_masters
 from tests.multigpu import models, ranks
 

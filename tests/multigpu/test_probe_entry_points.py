@@ -1,7 +1,7 @@
-"""qwz.probe.WireProbe counts every entry point of torch.distributed ([Note: wire accounting
-below every entry point], qwz/probe.py): on two gloo ranks, one rank body runs each entry
-point once under its own probe and returns what the probe saw; each test asserts one entry
-point's kind, calls and bytes sent and received over the world's group. The ranks run once
+"""qwz.integrations.probe.WireProbe counts every entry point of torch.distributed ([Note: wire
+accounting below every entry point], qwz/integrations/probe.py): on two gloo ranks, one rank body
+runs each entry point once under its own probe and returns what the probe saw; each test asserts one
+entry point's kind, calls and bytes sent and received over the world's group. The ranks run once
 per session, shared by every case."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qwz.probe import WireProbe
+from qwz.integrations.probe import WireProbe
 
 pytestmark = pytest.mark.multigpu
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from qwz.launch import pick_backend
 from qwz.qualify.evidence import record
+from qwz.qualify.run.launch import pick_backend
 
 pytestmark = pytest.mark.multigpu
 

@@ -1,6 +1,6 @@
 """A rank that fails on its own never hangs the others, and the record names it
 ([Note: failures] in qwz/qualify/run/runner.py, [Note: the rank that failed first] in
-qwz/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with exit 1
+qwz/qualify/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with exit 1
 and a FAIL record naming the rank, the arm, the last completed step and the exception or
 signal; the arms every rank finished are judged, the ones after are "not run"."""
 

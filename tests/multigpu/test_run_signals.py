@@ -1,5 +1,5 @@
 """``kill -TERM`` of a running ``qwz-qualify run`` stops every rank within 10 s and leaves no
-process behind ([Note: no orphaned ranks] in qwz/launch.py). SIGINT takes the same path;
+process behind ([Note: no orphaned ranks] in qwz/qualify/run/launch.py). SIGINT takes the same path;
 its unit test is in tests/unit/test_run_preflight.py."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The silent-no-op detector: did a step's weight gather move fewer bytes than stock?
 
-The detector's probe is :class:`qwz.probe.WireProbe`, which counts below every entry point,
-the collectives DeepSpeed cached at init included (see [Note: wire accounting below every
-entry point] in qwz/probe.py).
+The detector's probe is :class:`qwz.integrations.probe.WireProbe`, which counts below every entry
+point, the collectives DeepSpeed cached at init included (see [Note: wire accounting below every
+entry point] in qwz/integrations/probe.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 from qwz.integrations.deepspeed.state import state_of
-from qwz.probe import WireProbe
+from qwz.integrations.probe import WireProbe
 
 
 class WeightGatherCheck(NamedTuple):

@@ -8,9 +8,9 @@ for a DeepSpeed subject the bisecting qwz is, with ``--deepspeed-src <worktree>`
 [Note: stopping a trial]
   The trial runs in its own session, so a Ctrl-C in the terminal reaches the bisect alone;
   SIGINT or SIGTERM to the bisect is passed on to the run (which stops every rank and writes
-  nothing, qwz/launch.py [Note: no orphaned ranks]) and, once it has exited, ends the bisect
-  with :class:`qwz.launch.Interrupted`. Nothing is removed: the attempt keeps no outcome, so
-  a resumed bisect runs it again, and every finished attempt stays as it was.
+  nothing, qwz/qualify/run/launch.py [Note: no orphaned ranks]) and, once it has exited, ends the
+  bisect with :class:`qwz.qualify.run.launch.Interrupted`. Nothing is removed: the attempt keeps no
+  outcome, so a resumed bisect runs it again, and every finished attempt stays as it was.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import sys
 import time
 from typing import Any
 
-from qwz.launch import Interrupted, signals_interrupt
 from qwz.qualify.bisect import worktrees
 from qwz.qualify.bisect.state import Attempt
 from qwz.qualify.evidence import harness_error
+from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
 STOP_GRACE_S = 60.0
 """How long a stopped run gets to stop its ranks before its process group is killed."""

@@ -22,9 +22,9 @@ from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
+from qwz.qualify.evidence.tolerance import master_drift_bound
 from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
-from qwz.rank_reports import RankEnd
-from qwz.tolerance import master_drift_bound
+from qwz.qualify.rank_reports import RankEnd
 
 
 def _json_float(value: float | None) -> float | None:

@@ -42,7 +42,7 @@ not learning: ``learning[reference]`` is inconclusive, and so is the verdict.
 
 [Note: group size from the wire]
 ``probe`` judges the group size from the bytes each rank sent in its weight gather
-over each process group (qwz/probe.py counts them per group), by the spec's wire:
+over each process group (qwz/integrations/probe.py counts them per group), by the spec's wire:
 every quantized element is one int8 code, every group of G elements one fp32 scale
 (``1 + 4/G`` bytes per quantized element), and the elements of parameters of at most
 65,536 travel exactly in the working dtype. With ``q`` quantized, ``e`` exact and ``p``
@@ -58,7 +58,7 @@ qualify/run/subjects.py) is shown and must equal the requested one; it never sta
 the wire.
 
 [Note: received bytes per process group]
-A record whose wire holds received bytes (qwz/probe.py counts them below every entry
+A record whose wire holds received bytes (qwz/integrations/probe.py counts them below every entry
 point) is judged by what each rank *received* from its peers over each process group, so
 the collective is free: an all-gather into one tensor or a list, one broadcast per source,
 point-to-point, an all-to-all all deliver each peer's row once. Source ``r``'s row over the
@@ -599,8 +599,8 @@ def received_group_size(groups: list[WireGroup], group: WireGroup) -> float | No
 
 
 def _uncounted(probe: Probe, name: str) -> Check | None:
-    """[Note: wire accounting below every entry point] (qwz/probe.py): an account with calls
-    it could not attribute is incomplete, so neither a pass nor a fail follows from it."""
+    """[Note: wire accounting below every entry point] (qwz/integrations/probe.py): an account with
+    calls it could not attribute is incomplete, so neither a pass nor a fail follows from it."""
     if probe.uncounted_calls == 0:
         return None
     where = ", ".join(probe.uncounted[:6]) or "unnamed entry points"

@@ -23,7 +23,7 @@ import json
 import pathlib
 from typing import Any
 
-from qwz.rank_reports import RankEnd
+from qwz.qualify.rank_reports import RankEnd
 
 HARNESS_ERROR = "HARNESS-ERROR"
 HARNESS_ERROR_EXIT = 4

@@ -46,7 +46,7 @@ class ArmObservation:
     """The first step at which the ranks' working copies differed, with the parameters."""
     drift_max_abs: list[float] = field(default_factory=list)
     gather_bytes: int = 0
-    """The last step's weight-gather bytes (qwz/probe.py)."""
+    """The last step's weight-gather bytes (qwz/integrations/probe.py)."""
     final_hash: str | None = None
     final_hashes: dict[str, str] | None = None
     """Per replica key this rank holds (``dense``, ``expert<i>``), the hash of those
@@ -58,7 +58,7 @@ class ArmObservation:
     """The last step's gather bytes and calls per process group, with the group's counts."""
     uncounted: dict[str, int] = field(default_factory=dict)
     """Collective calls over all steps the probe could not attribute to a process group,
-    by entry point ([Note: wire accounting below every entry point], qwz/probe.py)."""
+    by entry point ([Note: wire accounting below every entry point], qwz/integrations/probe.py)."""
     failure: dict[str, Any] | None = None
     steps_completed: int = 0
     memory: dict[str, Any] = field(default_factory=_no_memory)

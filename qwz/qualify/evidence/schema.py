@@ -394,7 +394,7 @@ class Drift(_Model):
     max_abs_error: list[float] = Field(description="Per step, over the sampled elements")
     bound: list[float] = Field(
         description="Per step, the drift any two AdamW trajectories may have (D_t, "
-        "qwz/tolerance.py): why this is context and not a check"
+        "qwz/qualify/evidence/tolerance.py): why this is context and not a check"
     )
 
 
@@ -450,8 +450,8 @@ class WireGroup(_Model):
         None,
         ge=0,
         description="Bytes this rank received from its peers in the weight gather over the "
-        "group, whatever the collective (qwz/probe.py); null: recorded by a harness that "
-        "counted only the bytes sent, judged by those",
+        "group, whatever the collective (qwz/integrations/probe.py); null: recorded by a "
+        "harness that counted only the bytes sent, judged by those",
     )
     rows_per_step: int | None = Field(
         None, ge=0, description="Peer rows received: W - 1 per gathered tensor, 1 per broadcast"

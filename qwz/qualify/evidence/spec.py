@@ -9,7 +9,7 @@ file until the harness is split into folders.)
 
 [Note: the judge's independence]
 This module imports nothing from ``qwz`` (only ``typing`` and ``torch``): no
-``qwz.quant``, ``qwz.tolerance``, ``qwz.layout``, ``qwz.shards`` or anything that
+``qwz.quant``, ``qwz.qualify.evidence.tolerance``, ``qwz.layout``, ``qwz.shards`` or anything that
 imports them. ``tests/unit/test_spec.py`` inspects its imports and fails if one
 appears. The harness's other rules that depend on the spec (the own-shard
 judgement in observers.py, the calibration noise in runner.py, the exactness

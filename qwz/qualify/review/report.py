@@ -740,7 +740,8 @@ def _drift_section(record: Record) -> list[str]:
         "## Drift from the reference (context)",
         "",
         "Sampled working weights against the reference's at the same step. The bound holds "
-        "for any two AdamW trajectories (qwz/tolerance.py), so it is context, not a check.",
+        "for any two AdamW trajectories (qwz/qualify/evidence/tolerance.py), so it is context, "
+        "not a check.",
         "",
         *_table(["arm", "samples/parameter", "max abs difference", "bound at last step"], rows),
     ]

@@ -2,7 +2,7 @@
 then time them.
 
 ``qualify_rank(plan)`` runs on every rank of an initialised process group
-(spawned by ``qwz.launch`` or started by torchrun) and returns, on rank 0, the
+(spawned by ``qwz.qualify.run.launch`` or started by torchrun) and returns, on rank 0, the
 list of every rank's observations; other ranks return None. It drives engines
 only through ``subjects.ArmEngine`` (the seam of [Note: own shards]).
 
@@ -49,7 +49,7 @@ Two kinds, told apart by who sees them:
   inside a collective this rank will never enter, so no collective may follow:
   the rank reports the exception and where it was (``_Progress.at``: arm, phase,
   step, last completed step) through the launcher's side channel and aborts the
-  process group (qwz.rank_reports.crash). The launcher stops the others and
+  process group (qwz.qualify.rank_reports.crash). The launcher stops the others and
   names the rank that failed first ([Note: the rank that failed first]); the
   CLI writes a "crash" record, keeping the arms every rank finished (reported
   with rank_reports.report_result) and marking those never started "not run".
@@ -71,22 +71,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwz import devices, rank_reports
+from qwz import devices
 from qwz.hashing import param_hash
 from qwz.integrations.deepspeed import structure
+from qwz.integrations.probe import WireProbe
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
-from qwz.probe import WireProbe
+from qwz.qualify import rank_reports
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import determinism, gather_timing, next_use, observers, replicas, timing
-from qwz.qualify.run.wire_window import WireWindow
 from qwz.qualify.run.subjects import (
     ArmEngine,
     DeepSpeedSourceError,
     make_arm,
     use_deepspeed_source,
 )
+from qwz.qualify.run.wire_window import WireWindow
 
 
 class NonFiniteStep(FloatingPointError):
@@ -384,7 +385,7 @@ def _step_boundary(engine: ArmEngine) -> torch.optim.Optimizer | None:
 
 def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
     """This step's weight-gather traffic per process group ([Note: wire accounting below
-    every entry point], qwz/probe.py), with the group's counts."""
+    every entry point], qwz/integrations/probe.py), with the group's counts."""
     wire = []
     for ranks, counts in layout.items():
         traffic = probe.gather_traffic(ranks)

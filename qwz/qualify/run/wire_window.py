@@ -3,8 +3,8 @@
 [Note: the wire window]
 The contract leaves free *when* the gather runs, as long as it is complete before the weights
 are next used ([Note: observed at the next use], next_use.py). So the bytes the probe counts
-([Note: wire accounting below every entry point], qwz/probe.py) are those of the same window:
-it opens when the subject's training step begins (:meth:`WireWindow.open`; data moved before
+([Note: wire accounting below every entry point], qwz/integrations/probe.py) are those of the same
+window: it opens when the subject's training step begins (:meth:`WireWindow.open`; data moved before
 the masters' optimizer step is the backward's) and closes when the observation at the next
 use begins (:meth:`WireWindow.close`), before the observation's own collectives. A gather
 the subject issues anywhere in between -- inside ``step()``, from a hook after it, or from a
@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from qwz.probe import WireProbe
+from qwz.integrations.probe import WireProbe
 
 
 class WireWindow:

@@ -1,5 +1,5 @@
-"""qwz.probe.WireProbe: counting at the ProcessGroup methods, without a process group (the
-entry points on real ranks: tests/multigpu/test_probe_entry_points.py)."""
+"""qwz.integrations.probe.WireProbe: counting at the ProcessGroup methods, without a process group
+(the entry points on real ranks: tests/multigpu/test_probe_entry_points.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qwz import probe as probe_module
-from qwz.probe import WireProbe
+from qwz.integrations import probe as probe_module
+from qwz.integrations.probe import WireProbe
 
 
 def patched_attributes() -> dict[str, object]:

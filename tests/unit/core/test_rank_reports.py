@@ -1,5 +1,5 @@
-"""[Note: the rank that failed first] (qwz/rank_reports.py): which rank a crash record blames,
-and the side-channel files a rank writes for its launcher."""
+"""[Note: the rank that failed first] (qwz/qualify/rank_reports.py): which rank a crash record
+blames, and the side-channel files a rank writes for its launcher."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from qwz import rank_reports
-from qwz.rank_reports import RankEnd
+from qwz.qualify import rank_reports
+from qwz.qualify.rank_reports import RankEnd
 
 WHERE = {"arm": "reference", "step": 3}
 

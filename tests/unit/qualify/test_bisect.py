@@ -14,10 +14,10 @@ import subprocess
 
 import pytest
 
-from qwz.launch import Interrupted
 from qwz.qualify import cli
 from qwz.qualify.bisect import command, oracle, search, trial, worktrees
 from qwz.qualify.evidence import record as records
+from qwz.qualify.run.launch import Interrupted
 
 from ..records import CANDIDATE, make_payload, make_performance, make_record, violation
 

@@ -213,9 +213,9 @@ def test_a_crashed_run_is_a_fail_record_naming_the_rank_arm_and_step(tmp_path):
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.evidence import record
     from qwz.qualify.plan import RunPlan
+    from qwz.qualify.rank_reports import RankEnd
     from qwz.qualify.review import report
     from qwz.qualify.run.workloads import get_workload
-    from qwz.rank_reports import RankEnd
 
     where = {"phase": "train", "arm": "reference", "step": 4, "last_completed_step": 3}
     killed = RankEnd(1, "signal", "killed by SIGKILL", (), "SIGKILL", -9, where, 10.0)

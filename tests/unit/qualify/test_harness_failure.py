@@ -21,7 +21,7 @@ from qwz.qualify import cli
 from qwz.qualify.bisect import command, trial, worktrees
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence import record as records
-from qwz.rank_reports import RankEnd
+from qwz.qualify.rank_reports import RankEnd
 
 from ..records import make_record
 from .test_bisect import _history, _own_shard_broken

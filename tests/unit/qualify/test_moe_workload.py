@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwz import launch
 from qwz.qualify import cli
-from qwz.qualify.run import moe, workloads
+from qwz.qualify.run import launch, moe, workloads
 from qwz.qualify.run.workloads import get_workload
 
 pytest.importorskip("deepspeed", reason="moe-tiny is DeepSpeed's MoE layer")

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qwz import launch
 from qwz.qualify import cli, files, preflight
 from qwz.qualify.evidence import ledger
+from qwz.qualify.run import launch
 
 
 def parse(*argv: str) -> argparse.Namespace:

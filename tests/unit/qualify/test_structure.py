@@ -33,6 +33,7 @@ QUALIFY_TOP = {
     "qwz.qualify": "qualify.base",
     "qwz.qualify.files": "qualify.base",
     "qwz.qualify.plan": "qualify.base",
+    "qwz.qualify.rank_reports": "qualify.base",
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
     "qwz.qualify.requirements": "qualify.preflight",
@@ -225,3 +226,41 @@ def test_the_length_count_finds_a_long_function(tmp_path):
     _write(tmp_path / "qwz", "long.py", "def too_long():\n" + body + "\n\ndef short():\n    pass\n")
     found = long_functions(tmp_path / "qwz")
     assert found == [(MAX_FUNCTION_LINES + 1, "qwz/long.py:1 too_long")]
+
+
+def imported_by(graph: dict[str, set[str]], start: str) -> set[str]:
+    """`start` and every module it imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    return seen
+
+
+def top_level_tools(root: pathlib.Path = PACKAGE_DIR) -> set[str]:
+    """The modules directly in ``qwz/`` (packages excluded) that the engine does not import."""
+    top_level = {
+        module
+        for module, path in _modules(root).items()
+        if path.parent == root and path.name != "__init__.py"
+    }
+    return top_level - imported_by(import_graph(root), "qwz.engine")
+
+
+def test_qwz_top_level_is_the_engine():
+    """DESIGN.md, "Layout": ``qwz/``'s top level holds the engine only -- every module there is
+    one the engine imports (the harness's tooling lives under ``qwz/qualify/``, the wire
+    probe beside the integrations that use it)."""
+    assert top_level_tools() == set(), "not imported by the engine: tooling, move it"
+
+
+def test_the_top_level_check_catches_a_tool_there(tmp_path):
+    """The check above can fail: a module the engine never imports is found."""
+    for path in PACKAGE_DIR.rglob("*.py"):
+        target = tmp_path / "qwz" / path.relative_to(PACKAGE_DIR)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    (tmp_path / "qwz" / "probe_tool.py").write_text("import torch\n")
+    assert top_level_tools(tmp_path / "qwz") == {"qwz.probe_tool"}

@@ -1,25 +1,23 @@
-"""qwz.tolerance: the Adam update bound behind the (context-only) drift bound, and the
-own-shard decode check the qualification runs after every step."""
+"""qwz.qualify.evidence.tolerance: the Adam update bound behind the (context-only) drift
+bound, and the observers' own-shard check of a NaN decode."""
 
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from qwz import quant
+from qwz.qualify.evidence.tolerance import adam_update_bound
 from qwz.qualify.run import observers
 from qwz.shards import ShardSlot, make_own_shard
-from qwz.tolerance import CHECK_CHUNK_NUMEL, adam_update_bound, half_ulp, own_shard_decode_check
-
-from .single_rank import floats
+from tests.unit.core.single_rank import floats
 
 # --------------------------------------------------------------------------- #
-# qwz.tolerance: [Note: parameter-sample tolerance]
+# qwz.qualify.evidence.tolerance: [Note: parameter-sample tolerance]
 # --------------------------------------------------------------------------- #
 
 
@@ -102,76 +100,13 @@ def test_bound_holds_for_adam_moments(case):
 
 
 # --------------------------------------------------------------------------- #
-# qwz.tolerance.own_shard_decode_check: pieces give the whole-shard answer
+# the observers' own-shard check: a NaN decode
 # --------------------------------------------------------------------------- #
-
-
-def whole_shard_check(master, working, group_size, exact):
-    """The check over the whole shard at once, as its docstring states it."""
-    master, working = master.float(), working
-    mismatch = exact & (working != master.to(working.dtype))
-    if bool(mismatch.any()):
-        return math.inf, int(mismatch.nonzero()[0])
-    zeroed = torch.where(exact, torch.zeros_like(master), master)
-    scales = quant.group_scales(zeroed, group_size).repeat_interleave(group_size)[: master.numel()]
-    magnitude = torch.maximum(master.abs(), working.float().abs())
-    bound = scales / 2 + half_ulp(magnitude, working.dtype) + quant.DECODE_ERROR_SLACK * scales
-    error = (working.float() - master).abs()
-    ratio = torch.where(exact | (error == 0), torch.zeros_like(error), error / bound)
-    position = int(ratio.argmax())
-    return float(ratio[position]), position
 
 
 def decoded(master: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     q = quant.quantize(master, group_size)
     return quant.dequantize(q, dtype)
-
-
-@pytest.mark.parametrize(
-    ("numel", "group_size"),
-    [(CHECK_CHUNK_NUMEL * 3 + 70, 64), (CHECK_CHUNK_NUMEL + 5, 100), (3 * 70_000 + 1, 70_000)],
-)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_pieces_give_the_whole_shard_answer(numel, group_size, dtype):
-    """Across piece boundaries, with groups larger than a piece, a partial last group,
-    exact elements, zero groups and one planted violation (the worst, and ties)."""
-    generator = torch.Generator().manual_seed(numel)
-    master = torch.randn(numel, generator=generator)
-    master[group_size : 2 * group_size] = 0.0
-    exact = torch.rand(numel, generator=generator) < 0.01
-    working = torch.where(exact, master.to(dtype), decoded(master, group_size, dtype))
-    assert own_shard_decode_check(master, working, group_size, exact) == whole_shard_check(
-        master, working, group_size, exact
-    )
-    for at in (numel - 1, CHECK_CHUNK_NUMEL + 1, 7):
-        bad = working.clone()
-        bad[at] = (bad[at].float() + 3.0).to(dtype) if not exact[at] else bad[at]
-        expected = whole_shard_check(master, bad, group_size, exact)
-        assert own_shard_decode_check(master, bad, group_size, exact) == expected
-
-
-def test_an_exact_mismatch_anywhere_outranks_a_nan_earlier():
-    """The exact rule fails first, as over the whole shard: a NaN decode in the first piece
-    does not hide a differing exact element in a later one."""
-    numel = 3 * CHECK_CHUNK_NUMEL
-    master = torch.linspace(-1.0, 1.0, numel)
-    exact = torch.zeros(numel, dtype=torch.bool)
-    exact[-10:] = True
-    working = decoded(master, 64, torch.bfloat16)
-    working[-10:] = master[-10:].to(torch.bfloat16)
-    working[5] = math.nan
-    working[-3] += 1.0
-    assert own_shard_decode_check(master, working, 64, exact) == (math.inf, numel - 3)
-
-
-def test_a_zero_group_with_an_fp32_working_copy_hides_no_violation():
-    """A zero group's bound is 0 in fp32 (the half-ulp at 0 underflows): 0 / 0 must not turn
-    into a NaN that outranks a real violation elsewhere."""
-    master = torch.cat([torch.zeros(64), torch.linspace(1.0, 2.0, 64)])
-    working = decoded(master, 64, torch.float32)
-    working[100] *= 1.5
-    ratio, position = own_shard_decode_check(master, working, 64)
-    assert position == 100 and ratio > 1.0
 
 
 def test_a_nan_decode_is_a_violation_in_the_observers():
@@ -183,10 +118,3 @@ def test_a_nan_decode_is_a_violation_in_the_observers():
     observers.check_own_shards([shard], [torch.zeros(128, dtype=torch.bool)], 64, 1, 0, result)
     assert result.max_ratio == math.inf
     assert result.first_violation is not None and result.first_violation["index"] == 3
-
-
-def test_shards_of_different_lengths_are_refused():
-    with pytest.raises(ValueError, match=r"must match the master \(10\)"):
-        own_shard_decode_check(torch.zeros(10), torch.zeros(12), 4)
-    with pytest.raises(ValueError, match="must match the master"):
-        own_shard_decode_check(torch.zeros(10), torch.zeros(10), 4, torch.zeros(9, dtype=bool))

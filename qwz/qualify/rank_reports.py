@@ -3,7 +3,7 @@
 A rank that fails while its peers may sit inside a collective cannot tell them
 with a collective (they would never answer), and a rank that is killed cannot
 tell anyone anything. So every rank keeps a few small files in a directory the
-launcher names in ``QWZ_RANK_REPORTS`` (``qwz.launch.LocalWorld`` makes one per
+launcher names in ``QWZ_RANK_REPORTS`` (``qwz.qualify.run.launch.LocalWorld`` makes one per
 world; ``qwz-qualify run`` under torchrun uses ``<out>/rank-reports``)::
 
     rank00001.where.json     where the rank is: report_progress(arm=..., step=...)
