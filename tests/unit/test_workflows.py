@@ -455,3 +455,42 @@ def test_the_nightly_runs_a_matrix_spec_that_loads_and_gates_it_cell_by_cell():
     assert 'qwz-qualify matrix "$spec" --out "$out"' in script
     assert 'qwz-qualify compare "${gate[@]}" "$baseline_dir" "$out"' in script
     assert "for stage in" not in script
+
+
+def _pytest_selection(command: str) -> tuple[list[str], str | None]:
+    """The test paths and the ``-m`` expression of one pytest command line."""
+    words = shlex.split(command.partition("||")[0])
+    words = words[words.index("pytest") + 1 :]
+    paths, marker, index = [], None, 0
+    while index < len(words):
+        word = words[index]
+        if word == "-m":
+            marker, index = words[index + 1], index + 2
+            continue
+        if word in ("-n", "--dist"):
+            index += 2
+            continue
+        if not word.startswith(("-", "{", "$")):
+            paths.append(word)
+        index += 1
+    return paths, marker
+
+
+def test_ci_runs_every_test_tox_runs_with_every_extra_installed():
+    """tox's unit and multigpu environments install fewer extras (a test needing one skips,
+    naming it); `.ci/run` is the README's test command, which runs every test of both
+    selections with the test, deepspeed and qualify extras installed, so nothing tox skips
+    goes unrun in CI."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    command = (ROOT / "ci" / "test.sh").read_text()
+    ci_line = next(line for line in command.splitlines() if "-m pytest" in line)
+    ci_paths, ci_marker = _pytest_selection(ci_line.replace("python -m pytest", "pytest"))
+    assert ci_paths == ["tests"] and ci_marker is None, ci_line  # everything, unfiltered
+    for env in ("unit", "multigpu"):
+        paths, marker = _pytest_selection(tox[f"testenv:{env}"]["commands"].strip())
+        assert paths and all(path.startswith("tests/") for path in paths), (env, paths)
+        assert marker in ("multigpu", "not multigpu"), (env, marker)
+    env_sh = (ROOT / "ci" / "env.sh").read_text()
+    assert "[test,deepspeed,qualify" in env_sh, "ci/env.sh installs every extra the tests use"
+    assert "bash ci/test.sh" in (ROOT / ".ci" / "run").read_text()

@@ -116,7 +116,10 @@ def test_initialize_leaves_a_gloo_model_where_it_is(monkeypatch) -> None:
 def test_gloo_gives_deepspeed_the_cpu_accelerator(monkeypatch) -> None:
     """A host with fewer GPUs than ranks falls back to gloo; DeepSpeed, left alone, would
     still choose CUDA. A DeepSpeed accelerator chosen already is replaced."""
-    from deepspeed.accelerator import real_accelerator
+    real_accelerator = pytest.importorskip(
+        "deepspeed.accelerator.real_accelerator",
+        reason="needs DeepSpeed installed (the deepspeed extra: pip install 'qwz[deepspeed]')",
+    )
 
     cuda_like = types.SimpleNamespace(device_name=lambda: "cuda")
     monkeypatch.setattr(real_accelerator, "ds_accelerator", cuda_like)

@@ -7,6 +7,7 @@ way, so both branches run on any machine; the last test asks the installed DeepS
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import pytest
@@ -14,6 +15,12 @@ import torch
 
 from qwz.qualify import cli
 from tests.unit.qualify.test_run_preflight import parse, problems
+
+NEEDS_DEEPSPEED = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="needs DeepSpeed installed (the deepspeed extra: pip install 'qwz[deepspeed]'); "
+    "the preflight refuses a DeepSpeed subject without it before asking about fp16",
+)
 
 FAKE_ACCELERATOR = """
 import os
@@ -47,6 +54,7 @@ def fp16_problems(tmp_path, *argv: str) -> list[str]:
     return [line for line in problems(tmp_path, *argv) if "refuses fp16" in line]
 
 
+@NEEDS_DEEPSPEED
 def test_deepspeed_without_fp16_is_refused_naming_why(tmp_path):
     source = fake_deepspeed(tmp_path / "ds", fp16_supported=False)
     found = fp16_problems(
@@ -58,12 +66,14 @@ def test_deepspeed_without_fp16_is_refused_naming_why(tmp_path):
     assert "AVX512-FP16" in found[0] and "--subject qwz qualifies fp16 here" in found[0]
 
 
+@NEEDS_DEEPSPEED
 def test_deepspeed_with_fp16_is_not_refused(tmp_path):
     source = fake_deepspeed(tmp_path / "ds", fp16_supported=True)
     argv = ("--subject", "deepspeed", "--dtype", "fp16", "--deepspeed-src", str(source))
     assert fp16_problems(tmp_path, *argv) == []
 
 
+@NEEDS_DEEPSPEED
 def test_bf16_never_asks(tmp_path):
     source = fake_deepspeed(tmp_path / "ds", fp16_supported=False)
     argv = ("--subject", "deepspeed", "--dtype", "bf16", "--deepspeed-src", str(source))

@@ -4,12 +4,18 @@ No GPU here: the GPUs the run would use and their free memory are faked."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from qwz.qualify import cli, gpu_memory, preflight
 
 GIB = 2**30
 QWEN3_4B_NUMEL = 4_022_468_096
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="the qwen3 workloads need transformers (the qualify extra: pip install 'qwz[qualify]')",
+)
 
 
 def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str) -> list[str]:
@@ -25,6 +31,7 @@ def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str) -> list[str
     return [line for line in preflight.check_run_request(args) if "cuda:" in line]
 
 
+@NEEDS_TRANSFORMERS
 def test_a_run_that_cannot_fit_a_gpu_is_refused_with_the_estimate(tmp_path, monkeypatch):
     """Qwen3-4B in bf16 on 2 ranks: two resident arms need about 2 x 45 GiB + 1 GiB."""
     lines = run_problems(tmp_path, monkeypatch, 60, "--world-size", "2")
@@ -37,15 +44,18 @@ def test_a_run_that_cannot_fit_a_gpu_is_refused_with_the_estimate(tmp_path, monk
     assert "--one-arm-at-a-time would hold one arm" in lines[0]
 
 
+@NEEDS_TRANSFORMERS
 def test_one_arm_at_a_time_fits_where_two_do_not(tmp_path, monkeypatch):
     assert run_problems(tmp_path, monkeypatch, 60, "--world-size", "2", "--one-arm-at-a-time") == []
 
 
+@NEEDS_TRANSFORMERS
 def test_a_gpu_too_small_for_one_arm_says_so(tmp_path, monkeypatch):
     lines = run_problems(tmp_path, monkeypatch, 20, "--world-size", "2", "--one-arm-at-a-time")
     assert "1 arm of" in lines[0] and "use more ranks or a smaller workload" in lines[0]
 
 
+@NEEDS_TRANSFORMERS
 def test_a_run_that_fits_passes(tmp_path, monkeypatch):
     assert run_problems(tmp_path, monkeypatch, 95, "--world-size", "2") == []
 
