@@ -44,7 +44,7 @@ from qwz.config import validate_group_size
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
-from qwz.qualify.plan import RunPlan
+from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, RunPlan
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
@@ -187,7 +187,7 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
         type=_group_size,
         action="append",
         dest="group_sizes",
-        help="candidate group size; repeat for several arms (default 64)",
+        help=f"candidate group size; repeat for several arms (default {PROPOSAL_GROUP_SIZE})",
     )
     run.add_argument(
         "--dtype",

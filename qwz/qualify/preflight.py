@@ -11,7 +11,7 @@ import argparse
 import os
 
 from qwz.qualify import presets
-from qwz.qualify.plan import RunPlan
+from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, RunPlan
 from qwz.qualify.presets import Preset
 
 RANKS_PER_CORE = 4
@@ -204,7 +204,7 @@ def plan_of(args: argparse.Namespace) -> RunPlan:
         subject=args.subject,
         stage=args.stage,
         dtype=args.dtype,
-        group_sizes=tuple(args.group_sizes or (64,)),
+        group_sizes=tuple(args.group_sizes or (PROPOSAL_GROUP_SIZE,)),
         steps=args.steps,
         blocks=args.blocks,
         block_steps=args.block_steps,

@@ -4,16 +4,14 @@ DESIGN.md ("The spec") is written out here a second time, independently of
 qwz's own code: the judge must never take its rules from the code it judges,
 or a commit that changes the rules everywhere at once (``absmax/100`` in
 ``qwz.quant``, say) would pass as faithfully as the correct code does.
-(DESIGN's target for this file is ``qualify/evidence/spec.py``; it is a flat
-file until the harness is split into folders.)
 
 [Note: the judge's independence]
 This module imports nothing from ``qwz`` (only ``typing`` and ``torch``): no
-``qwz.quant``, ``qwz.qualify.evidence.tolerance``, ``qwz.layout``, ``qwz.shards`` or anything that
-imports them. ``tests/unit/test_spec.py`` inspects its imports and fails if one
-appears. The harness's other rules that depend on the spec (the own-shard
-judgement in observers.py, the calibration noise in runner.py, the exactness
-threshold) take their constants and formulas from here.
+``qwz.quant``, ``qwz.layout``, ``qwz.shards`` or anything that imports them (the evidence's
+tolerance imports this module, never the reverse). ``tests/unit/qualify/test_spec.py``
+inspects its imports and fails if one appears. The harness's other rules that depend on
+the spec (the own-shard judgement in observers.py, the calibration noise in runner.py,
+the exactness threshold) take their constants and formulas from here.
 
 [Note: the spec's decode]
 Per group of ``G`` consecutive elements of a flat shard (the grid starts at the

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwz.config import validate_group_size
-from qwz.qualify.plan import SUBJECTS
+from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, SUBJECTS
 from qwz.qualify.run.workloads import WORKLOAD_NAMES
 
 if sys.version_info >= (3, 11):
@@ -138,7 +138,7 @@ AXES: dict[str, Axis] = {
     "subject": Axis(_choice(SUBJECTS), "qwz", "--subject"),
     "stage": Axis(_stage, 2, "--stage"),
     "dtype": Axis(_choice(DTYPES), "bf16", "--dtype"),
-    "group_sizes": Axis(_group_sizes, (64,), None),
+    "group_sizes": Axis(_group_sizes, (PROPOSAL_GROUP_SIZE,), None),
     "workload": Axis(_choice(WORKLOADS), "qwen3-tiny", "--workload"),
     "world_size": Axis(_world_size, 2, "--world-size"),
     "preset": Axis(_choice(PRESETS), "default", "--preset"),
