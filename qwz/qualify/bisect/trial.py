@@ -9,7 +9,8 @@ for a DeepSpeed subject the bisecting qwz is, with ``--deepspeed-src <worktree>`
   The trial runs in its own session, so a Ctrl-C in the terminal reaches the bisect alone;
   SIGINT or SIGTERM to the bisect is passed on to the run (which stops every rank and writes
   nothing, qwz/qualify/run/launch.py [Note: no orphaned ranks]) and, once it has exited, ends the
-  bisect with :class:`qwz.qualify.run.launch.Interrupted`. Nothing is removed: the attempt keeps no
+  bisect with :class:`qwz.qualify.run.launch.Interrupted` ([Note: supervising a run],
+  qualify/supervise.py, which the matrix shares). Nothing is removed: the attempt keeps no
   outcome, so a resumed bisect runs it again, and every finished attempt stays as it was.
 """
 
@@ -17,19 +18,17 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
+from qwz.qualify import supervise
 from qwz.qualify.bisect import worktrees
 from qwz.qualify.bisect.state import Attempt
 from qwz.qualify.evidence import harness_error
-from qwz.qualify.run.launch import Interrupted, signals_interrupt
+from qwz.qualify.run.launch import Interrupted
 
-STOP_GRACE_S = 60.0
-"""How long a stopped run gets to stop its ranks before its process group is killed."""
 QWZ_ROOT = worktrees.HARNESS_PACKAGE.parents[1]
 """The directory holding the bisecting qwz's ``qwz`` package (a DeepSpeed subject's path)."""
 
@@ -37,22 +36,14 @@ QWZ_ROOT = worktrees.HARNESS_PACKAGE.parents[1]
 def _run_logged(command: list[str], cwd: pathlib.Path, env: dict[str, str], log: pathlib.Path):
     """Exit status of `command`, its output in `log`; SIGINT/SIGTERM are passed on
     ([Note: stopping a trial])."""
-    with open(log, "wb") as output:
-        child = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        try:
-            with signals_interrupt():
-                return child.wait()
-        except Interrupted as interrupted:
-            child.send_signal(interrupted.signum)
-            try:
-                child.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-            raise
+    stop = supervise.Stop()
+    with open(log, "wb") as output, stop.installed():
+        code = supervise.run(
+            command, stop, stdout=output, stderr=subprocess.STDOUT, cwd=cwd, env=env
+        )
+    if stop.signum is not None:
+        raise Interrupted(stop.signum)
+    return code
 
 
 def _last_line(log: pathlib.Path) -> str:

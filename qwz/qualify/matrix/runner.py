@@ -14,9 +14,10 @@
 [Note: matrix signals]
   Each cell's ``run`` is started in its own session, so a Ctrl-C reaches the matrix alone;
   the matrix forwards SIGINT or SIGTERM to the running cell once (``run`` then stops its
-  ranks and writes nothing), waits for it (SIGKILL after ``STOP_GRACE_S``), marks the cells
-  not reached as "not run", writes the table and exits 128 + the signal number. The child
-  asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell running.
+  ranks and writes nothing), waits for it (SIGKILL after ``supervise.STOP_GRACE_S``), marks
+  the cells not reached as "not run", writes the table and exits 128 + the signal number.
+  The child asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell
+  running ([Note: supervising a run], qualify/supervise.py).
 
 How a cell's end reads: exit 0, 1 or 3 with a record that loads is its verdict (the
 record's own); exit 4 with ``harness-error.json`` is "HARNESS-ERROR" with what the harness
@@ -37,14 +38,13 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qwz.kernels import compile_available
-from qwz.qualify import preflight
+from qwz.qualify import preflight, supervise
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.rejudge import rejudged, verdict_text
@@ -53,8 +53,8 @@ from qwz.qualify.matrix.spec import Cell, Declared, Spec
 from qwz.qualify.plan import plan_dict
 from qwz.qualify.review import matrix as table
 from qwz.qualify.review.matrix import MatrixCell
+from qwz.qualify.supervise import Stop
 
-STOP_GRACE_S = 60.0
 """Seconds a stopped cell's ``run`` has to stop its ranks before it is killed."""
 VERDICT_EXITS = {0: "PASS", 1: "FAIL", 3: "INCONCLUSIVE"}
 REFUSED_EXIT = 2
@@ -71,64 +71,11 @@ Launcher = Callable[[list[str], CellLogs, "Stop"], int]
 (the seam the unit tests replace to count launches)."""
 
 
-class Stop:
-    """SIGINT/SIGTERM while the matrix runs ([Note: matrix signals])."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.at_s: float | None = None
-        """``time.monotonic()`` when the signal came."""
-        self.child: subprocess.Popen | None = None
-
-    def handle(self, signum: int, frame: Any) -> None:
-        if self.signum is None:
-            self.signum, self.at_s = signum, time.monotonic()
-            if self.child is not None and self.child.poll() is None:
-                self.child.send_signal(signum)
-
-    @contextlib.contextmanager
-    def installed(self):
-        signals = (signal.SIGINT, signal.SIGTERM)
-        previous = {signum: signal.signal(signum, self.handle) for signum in signals}
-        try:
-            yield self
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-
-def _die_with_parent() -> None:
-    """In the cell's ``run``, before exec: SIGTERM when the matrix dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def subprocess_launcher(argv: list[str], logs: CellLogs, stop: Stop) -> int:
-    """``python -m qwz.qualify <argv>`` in its own session ([Note: matrix signals])."""
+    """``python -m qwz.qualify <argv>``, supervised ([Note: supervising a run], supervise.py)."""
     with logs.stdout.open("w") as stdout, logs.stderr.open("w") as stderr:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "qwz.qualify", *argv],
-            stdout=stdout,
-            stderr=stderr,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        stop.child = child
-        try:
-            if stop.signum is not None:  # the signal came between two cells' checks
-                child.send_signal(stop.signum)
-            while True:
-                try:
-                    return child.wait(timeout=1.0)
-                except subprocess.TimeoutExpired:
-                    if stop.at_s is not None and time.monotonic() - stop.at_s > STOP_GRACE_S:
-                        child.kill()
-        finally:
-            stop.child = None
+        command = [sys.executable, "-m", "qwz.qualify", *argv]
+        return supervise.run(command, stop, stdout=stdout, stderr=stderr)
 
 
 def expected_plan(parser: argparse.ArgumentParser, arguments: list[str]) -> dict | None:
@@ -237,7 +184,7 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
     if code == REFUSED_EXIT:
         reason = refusal_reason(stderr)
         return _row(cell, arguments, status="not run", kind="refused", reason=reason)
-    # Stopped: run's own exit on the signal, or the SIGKILL after STOP_GRACE_S.
+    # Stopped: run's own exit on the signal, or the SIGKILL after supervise.STOP_GRACE_S.
     if stop.signum is not None and code in (128 + stop.signum, -stop.signum, -signal.SIGKILL):
         name = signal.Signals(stop.signum).name
         reason = f"the matrix was stopped by {name} while this cell ran; its run wrote no record"

@@ -34,6 +34,7 @@ QUALIFY_TOP = {
     "qwz.qualify.files": "qualify.base",
     "qwz.qualify.plan": "qualify.base",
     "qwz.qualify.rank_reports": "qualify.base",
+    "qwz.qualify.supervise": "qualify.base",
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
     "qwz.qualify.requirements": "qualify.preflight",
