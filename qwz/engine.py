@@ -54,7 +54,7 @@ class Engine:
         _check_batch_sizes(config, world_size)
         # Checked against the config, not against what this world size quantizes, so an
         # alignment that one rank accepts is accepted by every world size.
-        layout.shard_alignment(
+        layout.resolve_shard_alignment(
             shard_alignment,
             group_size=config.zero.quantized_weights.group_size,
             quantize=config.zero.quantized_weights.enabled,

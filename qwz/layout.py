@@ -122,7 +122,7 @@ def build_layout(
     return FlatLayout(slots=tuple(slots), world_size=world_size, shard_alignment=shard_alignment)
 
 
-def shard_alignment(requested: int | None, *, group_size: int, quantize: bool) -> int:
+def resolve_shard_alignment(requested: int | None, *, group_size: int, quantize: bool) -> int:
     """The alignment of a quantized buffer's shards ([Note: padding rule]): `requested`, or
     `group_size` when it is None. Raises ValueError naming the value and the rule unless it
     is a positive integer and, when quantizing, a multiple of `group_size` (a shard must be

@@ -70,16 +70,15 @@ class GatherPolicy:
         check_group_size(self.group_size)
         _check_count("preserve_numel", self.preserve_numel, 0)
         _check_count("bucket_size", self.bucket_size, 1)
-        layout.shard_alignment(
+        layout.resolve_shard_alignment(
             self.shard_alignment, group_size=self.group_size, quantize=self.quantize
         )
 
     @property
     def resolved_shard_alignment(self) -> int:
-        """The shard alignment in force: ``shard_alignment``, or the group size."""
-        return layout.shard_alignment(
-            self.shard_alignment, group_size=self.group_size, quantize=self.quantize
-        )
+        """The shard alignment in force: ``shard_alignment``, or the group size (validated
+        once, when the policy was made)."""
+        return self.group_size if self.shard_alignment is None else self.shard_alignment
 
 
 @dataclass(frozen=True)

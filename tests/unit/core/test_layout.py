@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qwz.layout import build_layout, plan_gather, shard_alignment
+from qwz.layout import build_layout, plan_gather, resolve_shard_alignment
 from qwz.shards import slots_in_range
 
 from .single_rank import named_shapes
@@ -249,7 +249,7 @@ def test_staging_bound_is_caught_by_the_two_buffer_rule():
 
 
 # --------------------------------------------------------------------------- #
-# layout.shard_alignment: one layout for engines of different group sizes
+# layout.resolve_shard_alignment: one layout for engines of different group sizes
 # --------------------------------------------------------------------------- #
 
 
@@ -267,17 +267,17 @@ def test_staging_bound_is_caught_by_the_two_buffer_rule():
 )
 def test_bad_shard_alignment_is_refused_naming_the_value_and_the_rule(requested, rule):
     with pytest.raises(ValueError) as raised:
-        shard_alignment(requested, group_size=64, quantize=True)
+        resolve_shard_alignment(requested, group_size=64, quantize=True)
     message = str(raised.value)
     assert message.startswith(f"shard_alignment: {requested!r} is invalid: "), message
     assert rule in message
 
 
 def test_shard_alignment_defaults_to_the_group_size_and_keeps_a_multiple():
-    assert shard_alignment(None, group_size=64, quantize=True) == 64
-    assert shard_alignment(8192, group_size=64, quantize=True) == 8192
+    assert resolve_shard_alignment(None, group_size=64, quantize=True) == 64
+    assert resolve_shard_alignment(8192, group_size=64, quantize=True) == 8192
     # An unquantized buffer (the reference arm) holds no groups: any positive alignment.
-    assert shard_alignment(96, group_size=64, quantize=False) == 96
+    assert resolve_shard_alignment(96, group_size=64, quantize=False) == 96
 
 
 @st.composite
@@ -297,7 +297,7 @@ def test_one_shard_alignment_gives_every_arm_the_same_layout(case):
     arms = [(64, False)] + [(size, True) for size in group_sizes]
     layouts = [
         build_layout(
-            shapes, world_size, shard_alignment(common, group_size=size, quantize=quantize)
+            shapes, world_size, resolve_shard_alignment(common, group_size=size, quantize=quantize)
         )
         for size, quantize in arms
     ]
