@@ -363,7 +363,7 @@ def _skip_problems(skips: loss_scaling.Skips | None) -> str:
 
 @rule("update", 1)
 def _update(updates, skips: loss_scaling.Skips | None = None) -> Check:
-    """[Note: exact update check] and [Note: global norm check] (qualify/run/observers.py);
+    """[Note: exact update check] and [Note: global norm check] (qualify/run/observers/update.py);
     fp16: the skips against the overflows ([Note: overflow pattern])."""
     name = f"update[{updates.arm}]"
     wrong_skips = _skip_problems(skips)
@@ -422,8 +422,9 @@ def _kernel_fallbacks(own) -> str:
 
 @rule("own-shard", 2)
 def _own_shard(own, quantized: bool, failure) -> Check:
-    """[Note: own shard against the spec] (qualify/run/observers.py): every element equals the
-    spec's decode (qualify/evidence/spec.py), or the exact cast where the spec sends it exactly."""
+    """[Note: own shard against the spec] (qualify/run/observers/own_shard.py): every element
+    equals the spec's decode (qualify/evidence/spec.py), or the exact cast where the spec sends
+    it exactly."""
     name = f"own-shard[{own.arm}]"
     if failure is not None and own.first_violation is None:
         return _check(name, "n/a", "the arm failed; see finite")

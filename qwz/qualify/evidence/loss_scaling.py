@@ -9,7 +9,7 @@ the implementation under test, never the yardstick).
 An fp16 arm multiplies its loss by a scale before backward; a step whose loss-scaled
 gradient holds an Inf or NaN on any rank must be skipped on every rank, and the scale
 moves by DeepSpeed's rules. The harness observes, per step ([Note: overflow observation],
-qualify/run/observers.py), the scale the loss was actually multiplied by on each rank,
+qualify/run/observers/overflow.py), the scale the loss was actually multiplied by on each rank,
 whether any rank's scaled gradient overflowed, and which ranks' optimizers stepped. From
 those alone:
 

@@ -34,11 +34,11 @@ class ArmObservation:
     """The first step the optimizer took: 1, unless fp16 overflows skipped the first."""
     loss_scales: list[float | None] | None = None
     """fp16: per step, the loss scale this rank applied ([Note: overflow observation],
-    run/observers.py); None for other dtypes."""
+    run/observers/overflow.py); None for other dtypes."""
     overflowed: list[bool] | None = None
     """fp16: per step, whether any rank's loss-scaled gradient held an Inf or NaN."""
     update: dict[str, Any] | None = None
-    """[Note: exact update check] (run/observers.py), as ``UpdateResult`` fields."""
+    """[Note: exact update check] (run/observers/update.py), as ``UpdateResult`` fields."""
     own_shard: dict[str, Any] | None = None
     """The own-shard decode check, as ``OwnShardResult`` fields; None for calibration."""
     kernels: dict[str, Any] | None = None

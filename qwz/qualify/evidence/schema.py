@@ -282,7 +282,7 @@ class Violation(_Model):
 
 
 class Updates(_Model):
-    """[Note: exact update check] (qualify/run/observers.py), summed over ranks."""
+    """[Note: exact update check] (qualify/run/observers/update.py), summed over ranks."""
 
     arm: str
     samples_per_shard: int
@@ -324,7 +324,7 @@ class StepOneMasters(_Model):
 
 class LossScaling(_Model):
     """fp16: per training step, what the harness observed of the arm's dynamic loss scaling
-    ([Note: overflow observation], qualify/run/observers.py); judged by [Note: overflow
+    ([Note: overflow observation], qualify/run/observers/overflow.py); judged by [Note: overflow
     pattern] (qualify/evidence/loss_scaling.py)."""
 
     arm: str

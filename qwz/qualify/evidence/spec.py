@@ -10,7 +10,7 @@ This module imports nothing from ``qwz`` (only ``typing`` and ``torch``): no
 ``qwz.quant``, ``qwz.layout``, ``qwz.shards`` or anything that imports them (the evidence's
 tolerance imports this module, never the reverse). ``tests/unit/qualify/test_spec.py``
 inspects its imports and fails if one appears. The harness's other rules that depend on
-the spec (the own-shard judgement in observers.py, the calibration noise in runner.py,
+the spec (the own-shard judgement in observers/own_shard.py, the calibration noise in runner.py,
 the exactness threshold) take their constants and formulas from here.
 
 [Note: the spec's decode]

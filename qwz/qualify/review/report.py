@@ -694,9 +694,10 @@ def _exactness_section(record: Record) -> list[str]:
         "Step-1 masters: a layout-independent digest per parameter, compared with the "
         "reference's by the `step1-exact` checks. Updates: sampled master elements per rank "
         "and step against AdamW recomputed in float64 from the arm's own gradient and state "
-        "([Note: exact update check], qwz/qualify/run/observers.py). Own shard: every rank's own "
-        "shard against the spec's decode of its master (qwz/qualify/evidence/spec.py), after every "
-        "step; the column is the worst error / (scale/2 + 2**-15 scale + cast half-ulp), "
+        "([Note: exact update check], qwz/qualify/run/observers/update.py). Own shard: every "
+        "rank's own shard against the spec's decode of its master "
+        "(qwz/qualify/evidence/spec.py), after every step; the column is the worst error / "
+        "(scale/2 + 2**-15 scale + cast half-ulp), "
         "context (<= 1).",
         "",
         *_table(

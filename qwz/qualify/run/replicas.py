@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from qwz import shards as seam
 from qwz.hashing import tensors_hash
-from qwz.qualify.run import observers
 from qwz.qualify.run.moe import DENSE
+from qwz.qualify.run.observers import digest
 
 
 def _world() -> tuple[int, int]:
@@ -109,7 +109,7 @@ def divergence(module: torch.nn.Module, sets: ReplicaSets) -> list[str]:
     """The parameters whose working copies differ within their replica set, labelled with the
     set's ranks where it is not every rank (collective; the same list on every rank)."""
     _, world = _world()
-    names, digests = observers.replica_digests(module)
+    names, digests = digest.replica_digests(module)
     if tuple(names) != sets.names:
         raise ValueError("replica sets: the module's parameters are not the sets' names")
     if world == 1:
@@ -126,8 +126,9 @@ def divergence(module: torch.nn.Module, sets: ReplicaSets) -> list[str]:
 @torch.no_grad()
 def master_digests(shards: Sequence[seam.OwnShard], sets: ReplicaSets) -> dict[str, str]:
     """Per (parameter, key), the digest of its fp32 master summed over its replica set
-    ([Note: layout-independent digests], observers.py); collective, the same on every rank."""
-    local = observers.master_digest_sums(shards, sets.names)
+    ([Note: layout-independent digests], observers/digest.py); collective, the same on every
+    rank."""
+    local = digest.master_digest_sums(shards, sets.names)
     every_rank = _gather_rows(local).cpu()  # (world, parameters)
     digests = {}
     for index, key, ranks in sets.entries():

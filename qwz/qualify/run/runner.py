@@ -25,11 +25,12 @@ Per arm and step, on every rank:
 1. train one step (the probe counts the gather's bytes, from the step to the next use of the
    weights: [Note: the wire window], wire_window.py);
 2. [Note: exact update check] on a sample of this rank's master elements, and the global
-   norm of the gradient the optimizer was handed (observers.py);
+   norm of the gradient the optimizer was handed (observers/update.py);
 3. at the next use of the weights -- the start of the next forward, or of a final forward
    after the last step ([Note: observed at the next use], next_use.py) -- every own shard
    against the contract's decodes of its master, with the requested group size
-   (observers.py), the replicas' per-parameter digests across ranks, and the sampled values;
+   (observers/own_shard.py), the replicas' per-parameter digests across ranks, and the sampled
+   values;
 4. at step 1, layout-independent digests of every parameter's master;
 5. at the evaluation steps, the held-out loss.
 A non-finite loss or gradient norm ends the arm and the run goes on with the next
@@ -80,7 +81,8 @@ from qwz.qualify import rank_reports
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, gather_timing, next_use, observers, replicas, timing
+from qwz.qualify.run import determinism, gather_timing, next_use, replicas, timing
+from qwz.qualify.run.observers import engine_report, overflow, own_shard, update
 from qwz.qualify.run.subjects import (
     ArmEngine,
     DeepSpeedSourceError,
@@ -346,7 +348,7 @@ def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module
         "kind": "non-finite",
         "message": message,
         "parameters": list(
-            getattr(error, "parameters", ()) or observers.non_finite_parameters(module)
+            getattr(error, "parameters", ()) or engine_report.non_finite_parameters(module)
         )[:20],
     }
 
@@ -424,16 +426,16 @@ class _ArmRun:
         self.sampled: dict[str, list[torch.Tensor]] = {}
         self.peak = _StepPeak()
         self.engine: ArmEngine | None = None
-        self.update_check: observers.UpdateCheck | None = None
+        self.update_check: update.UpdateCheck | None = None
         self.shards: list | None = None
         self.exact_masks: list | None = None
-        self.own_result = observers.OwnShardResult()
+        self.own_result = own_shard.OwnShardResult()
         self.check_own = arm.noise_group_size is None
         self.fp16 = plan.dtype == "fp16"
         self.gathered = True
         """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
         """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
-        self.overflow_watch: observers.OverflowWatch | None = None
+        self.overflow_watch: overflow.OverflowWatch | None = None
         self.next_use: next_use.NextUse | None = None
         self.wire = WireWindow()
         if self.fp16:
@@ -455,8 +457,8 @@ class _ArmRun:
         self.wire_layout = _wire_layout(self.shards, group_ranks, numel, self.replica_keys)
         # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
         gather_ranks = [len(ranks) for ranks in group_ranks]
-        self.exact_masks = observers.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
-        self.update_check = observers.UpdateCheck(
+        self.exact_masks = own_shard.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
+        self.update_check = update.UpdateCheck(
             self.shards,
             engine.shard_optimizer,
             plan.adamw,
@@ -466,7 +468,7 @@ class _ArmRun:
             skips_allowed=self.fp16,
         )
         if self.fp16:
-            self.overflow_watch = observers.OverflowWatch(engine.module)
+            self.overflow_watch = overflow.OverflowWatch(engine.module)
         self.next_use = next_use.NextUse(engine.module, pause=self.peak.paused)
 
     def train(self) -> None:
@@ -598,11 +600,11 @@ class _ArmRun:
             # fp16: every step so far overflowed and was skipped, so no gather has run: the
             # working copy must still be the model as built, its master cast exactly.
             untouched = [torch.ones_like(mask) for mask in self.exact_masks]
-            observers.check_own_shards(
+            own_shard.check_own_shards(
                 self.shards, untouched, None, step, self.rank, self.own_result
             )
         elif self.check_own:
-            observers.check_own_shards(
+            own_shard.check_own_shards(
                 self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
             )
         divergent = replicas.divergence(module, self.replica_sets)
@@ -647,7 +649,7 @@ class _ArmRun:
         """The arm's observation; releases its engine (also after a failure that ends the run)."""
         observed = self.observed
         if self.engine is not None:
-            observed["kernels"] = observers.kernels_used(self.engine, self.rank)
+            observed["kernels"] = engine_report.kernels_used(self.engine, self.rank)
         if self.update_check is not None:
             observed["update"] = dataclasses.asdict(self.update_check.result)
             self.update_check.close()

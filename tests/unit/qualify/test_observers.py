@@ -1,4 +1,4 @@
-"""What the harness observes on a rank, at world size 1: ``qwz/qualify/run/observers.py``.
+"""What the harness observes on a rank, at world size 1: ``qwz/qualify/run/observers/``.
 
 [Note: layout-independent digests] and [Note: exact update check] are tested on
 plain tensors and a plain torch AdamW, so each property is checked without a
@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qwz.qualify.plan import AdamWSettings
-from qwz.qualify.run import observers
+from qwz.qualify.run.observers import digest, own_shard, piecewise, update
 from qwz.shards import ShardSlot, make_own_shard, slots_in_range
 
 SETTINGS = AdamWSettings(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
@@ -55,8 +55,8 @@ def parameters_and_cuts(draw):
 def test_master_digests_do_not_depend_on_the_sharding(case):
     values, cuts, other = case
     names = list(values)
-    assert observers.master_digests(shards_of(values, cuts), names) == (
-        observers.master_digests(shards_of(values, other), names)
+    assert digest.master_digests(shards_of(values, cuts), names) == (
+        digest.master_digests(shards_of(values, other), names)
     )
 
 
@@ -69,8 +69,8 @@ def test_one_changed_element_always_changes_its_parameters_digest(case, data):
     changed = {key: value.clone() for key, value in values.items()}
     bits = changed[name].view(torch.int32)
     bits[index] ^= 1 << data.draw(st.integers(0, 31))  # any single bit of the float
-    before = observers.master_digests(shards_of(values, cuts), names)
-    after = observers.master_digests(shards_of(changed, cuts), names)
+    before = digest.master_digests(shards_of(values, cuts), names)
+    after = digest.master_digests(shards_of(changed, cuts), names)
     assert before[name] != after[name]
     assert all(before[other] == after[other] for other in names if other != name)
 
@@ -98,7 +98,7 @@ def _train(master, optimizer, check, generator, steps: int, between=None) -> Non
 
 
 def _check(optimizer, shard, settings=SETTINGS):
-    return observers.UpdateCheck([shard], optimizer, settings, samples_per_shard=64, seed=0, rank=0)
+    return update.UpdateCheck([shard], optimizer, settings, samples_per_shard=64, seed=0, rank=0)
 
 
 def test_torch_adamw_passes_the_update_check_well_inside_the_bound():
@@ -168,10 +168,10 @@ def test_the_update_bound_scales_with_a_huge_weight_decay_product():
 
 def digest_by_definition(values: torch.Tensor, first_index: int) -> int:
     """[Note: layout-independent digests] written out in int64, element by element."""
-    bits = values.float().contiguous().view(torch.int32).to(torch.int64) & observers.MASK32
+    bits = values.float().contiguous().view(torch.int32).to(torch.int64) & digest.MASK32
     indices = torch.arange(first_index, first_index + values.numel(), dtype=torch.int64)
-    terms = (bits ^ ((indices * observers.K1) & observers.MASK32)) * observers.K2
-    return int((terms & observers.MASK32).sum())
+    terms = (bits ^ ((indices * digest.K1) & digest.MASK32)) * digest.K2
+    return int((terms & digest.MASK32).sum())
 
 
 def random_bits(numel: int, seed: int) -> torch.Tensor:
@@ -184,7 +184,7 @@ def random_bits(numel: int, seed: int) -> torch.Tensor:
     )
 
 
-CHUNK = observers.CPU_PIECE_NUMEL
+CHUNK = piecewise.CPU_PIECE_NUMEL
 
 
 @given(
@@ -197,18 +197,16 @@ def test_the_digest_equals_its_int64_definition(numel, first_index, dtype, seed)
     """Across piece boundaries, at any offset, for fp32 and bf16 values, NaN bits included
     (the int32 sum needs its 2**32-per-negative-term correction to get there)."""
     values = random_bits(numel, seed).to(dtype)
-    assert int(observers._digest_sum(values, first_index)) == digest_by_definition(
-        values, first_index
-    )
+    assert int(digest._digest_sum(values, first_index)) == digest_by_definition(values, first_index)
 
 
 def test_replica_digests_are_the_definition_per_parameter():
     module = torch.nn.Sequential(torch.nn.Linear(300, 250), torch.nn.Linear(250, 3))
     module.to(torch.bfloat16)
-    names, digests = observers.replica_digests(module)
+    names, digests = digest.replica_digests(module)
     assert names == [name for name, _ in module.named_parameters()]
-    for (_, param), digest in zip(module.named_parameters(), digests.tolist(), strict=True):
-        assert digest == digest_by_definition(param.detach().reshape(-1), 0)
+    for (_, param), value in zip(module.named_parameters(), digests.tolist(), strict=True):
+        assert value == digest_by_definition(param.detach().reshape(-1), 0)
 
 
 # --------------------------------------------------------------- [Note: global norm check]
@@ -272,13 +270,13 @@ def _quantized_shard(working_of, numel=1000, group_size=64, small=None, seed=0):
     working = torch.where(exact, master, working_of(quantized, group_size)).to(torch.bfloat16)
     shard = make_own_shard("s", master, working, group_size, exact, slots)
     numel_of = {"w": 1 << 20, "b": small or 0}  # the shard holds part of a large "w"
-    masks = observers.exact_masks([shard], group_size, numel_of, gather_ranks=[2])
+    masks = own_shard.exact_masks([shard], group_size, numel_of, gather_ranks=[2])
     return shard, masks
 
 
 def _judged(shard, masks, group_size=64):
-    result = observers.OwnShardResult()
-    observers.check_own_shards([shard], masks, group_size, step=3, rank=1, result=result)
+    result = own_shard.OwnShardResult()
+    own_shard.check_own_shards([shard], masks, group_size, step=3, rank=1, result=result)
     return result
 
 
@@ -343,16 +341,16 @@ def test_a_one_rank_gather_group_is_judged_exact_with_a_group_size_requested():
     the spec says exact, so the exact cast passes there although 64 was requested, and the
     same shard judged as if two ranks gathered it fails (the bug one-rank runs had)."""
     shard = _one_rank_shard(lambda master: master)
-    one_rank = observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1])
+    one_rank = own_shard.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1])
     result = _judged(shard, one_rank)
     assert result.checked == 1000 and result.mismatches == 0, result.first_violation
-    two_ranks = observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[2])
+    two_ranks = own_shard.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[2])
     assert _judged(shard, two_ranks).mismatches > 100
 
 
 def test_a_one_rank_shard_that_was_quantized_fails_as_exact_required():
     shard = _one_rank_shard(lambda master: _qwz_eager_decode(master, 64))
-    masks = observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1])
+    masks = own_shard.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1])
     result = _judged(shard, masks)
     assert result.mismatches > 100 and result.first_violation["exact_required"]
 
@@ -360,7 +358,7 @@ def test_a_one_rank_shard_that_was_quantized_fails_as_exact_required():
 def test_exact_masks_need_one_gather_group_per_shard():
     shard = _one_rank_shard(lambda master: master)
     with pytest.raises(ValueError, match="gather_ranks: 2 entries for 1 own shards"):
-        observers.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1, 1])
+        own_shard.exact_masks([shard], 64, {"w": 1 << 20}, gather_ranks=[1, 1])
 
 
 def test_bounded_pieces_give_the_same_verdict_and_find_a_late_mismatch(monkeypatch):
@@ -368,8 +366,8 @@ def test_bounded_pieces_give_the_same_verdict_and_find_a_late_mismatch(monkeypat
     with torch.no_grad():
         shard.working[4_321] = -shard.working[4_321] + 1
     whole = _judged(shard, masks)
-    monkeypatch.setattr(observers, "CPU_PIECE_NUMEL", 100)  # pieces of one 64-group
-    assert observers.piece_numel(torch.device("cpu"), 64) == 64
+    monkeypatch.setattr(piecewise, "CPU_PIECE_NUMEL", 100)  # pieces of one 64-group
+    assert piecewise.piece_numel(torch.device("cpu"), 64) == 64
     pieces = _judged(shard, masks)
     assert (pieces.mismatches, pieces.near_ties, pieces.max_ratio) == (
         whole.mismatches,
@@ -383,7 +381,7 @@ def test_bounded_pieces_give_the_same_verdict_and_find_a_late_mismatch(monkeypat
 def test_checks_run_in_bounded_pieces_of_whole_groups_on_every_device():
     for device in ("cpu", "cuda", "meta"):
         for group_size in (1, 64, 8192, 1 << 23):
-            piece = observers.piece_numel(torch.device(device), group_size)
+            piece = piecewise.piece_numel(torch.device(device), group_size)
             assert piece % group_size == 0 and piece >= group_size
-            assert piece <= max(group_size, observers.DEVICE_PIECE_NUMEL)
-    assert observers.piece_numel(torch.device("cpu")) == observers.CPU_PIECE_NUMEL
+            assert piece <= max(group_size, piecewise.DEVICE_PIECE_NUMEL)
+    assert piecewise.piece_numel(torch.device("cpu")) == piecewise.CPU_PIECE_NUMEL

@@ -1,5 +1,5 @@
 """The rank side of fp16 qualification on one process ([Note: overflow observation] and
-the skip rules of the update check, qwz/qualify/run/observers.py): what is recorded on a
+the skip rules of the update check, qwz/qualify/run/observers/): what is recorded on a
 skipped step, and what a skipped step may not change."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from qwz.qualify.run import observers
+from qwz.qualify.run.observers import overflow
 from tests.unit.qualify.test_observers import _check, _optimizer_and_shard, _train
 
 
@@ -80,7 +80,7 @@ def _model() -> torch.nn.Module:
 
 def test_the_watch_sees_the_applied_scale_and_no_overflow():
     model = _model()
-    watch = observers.OverflowWatch(model)
+    watch = overflow.OverflowWatch(model)
     loss = model(torch.randn(2, 4)).pow(2).mean()
     watch.watch(loss)
     (loss.float() * 2.0**12).backward()  # as an engine scales the harness's loss
@@ -91,7 +91,7 @@ def test_the_watch_sees_the_applied_scale_and_no_overflow():
 
 def test_the_watch_sees_an_overflowing_gradient_and_resets_per_step():
     model = _model()
-    watch = observers.OverflowWatch(model)
+    watch = overflow.OverflowWatch(model)
     loss = model(torch.randn(2, 4)).pow(2).mean()
     watch.watch(loss)
     (loss * math.inf).backward()

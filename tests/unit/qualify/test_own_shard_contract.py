@@ -1,5 +1,5 @@
 """[Note: the contract and its freedoms] (qwz/qualify/evidence/spec.py) as the own-shard
-check applies it (qwz/qualify/run/observers.py): per group, any decode the contract allows
+check applies it (qwz/qualify/run/observers/own_shard.py): per group, any decode the contract allows
 passes and is counted under the freedom it used; anything else fails.
 
 The decodes here are written independently of the judge's own (spec.decode_choices): plain
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwz.qualify.run import observers
+from qwz.qualify.run.observers import own_shard
 from qwz.shards import ShardSlot, make_own_shard
 
 LARGE = 1 << 20
@@ -72,9 +72,9 @@ def judged(master: torch.Tensor, working: torch.Tensor, group_size: int):
     numel = master.numel()
     exact = torch.zeros(numel, dtype=torch.bool)
     shard = make_own_shard("s", master, working, group_size, exact, [ShardSlot("w", 0, numel, 0)])
-    masks = observers.exact_masks([shard], group_size, {"w": LARGE}, gather_ranks=[2])
-    result = observers.OwnShardResult()
-    observers.check_own_shards([shard], masks, group_size, step=1, rank=0, result=result)
+    masks = own_shard.exact_masks([shard], group_size, {"w": LARGE}, gather_ranks=[2])
+    result = own_shard.OwnShardResult()
+    own_shard.check_own_shards([shard], masks, group_size, step=1, rank=0, result=result)
     return result
 
 

@@ -12,7 +12,8 @@ import torch
 
 from qwz.hashing import param_hash
 from qwz.qualify.evidence import checks
-from qwz.qualify.run import observers, replicas
+from qwz.qualify.run import replicas
+from qwz.qualify.run.observers import digest
 from qwz.shards import ShardSlot, make_own_shard
 
 from ..records import CANDIDATE, make_payload, make_record
@@ -77,11 +78,11 @@ def test_step_one_digests_are_per_parameter_and_key_and_match_the_all_rank_diges
     slots = [ShardSlot("a", 0, 8, 0), ShardSlot("b", 8, 12, 0)]
     shard = make_own_shard("group0", master, master.to(torch.bfloat16), None, None, slots)
     dense = replicas.ReplicaSets(("a", "b"), (("dense", "dense"),))
-    assert replicas.master_digests([shard], dense) == observers.master_digests([shard], ["a", "b"])
+    assert replicas.master_digests([shard], dense) == digest.master_digests([shard], ["a", "b"])
     expert = replicas.ReplicaSets(("a", "b"), (("dense", "expert1"),))
     digests = replicas.master_digests([shard], expert)
     assert set(digests) == {"a", "b@expert1"}
-    assert digests["b@expert1"] == observers.master_digests([shard], ["a", "b"])["b"]
+    assert digests["b@expert1"] == digest.master_digests([shard], ["a", "b"])["b"]
 
 
 def test_what_a_wire_group_carries():

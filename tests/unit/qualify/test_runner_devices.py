@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from qwz import devices
 from qwz.qualify.plan import RunPlan
-from qwz.qualify.run import observers, runner, subjects
+from qwz.qualify.run import runner, subjects
+from qwz.qualify.run.observers import own_shard
 from qwz.qualify.run.workloads import get_workload
 
 FAKE_GROUP_DEVICE = torch.device("meta")
@@ -108,7 +109,7 @@ def test_peak_memory_is_the_train_step_s_not_the_checks(monkeypatch):
     monkeypatch.setattr(runner, "_reset_peak_memory", meter.reset)
     monkeypatch.setattr(runner, "_peak_memory", meter.read)
     train_step = subjects.QwzArm.train_step
-    check_own_shards = observers.check_own_shards
+    check_own_shards = own_shard.check_own_shards
 
     def charged_step(self, loss):
         meter.peak += Meter.STEP_BYTES
@@ -119,7 +120,7 @@ def test_peak_memory_is_the_train_step_s_not_the_checks(monkeypatch):
         return check_own_shards(*args, **kwargs)
 
     monkeypatch.setattr(subjects.QwzArm, "train_step", charged_step)
-    monkeypatch.setattr(observers, "check_own_shards", charged_check)
+    monkeypatch.setattr(own_shard, "check_own_shards", charged_check)
     plan = RunPlan(workload=get_workload("mlp"), dtype="fp32", steps=3, blocks=0, calibrate=False)
     obs, _ = runner._train_arm(plan, plan.arms[0], 0, None, None, runner._Progress(False))
     assert obs.failure is None and obs.steps_completed == 3

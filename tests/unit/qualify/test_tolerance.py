@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from qwz import quant
 from qwz.qualify.evidence.tolerance import adam_update_bound
-from qwz.qualify.run import observers
+from qwz.qualify.run.observers import own_shard
 from qwz.shards import ShardSlot, make_own_shard
 from tests.unit.core.single_rank import floats
 
@@ -114,7 +114,7 @@ def test_a_nan_decode_is_a_violation_in_the_observers():
     working = decoded(master, 64, torch.bfloat16)
     working[3] = math.nan
     shard = make_own_shard("s", master, working, 64, None, [ShardSlot("w", 0, 128, 0)])
-    result = observers.OwnShardResult()
-    observers.check_own_shards([shard], [torch.zeros(128, dtype=torch.bool)], 64, 1, 0, result)
+    result = own_shard.OwnShardResult()
+    own_shard.check_own_shards([shard], [torch.zeros(128, dtype=torch.bool)], 64, 1, 0, result)
     assert result.max_ratio == math.inf
     assert result.first_violation is not None and result.first_violation["index"] == 3
