@@ -20,7 +20,8 @@ implementation in a checkout) and its chunking::
 
     python ci/false-failure-rate.py --seeds 20 --world-size 4 --out runs/false-failures
     python ci/false-failure-rate.py --seeds 20 --world-size 2 --out runs/ff-native -- \
-        --subject deepspeed-native --deepspeed-src ../DeepSpeed --bucket-size 65536
+        --subject deepspeed-native --deepspeed-src ../DeepSpeed \
+        --allgather-bucket-size 65536 --reduce-bucket-size 65536
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def qualify_once(args: argparse.Namespace, world_size: int, seed: int) -> tuple[
         "--dtype", args.dtype,
         "--steps", str(args.steps), "--blocks", str(args.blocks),
         "--block-steps", str(args.block_steps), "--warmup-steps", str(args.warmup_steps),
-        "--no-compile",
+        "--kernels", "eager",
     ] + [item for size in args.group_sizes for item in ("--group-size", str(size))]  # fmt: skip
     command += args.run_args
     try:

@@ -37,97 +37,23 @@ import math
 import os
 import pathlib
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from qwz.config import validate_group_size
 from qwz.kernels import compile_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
-from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, RunPlan
+from qwz.qualify.settings import argparse_type
+from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, Real
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
 # Argument types: each refusal names the value and the rule (argparse prefixes the flag
-# and exits 2), never Python's "invalid literal for int()".
-
-MAX_SEED = 2**63 - 1
-
-
-def _parsed(text: str, convert: Callable[[str], Any], longest: int, what: str) -> Any:
-    """`convert(text)`, or an argparse error naming the text when it is longer than
-    `longest` characters or `convert` refuses it."""
-    try:
-        if len(text) > longest:
-            raise ValueError
-        return convert(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not {what}") from None
-
-
-def _integer_text(text: str) -> int:
-    return _parsed(text, int, 30, "an integer (digits, at most 30)")
-
-
-def _float_text(text: str) -> float:
-    return _parsed(text, float, 60, "a number")
-
-
-def _shown(text: str) -> str:
-    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
-
-
-def _group_size(text: str) -> int:
-    try:
-        return validate_group_size(_integer_text(text), stage=2, key="--group-size")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error).removeprefix("--group-size: ")) from None
-
-
-def _checked(parse, accept, rule: str):
-    """An argparse type: `parse` the text, then refuse values `accept` rejects, naming `rule`."""
-
-    def check(text: str):
-        value = parse(text)
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"{text} is invalid: must be {rule}")
-        return value
-
-    return check
-
-
-_non_negative = _checked(_integer_text, lambda value: value >= 0, ">= 0")
-_positive = _checked(_integer_text, lambda value: value >= 1, "a positive integer")
-_percentage = _checked(
-    _float_text, lambda value: math.isfinite(value) and value >= 0, "a finite percentage >= 0"
+# and exits 2), never Python's "invalid literal for int()" (qualify/values.py's rules).
+_non_negative = argparse_type(NON_NEGATIVE)
+_percentage = argparse_type(
+    Real(lambda value: math.isfinite(value) and value >= 0, "a finite percentage >= 0")
 )
-_positive_finite = _checked(
-    _float_text, lambda value: math.isfinite(value) and value > 0, "a finite number > 0"
-)
-_non_negative_finite = _checked(
-    _float_text, lambda value: math.isfinite(value) and value >= 0, "a finite number >= 0"
-)
-_finite = _checked(_float_text, math.isfinite, "a finite number")
-
-
-def _seed(text: str) -> int:
-    value = _integer_text(text)
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"{text} is invalid: must be in [0, 2**63 - 1]")
-    return value
-
-
-def _stage(text: str) -> int:
-    value = _integer_text(text)
-    if value not in (1, 2):
-        raise argparse.ArgumentTypeError(f"{text} is invalid: ZeRO stage 1 or 2")
-    return value
-
-
-def _path(text: str) -> pathlib.Path:
-    if not text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a usable path")
-    return pathlib.Path(text)
+_finite = argparse_type(FINITE)
+_path = argparse_type(PATH)
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -140,18 +66,17 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_run_options(_add_run_subject(commands))
+    _add_run_command(commands)
     _add_matrix_command(commands)
     _add_review_commands(commands)
     _add_bisect_commands(commands)
     return parser
 
 
-def _add_run_subject(commands) -> argparse.ArgumentParser:
-    """``run``: where, what and how much (the subject, the workload, the arms)."""
-    from qwz.qualify.plan import SUBJECTS
-    from qwz.qualify.presets import PRESET_NAMES
-    from qwz.qualify.run.workloads import WORKLOAD_NAMES
+def _add_run_command(commands) -> None:
+    """``run``: its output flags, then a flag per run setting (qualify/settings.py generates
+    them from their declarations in qualify/plan.py)."""
+    from qwz.qualify import settings
 
     run = commands.add_parser(
         "run",
@@ -164,140 +89,7 @@ def _add_run_subject(commands) -> argparse.ArgumentParser:
     )
     run.add_argument("--out", type=_path, required=True, help="output directory")
     run.add_argument("--force", action="store_true", help="overwrite a record already in --out")
-    run.add_argument(
-        "--world-size",
-        type=_positive,
-        default=None,
-        help="local ranks (default 2; under torchrun its world)",
-    )
-    run.add_argument(
-        "--preset",
-        choices=PRESET_NAMES,
-        default="default",
-        help="defaults for the flags below left unset (qualify/presets.py): default: 20 steps "
-        "of qwen3-tiny; long: 2,000 steps (mlp-small on CPU, qwen3-0.6b on GPUs), judged by "
-        "a non-inferiority bound over the horizon",
-    )
-    run.add_argument(
-        "--steps", type=_positive, default=None, help="lockstep steps (default: the preset's)"
-    )
-    run.add_argument("--stage", type=_stage, default=2, help="ZeRO stage: 1 or 2")
-    run.add_argument(
-        "--group-size",
-        type=_group_size,
-        action="append",
-        dest="group_sizes",
-        help=f"candidate group size; repeat for several arms (default {PROPOSAL_GROUP_SIZE})",
-    )
-    run.add_argument(
-        "--dtype",
-        choices=("bf16", "fp16", "fp32"),
-        default="bf16",
-        help="working dtype (fp16: dynamic loss scaling, overflow-skipped steps judged)",
-    )
-    run.add_argument(
-        "--initial-scale-power",
-        type=_non_negative,
-        default=RunPlan.fp16_initial_scale_power,
-        help="fp16: the dynamic loss scale starts at 2**N (high, so the first steps overflow)",
-    )
-    run.add_argument(
-        "--workload",
-        choices=WORKLOAD_NAMES,
-        default=None,
-        help="model and data (default: the preset's)",
-    )
-    run.add_argument(
-        "--subject",
-        choices=SUBJECTS,
-        default="qwz",
-        help="qwz: qwz's engine; deepspeed: stock DeepSpeed reference, DeepSpeed + qwz's "
-        "gather candidates; deepspeed-native: DeepSpeed's own code for every arm, the config "
-        "passed through untouched",
-    )
-    run.add_argument(
-        "--deepspeed-src",
-        type=_path,
-        default=None,
-        metavar="PATH",
-        help="DeepSpeed subjects: import deepspeed from the source checkout at PATH on every "
-        "rank (checked); an editable install needs no flag (default: the installed deepspeed)",
-    )
-    return run
-
-
-def _add_run_options(run: argparse.ArgumentParser) -> None:
-    """``run``: timing, optimizer and evidence options."""
-    run.add_argument(
-        "--blocks",
-        type=_positive,
-        default=None,
-        help="order-balanced speed blocks (default: the preset's; long: none)",
-    )
-    run.add_argument("--block-steps", type=_positive, default=5, help="timed steps per arm")
-    run.add_argument(
-        "--warmup-steps", type=_non_negative, default=2, help="untimed steps per arm/block"
-    )
-    run.add_argument(
-        "--ledger",
-        type=_path,
-        default=None,
-        help="hash ledger directory (default: none, no reproduction check)",
-    )
-    run.add_argument("--seed", type=_seed, default=0, help="data and init seed")
-    run.add_argument("--lr", type=_positive_finite, default=1e-3, help="AdamW learning rate")
-    run.add_argument(
-        "--weight-decay",
-        type=_non_negative_finite,
-        default=0.1,
-        help="AdamW weight decay",
-    )
-    run.add_argument(
-        "--eval-every",
-        type=_positive,
-        default=None,
-        help="held-out evaluation every N steps, and at step 0 and the last step (default: "
-        "the preset's)",
-    )
-    run.add_argument(
-        "--no-calibration",
-        action="store_true",
-        help="skip the calibration arm (the learning margin is then its floor alone)",
-    )
-    run.add_argument(
-        "--one-arm-at-a-time",
-        action="store_true",
-        help="hold one arm in memory even while timing (rebuilt during warm-up at each switch)",
-    )
-    run.add_argument(
-        "--bucket-size",
-        type=_positive,
-        default=500_000_000,
-        help="allgather_bucket_size and reduce_bucket_size, in elements",
-    )
-    run.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="fused quantize/dequantize kernels (native C on CPU, else torch.compile)",
-    )
-    run.add_argument(
-        "--min-speedup",
-        type=_finite,
-        default=None,
-        help="fail unless the speed-up interval's lower end reaches this (default: not judged)",
-    )
-    run.add_argument(
-        "--no-integration",
-        action="store_true",
-        help="deepspeed subject: leave DeepSpeed stock even for candidate arms",
-    )
-    run.add_argument(
-        "--timeout",
-        type=_positive_finite,
-        default=3600.0,
-        help="seconds: the whole run (local ranks) or any one collective (torchrun)",
-    )
+    settings.add_flags(run, settings.run_settings())
 
 
 def _add_matrix_command(commands) -> None:
@@ -524,29 +316,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"qwz-qualify run: error: {problem}", file=sys.stderr)
         return 2
-    if args.compile and not compile_available():
+    if args.kernels == "fused" and not compile_available():
         print(
             "qwz-qualify: the fused kernels are not usable here (no C compiler?); "
             "the arms use the eager kernels, and the record says so",
             file=sys.stderr,
         )
-        args.compile = False
-    if args.one_arm_at_a_time and args.warmup_steps < 1:
-        print(
-            "--one-arm-at-a-time needs --warmup-steps >= 1 (arms are rebuilt then)", file=sys.stderr
-        )
-        return 2
+        args.kernels = "eager"
     plan = preflight.plan_of(args)
     if args.subject in DEEPSPEED_SUBJECTS:
         # Here too: spawned ranks start from this sys.path, and the failure record's
         # identity is read in this process.
         use_deepspeed_source(plan.deepspeed_src)
-    world_size = args.world_size or 2
+    world_size = args.world_size
     invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
     try:
         if preflight.under_torchrun():
             launched = int(os.environ["WORLD_SIZE"])
-            if args.world_size not in (None, launched):
+            if "world_size" in args.given and args.world_size != launched:
                 print(
                     f"--world-size {args.world_size} contradicts torchrun's {launched}",
                     file=sys.stderr,

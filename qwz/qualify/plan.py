@@ -1,19 +1,34 @@
 """What a qualification run does, as data: the plan, its arms and the settings they share.
 
-A ``RunPlan`` is built by the CLI (preflight.py refuses what cannot run), pickled to every
-rank (run/runner.py) and written into the record (evidence/build.py): nothing here runs a
-rank or reads a record.
+A ``RunPlan`` is built by the CLI from its settings (preflight.py refuses what cannot run),
+pickled to every rank (run/runner.py) and written into the record (evidence/build.py):
+nothing here runs a rank or reads a record. ``RunPlan`` and ``Launch`` declare every setting
+of ``qwz-qualify run`` once ([Note: one declaration per setting], qualify/values.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from qwz.qualify.run.workloads import Workload
+from qwz.qualify.values import (
+    BOOLEAN,
+    FINITE,
+    NON_NEGATIVE,
+    NON_NEGATIVE_FINITE,
+    PATH,
+    POSITIVE,
+    POSITIVE_FINITE,
+    SEED,
+    STAGE,
+    GroupSize,
+    Integer,
+    OneOf,
+    Optional,
+    setting,
+)
 
 SUBJECTS = ("qwz", "deepspeed", "deepspeed-native")
 """The implementations a run can qualify (run/subjects.py builds their arms)."""
@@ -37,6 +52,11 @@ LEARNING_RULES = ("max-gap", "non-inferiority")
 """How ``learning`` judges a candidate (qualify/evidence/checks.py): the worst gap at any
 evaluation ([Note: learning margin]) or the long horizon's statistical rule ([Note:
 non-inferiority over the horizon], qualify/evidence/horizon.py)."""
+DTYPES = ("bf16", "fp16", "fp32")
+KERNELS = ("fused", "eager")
+"""The quantize/dequantize kernels a run asks for: fused (qwz's native C kernels on CPU, else
+torch.compile) or eager (plain torch operations); the record names what each arm ran."""
+MAX_WORLD_SIZE = 4096
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 PROPOSAL_GROUP_SIZE = 64
@@ -44,6 +64,13 @@ PROPOSAL_GROUP_SIZE = 64
 and the size a DeepSpeed subject gets with the group size key left out. The harness's own
 statement of it, apart from the engine's ``qwz.quant.DEFAULT_GROUP_SIZE`` (the judge never
 takes its numbers from what it judges)."""
+
+
+class NamedWorkload(Protocol):
+    """What the plan reads of its workload (qualify/run/workloads.py's ``Workload``)."""
+
+    name: str
+    params: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -57,62 +84,138 @@ class ArmSpec:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """Everything a qualification run does, as data (picklable, recorded)."""
+    """Everything a qualification run trains and judges, as data (picklable, recorded).
 
-    workload: Workload
-    subject: str = "qwz"
-    stage: int = 2
-    dtype: str = "bf16"
-    group_sizes: tuple[int, ...] = (PROPOSAL_GROUP_SIZE,)
-    steps: int = 20
-    blocks: int = 4
-    block_steps: int = 5
-    warmup_steps: int = 2
-    seed: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    """Set explicitly (and nonzero) so that a candidate dropping it is caught."""
-    gradient_clipping: float = 1.0
-    allgather_bucket_size: int = 500_000_000
+    A field declared with ``setting()`` is a run setting: its name is the ``run`` flag, the
+    matrix spec's key, a preset's key and the record's plan key ([Note: one declaration per
+    setting], qualify/values.py). The other fields are the harness's own (sample counts, the
+    test seams)."""
+
+    workload: NamedWorkload = setting(
+        MISSING,
+        OneOf.vocabulary("workload"),
+        "model and data (qualify/run/workloads.py)",
+        matrix="axis",
+    )
+    subject: str = setting(
+        "qwz",
+        OneOf(SUBJECTS),
+        "qwz: qwz's engine; deepspeed: stock DeepSpeed reference, DeepSpeed + qwz's gather "
+        "candidates; deepspeed-native: DeepSpeed's own code for every arm, the config passed "
+        "through untouched",
+        matrix="axis",
+    )
+    stage: int = setting(2, STAGE, "ZeRO stage: 1 or 2", matrix="axis")
+    dtype: str = setting(
+        "bf16",
+        OneOf(DTYPES),
+        "working dtype (fp16: dynamic loss scaling, overflow-skipped steps judged)",
+        matrix="axis",
+    )
+    group_sizes: tuple[int, ...] = setting(
+        (PROPOSAL_GROUP_SIZE,),
+        GroupSize(),
+        "candidate group size; repeat for several arms",
+        matrix="axis",
+        flag="--group-size",
+        repeated=True,
+    )
+    steps: int = setting(20, POSITIVE, "lockstep steps")
+    blocks: int = setting(4, NON_NEGATIVE, "order-balanced speed blocks (0: no speed blocks)")
+    block_steps: int = setting(5, POSITIVE, "timed steps per arm and block")
+    warmup_steps: int = setting(2, NON_NEGATIVE, "untimed steps per arm and block")
+    seed: int = setting(0, SEED, "data and init seed", matrix="axis")
+    lr: float = setting(1e-3, POSITIVE_FINITE, "AdamW learning rate")
+    weight_decay: float = setting(
+        0.1,
+        NON_NEGATIVE_FINITE,
+        "AdamW weight decay (nonzero by default, so that a candidate dropping it is caught)",
+    )
+    gradient_clipping: float = setting(
+        1.0, NON_NEGATIVE_FINITE, "clip the gradients' global norm to this (0: no clipping)"
+    )
+    allgather_bucket_size: int = setting(
+        500_000_000, POSITIVE, "DeepSpeed's allgather_bucket_size, in elements"
+    )
+    reduce_bucket_size: int = setting(
+        500_000_000, POSITIVE, "DeepSpeed's reduce_bucket_size, in elements"
+    )
     samples_per_param: int = 64
     """Drift context: sampled elements per parameter compared with the reference."""
     update_samples: int = 512
     """[Note: exact update check]: sampled master elements per shard and rank."""
-    eval_every: int = 5
-    """Held-out evaluation every this many steps (and at step 0 and the last step)."""
-    held_out_batches: int = 2
-    """Held-out batches per rank and evaluation."""
-    calibrate: bool = True
-    """Train the calibration arm ([Note: learning margin])."""
-    preset: str = "default"
-    """The ``--preset`` the run was planned from (qualify/presets.py); recorded."""
-    learning_rule: str = "max-gap"
-    """One of LEARNING_RULES; "non-inferiority" also records every held-out batch's loss."""
-    one_arm_resident: bool = False
-    compile_kernels: bool = False
-    integration_enabled: bool = True
-    deepspeed_src: str | None = None
-    """``--deepspeed-src``: the DeepSpeed checkout every rank imports ([Note: subject
-    identity], qualify/run/subjects.py); None: the installed deepspeed."""
+    eval_every: int = setting(
+        5, POSITIVE, "held-out evaluation every N steps, and at step 0 and the last step"
+    )
+    held_out_batches: int = setting(2, POSITIVE, "held-out batches per rank and evaluation")
+    calibration: bool = setting(
+        True,
+        BOOLEAN,
+        "train the calibration arm ([Note: learning margin]; without it the learning margin "
+        "is its floor alone)",
+    )
+    preset: str = setting(
+        "default",
+        OneOf.vocabulary("preset"),
+        "defaults for the settings left unset (qualify/presets.py)",
+        matrix="axis",
+    )
+    learning_rule: str = setting(
+        "max-gap",
+        OneOf(LEARNING_RULES),
+        "how learning is judged: max-gap (the worst gap at any evaluation) or "
+        "non-inferiority (over the horizon; every held-out batch's loss is recorded)",
+    )
+    one_arm_at_a_time: bool = setting(
+        False,
+        BOOLEAN,
+        "hold one arm in memory even while timing (rebuilt during warm-up at each switch)",
+    )
+    kernels: str = setting(
+        "fused",
+        OneOf(KERNELS),
+        "quantize/dequantize kernels: fused (native C on CPU, else torch.compile; eager where "
+        "they are not usable, and the record says so) or eager",
+    )
+    qwz_gather: bool = setting(
+        True,
+        BOOLEAN,
+        "deepspeed subject: let qwz's gather take over the candidate arms (--no-qwz-gather: "
+        "DeepSpeed stays stock in every arm)",
+    )
+    deepspeed_src: str | None = setting(
+        None,
+        Optional(PATH),
+        "DeepSpeed subjects: import deepspeed from the source checkout at PATH on every rank "
+        "(checked; [Note: subject identity], qualify/run/subjects.py); an editable install "
+        "needs no flag (none: the installed deepspeed)",
+        matrix=None,
+    )
     arm_hook: str | None = None
     """Test seam: ``"module:function"`` called as ``function(arm_spec, arm_engine, plan)``
     after each candidate arm is built, in every rank; it may change the engine or return a
     replacement. The mutation suite uses it to inject broken candidates; it is recorded in
     the record's plan, so a record says when it ran."""
-    fp16_initial_scale_power: int = 20
-    """fp16: dynamic loss scaling starts at 2**this ([Note: overflow pattern],
-    qualify/evidence/loss_scaling.py): above DeepSpeed's default of 16, so that the first
-    steps of the shipped workloads overflow and the window holds overflow-skipped steps."""
-    fp16_loss_scale_window: int = 8
-    """fp16: clean steps after which the dynamic scale doubles (so it grows within a run)."""
-    fp16_hysteresis: int = 2
-    """fp16: overflows tolerated before the dynamic scale halves (DeepSpeed's default)."""
+    fp16_initial_scale_power: int = setting(
+        20,
+        NON_NEGATIVE,
+        "fp16: the dynamic loss scale starts at 2**N ([Note: overflow pattern], "
+        "qualify/evidence/loss_scaling.py: above DeepSpeed's default of 16, so that the first "
+        "steps of the shipped workloads overflow)",
+    )
+    fp16_loss_scale_window: int = setting(
+        8, POSITIVE, "fp16: clean steps after which the dynamic scale doubles"
+    )
+    fp16_hysteresis: int = setting(
+        2, POSITIVE, "fp16: overflows tolerated before the dynamic scale halves"
+    )
     extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form data for an ``arm_hook`` (benchmarks/injectors.py names its injector here)."""
 
     @property
     def arms(self) -> list[ArmSpec]:
         arms = [ArmSpec(REFERENCE, False, None)]
-        if self.calibrate:
+        if self.calibration:
             size = max(self.group_sizes)
             arms.append(ArmSpec(f"{CALIBRATION}-g{size}", False, None, size))
         return arms + [ArmSpec(f"candidate-g{size}", True, size) for size in self.group_sizes]
@@ -150,7 +253,7 @@ class RunPlan:
             "stage": self.stage,
             "zero_quantized_weights": arm.quantized,
             "allgather_bucket_size": self.allgather_bucket_size,
-            "reduce_bucket_size": self.allgather_bucket_size,
+            "reduce_bucket_size": self.reduce_bucket_size,
         }
         native_default = (
             self.subject == "deepspeed-native" and arm.group_size == PROPOSAL_GROUP_SIZE
@@ -188,6 +291,37 @@ class RunPlan:
             "consecutive_hysteresis": False,
             "min_loss_scale": 1,
         }
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The settings of ``run`` that are not the plan: how many ranks, how long, where the
+    ledger is and whether speed is gated. Declared like the plan's ([Note: one declaration
+    per setting])."""
+
+    world_size: int = setting(
+        2,
+        Integer(1, MAX_WORLD_SIZE, what=f"in [1, {MAX_WORLD_SIZE}]"),
+        "local ranks (under torchrun: its world, which a given value must equal)",
+        matrix="axis",
+    )
+    timeout: float = setting(
+        3600.0,
+        POSITIVE_FINITE,
+        "seconds: the whole run (local ranks) or any one collective (torchrun)",
+    )
+    ledger: str | None = setting(
+        None,
+        Optional(PATH),
+        "hash ledger directory (none: no reproduction check)",
+        matrix=None,
+    )
+    min_speedup: float | None = setting(
+        None,
+        Optional(FINITE),
+        "fail unless the speed-up interval's lower end reaches this (none: not judged)",
+        matrix=None,
+    )
 
 
 def plan_dict(plan: RunPlan) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from qwz.qualify import presets
-from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, RunPlan
-from qwz.qualify.presets import Preset
+from qwz.qualify import settings
+from qwz.qualify.plan import RunPlan
+from qwz.qualify.presets import DEFAULT, PRESETS, Preset
 
 RANKS_PER_CORE = 4
 """Local ranks allowed per CPU core: beyond this a run only thrashes (gloo ranks spin)."""
@@ -32,18 +32,20 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     from qwz.qualify.evidence import ledger, signing
     from qwz.qualify.files import writable_directory_problem
 
-    preset = apply_preset(args)
+    apply_preset(args)
     wanted = requirements.needed(
         workload=args.workload,
         subject=args.subject,
         blocks=args.blocks,
-        learning_rule=preset.learning_rule,
+        learning_rule=args.learning_rule,
     )
     problems = requirements.missing_packages(wanted)
     if problems:  # [Note: optional dependencies]: what follows may import them
         return problems
-    if args.no_integration and args.subject != "deepspeed":
-        problems.append("--no-integration applies to --subject deepspeed only")
+    if not args.qwz_gather and args.subject != "deepspeed":
+        problems.append("--no-qwz-gather applies to --subject deepspeed only")
+    if args.one_arm_at_a_time and args.warmup_steps < 1:
+        problems.append("--one-arm-at-a-time needs --warmup-steps >= 1 (arms are rebuilt then)")
     problems += _deepspeed_problems(args)
     out_problem = writable_directory_problem(args.out, "--out")
     if out_problem:
@@ -59,7 +61,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
         signing.configured_key()
     except signing.SigningKeyError as error:
         problems.append(str(error))
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+    world_size = run_world_size(args)
     from qwz.qualify.run.workloads import get_workload
 
     refusals = get_workload(args.workload).refusals(args.subject, world_size)
@@ -75,7 +77,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
                 f"{args.workload} model ({numel:,} parameters / {world_size} ranks = "
                 f"{largest_shard:,}); at most {largest_group:,}"
             )
-    problems += requirements.bucket_size_problems(numel, world_size, args.bucket_size)
+    problems += requirements.bucket_size_problems(numel, world_size, args.allgather_bucket_size)
     if not under_torchrun():
         problems += _local_resource_problems(world_size, numel)
     problems += _gpu_memory_problems(args, world_size, numel)
@@ -130,7 +132,7 @@ def _deepspeed_fp16_problems(args: argparse.Namespace) -> list[str]:
     from qwz.qualify.run.launch import pick_backend
     from qwz.qualify.run.subjects import deepspeed_fp16_problems
 
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+    world_size = run_world_size(args)
     source = str(args.deepspeed_src) if args.deepspeed_src else None
     return deepspeed_fp16_problems(source, pick_backend(world_size))
 
@@ -188,42 +190,41 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def run_world_size(args: argparse.Namespace) -> int:
+    """The ranks of this run: torchrun's world under torchrun, else ``--world-size``."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
+
+
+def _has_gpu_per_rank(world_size: int) -> bool:
+    """Whether the ranks of this run each get a GPU: under torchrun, where this rank has
+    one (the CLI then binds it, cli._run_torchrun); else the launcher's own choice."""
+    import torch
+
+    from qwz.qualify.run.launch import pick_backend
+
+    if under_torchrun():
+        return torch.cuda.is_available()
+    return pick_backend(world_size) == "nccl"
+
+
 def apply_preset(args: argparse.Namespace) -> Preset:
-    """``--preset`` fills the flags left unset (qualify/presets.py); idempotent."""
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size or 2
-    return presets.apply(args, world_size, under_torchrun())
+    """Every setting left unset from ``--preset`` (qualify/presets.py), else its declared
+    default (qualify/settings.py); idempotent."""
+    preset = PRESETS[getattr(args, "preset", None) or DEFAULT]
+    unset = [name for name in preset.gpu_values if getattr(args, name, None) is None]
+    return settings.resolve(args, bool(unset) and _has_gpu_per_rank(run_world_size(args)))
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
     """The run the parsed ``run`` arguments ask for."""
     from qwz.qualify.run.workloads import get_workload
 
-    preset = apply_preset(args)
-    return RunPlan(
-        workload=get_workload(args.workload),
-        subject=args.subject,
-        stage=args.stage,
-        dtype=args.dtype,
-        group_sizes=tuple(args.group_sizes or (PROPOSAL_GROUP_SIZE,)),
-        steps=args.steps,
-        blocks=args.blocks,
-        block_steps=args.block_steps,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        eval_every=args.eval_every,
-        calibrate=not args.no_calibration,
-        held_out_batches=preset.held_out_batches,
-        preset=preset.name,
-        learning_rule=preset.learning_rule,
-        one_arm_resident=args.one_arm_at_a_time,
-        allgather_bucket_size=args.bucket_size,
-        compile_kernels=args.compile,
-        integration_enabled=not args.no_integration,
-        deepspeed_src=str(args.deepspeed_src.resolve()) if args.deepspeed_src else None,
-        fp16_initial_scale_power=args.initial_scale_power,
-    )
+    apply_preset(args)
+    values = settings.plan_values(args)
+    values["workload"] = get_workload(args.workload)
+    if args.deepspeed_src is not None:
+        values["deepspeed_src"] = str(args.deepspeed_src.resolve())
+    return RunPlan(**values)
 
 
 def under_torchrun() -> bool:

@@ -13,7 +13,7 @@ blocks with ``sys.modules[name] = None``), and its absence is refused naming the
 install.
 
 [Note: collectives per step]
-``--bucket-size`` is DeepSpeed's ``allgather_bucket_size`` (and ``reduce_bucket_size``), in
+``--allgather-bucket-size`` is DeepSpeed's ``allgather_bucket_size``, in
 elements. The weight gather keeps two staging buffers of half the budget each, and each
 holds one row per rank ([Note: staging bound], qwz/layout.py), so the unquantized
 reference gathers at most ``bucket_size // (2 * world_size)`` elements of a rank's shard
@@ -81,7 +81,7 @@ def gather_collectives_per_step(shard_numel: int, world_size: int, bucket_size: 
 
 
 def smallest_bucket_size(shard_numel: int, world_size: int) -> int:
-    """The smallest ``--bucket-size`` that keeps the reference within
+    """The smallest ``--allgather-bucket-size`` that keeps the reference within
     :data:`MAX_GATHER_COLLECTIVES_PER_STEP` gather collectives per step."""
     per_collective = -(-shard_numel // MAX_GATHER_COLLECTIVES_PER_STEP)
     return 2 * world_size * max(1, per_collective)
@@ -95,7 +95,7 @@ def bucket_size_problems(numel: int, world_size: int, bucket_size: int) -> list[
     if calls <= MAX_GATHER_COLLECTIVES_PER_STEP:
         return []
     return [
-        f"--bucket-size {bucket_size}: the reference's weight gather would need about "
+        f"--allgather-bucket-size {bucket_size}: the reference's weight gather would need about "
         f"{calls:,} collectives per step for a shard of {shard_numel:,} elements on "
         f"{world_size} ranks (at most {MAX_GATHER_COLLECTIVES_PER_STEP:,}: [Note: "
         f"collectives per step], qwz/qualify/requirements.py); use at least "

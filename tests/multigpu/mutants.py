@@ -233,8 +233,8 @@ def _rebuilt(arm, plan, edit_zero, reported_group_size=None):
         plan.workload.build_model(plan.seed),
         config,
         quantized=True,
-        compile_kernels=plan.compile_kernels,
-        integration_enabled=plan.integration_enabled,
+        compile_kernels=plan.kernels == "fused",
+        integration_enabled=plan.qwz_gather,
     )
     if reported_group_size is not None:
         engine.group_size = reported_group_size
@@ -328,7 +328,7 @@ def _spec_patched(arm, plan, patches, *, compile_kernels=False):
         copy.deepcopy(plan.arm_config(arm)),
         quantized=True,
         compile_kernels=compile_kernels,
-        integration_enabled=plan.integration_enabled,
+        integration_enabled=plan.qwz_gather,
     )
     weakref.finalize(engine, _restore_spec)
     return engine

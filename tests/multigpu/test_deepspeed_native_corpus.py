@@ -6,8 +6,8 @@ the PR's text, each over ``proposal.patch`` and each using other freedoms of the
 input, the scale's arithmetic, the collective, the packing, the chunking, the source order.
 Through ``qwz-qualify run --subject deepspeed-native --deepspeed-src`` every correct one must
 PASS and every broken one FAIL naming one of its checks. The bucket is small
-(``--bucket-size 65536``) so that every rank's gather spans several chunks whose edges fall
-inside parameters, at G = 64 and G = 8192 in one run.
+(``--allgather-bucket-size 65536``, the reduce bucket too) so that every rank's gather
+spans several chunks whose edges fall inside parameters, at G = 64 and G = 8192 in one run.
 
 CI runs the variants whose freedoms the old judge refused (bf16 input with broadcast per
 source, a c10d call with async handles) and two broken ones at world size 2; the nightly
@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.xdist_group("deepspeed-corpus")]
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 RUN = [
     "--subject", "deepspeed-native", "--workload", "mlp", "--steps", "4", "--blocks", "1",
-    "--block-steps", "2", "--warmup-steps", "1", "--no-compile", "--bucket-size", "65536",
+    "--block-steps", "2", "--warmup-steps", "1", "--kernels", "eager",
+    "--allgather-bucket-size", "65536", "--reduce-bucket-size", "65536",
     "--group-size", "64", "--group-size", "8192",
 ]  # fmt: skip
 CI_CORRECT = ("broadcast_per_source", "c10d_async_reciprocal")

@@ -40,7 +40,8 @@ RUN_ARGS = [
     "--warmup-steps",
     "0",
     "--no-calibration",
-    "--no-compile",
+    "--kernels",
+    "eager",
 ]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLANTED = 6

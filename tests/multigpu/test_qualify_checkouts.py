@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 SMALL_RUN = [
     "--workload", "mlp", "--group-size", "64", "--steps", "6", "--blocks", "1",
-    "--block-steps", "1", "--warmup-steps", "1", "--world-size", "2", "--no-compile",
+    "--block-steps", "1", "--warmup-steps", "1", "--world-size", "2", "--kernels", "eager",
 ]  # fmt: skip
 
 

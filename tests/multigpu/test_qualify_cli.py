@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multigpu
 
 SMALL_RUN = [
     "--workload", "mlp", "--steps", "4", "--blocks", "2", "--block-steps", "2",
-    "--warmup-steps", "1", "--world-size", "2", "--no-compile",
+    "--warmup-steps", "1", "--world-size", "2", "--kernels", "eager",
 ]  # fmt: skip
 
 
@@ -206,9 +206,9 @@ def test_one_arm_at_a_time_still_times_order_balanced_blocks(tmp_path):
     done = _cli("run", "--out", str(tmp_path / "one-arm"), *SMALL_RUN, "--one-arm-at-a-time")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     loaded = record.load(tmp_path / "one-arm" / "record.json")
-    assert loaded.plan.model_dump()["one_arm_resident"] is True
+    assert loaded.plan.model_dump()["one_arm_at_a_time"] is True
     assert [block.order for block in loaded.performance[0].blocks] == ["AB", "BA"]
-    done = _cli("run", "--out", str(tmp_path / "no-warmup"), *SMALL_RUN[:-3], "--no-compile",
+    done = _cli("run", "--out", str(tmp_path / "no-warmup"), *SMALL_RUN[:-4], "--kernels", "eager",
                 "--warmup-steps", "0", "--one-arm-at-a-time", "--world-size", "2")  # fmt: skip
     assert done.returncode == 2 and "--warmup-steps >= 1" in done.stderr
 
@@ -230,7 +230,7 @@ def test_deepspeed_subject_passes_and_stock_deepspeed_is_caught_not_in_effect(tm
     assert loaded.subject.name == "deepspeed" and loaded.subject.version.startswith("0.19")
     assert loaded.verdict.passed
     done = _cli(
-        "run", "--out", str(tmp_path / "stock"), "--subject", "deepspeed", "--no-integration",
+        "run", "--out", str(tmp_path / "stock"), "--subject", "deepspeed", "--no-qwz-gather",
         *SMALL_RUN,
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multigpu
 
 TWO_GROUP_SIZES = [
     "--workload", "mlp", "--steps", "6", "--group-size", "64", "--group-size", "8192",
-    "--blocks", "1", "--block-steps", "1", "--warmup-steps", "1", "--no-compile",
+    "--blocks", "1", "--block-steps", "1", "--warmup-steps", "1", "--kernels", "eager",
 ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multigpu
 
 LONG_RUN = [
     "--workload", "mlp", "--steps", "100000", "--blocks", "1", "--block-steps", "1",
-    "--warmup-steps", "0", "--world-size", "2", "--no-compile",
+    "--warmup-steps", "0", "--world-size", "2", "--kernels", "eager",
 ]  # fmt: skip
 
 

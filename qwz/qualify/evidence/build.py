@@ -47,8 +47,8 @@ def _arms(plan: RunPlan) -> list[dict[str, Any]]:
             "group_size": arm.group_size,
             "stage": plan.stage,
             "dtype": plan.dtype,
-            "kernels": "compiled" if plan.compile_kernels else "eager",
-            "integration_enabled": plan.integration_enabled,
+            "kernels": "compiled" if plan.kernels == "fused" else "eager",
+            "integration_enabled": plan.qwz_gather,
             "config": plan.arm_config(arm),
         }
         for arm in plan.arms
@@ -351,7 +351,7 @@ def build_record(
             "calibration_arm": next(
                 (arm.name for arm in plan.arms if arm.noise_group_size is not None), None
             ),
-            "calibration_group_size": max(plan.group_sizes) if plan.calibrate else None,
+            "calibration_group_size": max(plan.group_sizes) if plan.calibration else None,
             "rule": plan.learning_rule,
         },
         **{key: sections[key] for key in ("step_one", "updates", "own_shards", "drift")},

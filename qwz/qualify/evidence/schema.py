@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from qwz.qualify.evidence.signing import Signature
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The one place the record's schema version is written ([Note: schema versions], upgrade.py)."""
 OLDEST_SCHEMA_VERSION = 2
 """The oldest schema this qwz reads (upgrade.py upgrades it in memory)."""

@@ -12,6 +12,9 @@ judged: "written by schema N; this qwz reads up to M".
 2 -> 3: the judge's identity (``judge``, null: unknown) and each check's rule version
 (``Check.rule`` 0: judged before rules were versioned) are new; records of schema 2 also
 gained fields during schema 2 (every one optional, with its old meaning as default).
+
+3 -> 4: every run setting has one name for its flag, its plan field and its plan key (the
+plan's renamed keys, ``_plan_from_3``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,35 @@ def _from_2(payload: dict[str, Any]) -> dict[str, Any]:
     return dict(payload, schema_version=3)
 
 
-UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2}
+PLAN_RENAMED_IN_4 = {
+    "integration_enabled": "qwz_gather",
+    "calibrate": "calibration",
+    "one_arm_resident": "one_arm_at_a_time",
+}
+"""Plan keys of schema 3 -> their names since, when each run setting got one name for its
+flag, its field and its record key ([Note: one declaration per setting], qualify/values.py)."""
+
+
+def _plan_from_3(plan: dict[str, Any]) -> dict[str, Any]:
+    """A schema-3 plan in schema 4's names: the renamed keys, ``compile_kernels`` as
+    ``kernels``, and ``reduce_bucket_size``, which ``--bucket-size`` set equal to
+    ``allgather_bucket_size``."""
+    upgraded = {PLAN_RENAMED_IN_4.get(key, key): value for key, value in plan.items()}
+    if "compile_kernels" in upgraded:
+        upgraded["kernels"] = "fused" if upgraded.pop("compile_kernels") else "eager"
+    if "allgather_bucket_size" in upgraded:
+        upgraded.setdefault("reduce_bucket_size", upgraded["allgather_bucket_size"])
+    return upgraded
+
+
+def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
+    plan = payload.get("plan")
+    if isinstance(plan, dict):
+        payload = dict(payload, plan=_plan_from_3(plan))
+    return dict(payload, schema_version=4)
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}
 """Version N -> the step from N to N + 1."""
 
 

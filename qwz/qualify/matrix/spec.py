@@ -37,6 +37,13 @@ removed cells stay in the table as "not run" with the entry's reason. A single c
 group whose axes have one value each. Two cells with the same id (the same axis values,
 ``Cell.id``) are refused, even across groups: the id is the cell's directory.
 
+Keys: the axes and the settings are ``run``'s settings by their one name
+([Note: one declaration per setting], qualify/values.py): an axis (``AXES``) is part of a
+cell's id; every other run setting (``matrix_settings()``: ``steps``, ``kernels``,
+``allgather_bucket_size``, ...) takes one value per group, passed as its ``run`` flag.
+Two keys of earlier specs are read as what they meant (``RENAMED_KEYS``): ``bucket_size``
+sets both buckets, ``compile = false`` is ``kernels = "eager"``.
+
 Strictness: an unknown key, a value of the wrong type or outside its rule, an exclude that
 matches no cell, or an empty matrix is a ``SpecError`` naming the file, the line where it
 can be found, the key and the rule. The names of the axes' values are the run interface's
@@ -56,129 +63,54 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qwz.config import validate_group_size
-from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, SUBJECTS
-from qwz.qualify.run.workloads import WORKLOAD_NAMES
+from qwz.qualify import settings as run_settings
+from qwz.qualify.settings import RunSetting
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser, as the package tomli (the qualify extra)
     import tomli as tomllib
 
-DTYPES = ("bf16", "fp16", "fp32")
-PRESETS = ("default", "long")
-WORKLOADS = tuple(dict.fromkeys((*WORKLOAD_NAMES, "moe-tiny")))
-"""This build's workloads and the run interface's ``moe-tiny`` (refused by ``run`` where
-this build lacks it; the table then says so)."""
-MAX_SEED = 2**63 - 1
-MAX_WORLD_SIZE = 4096
 MAX_CELLS = 4096
 """More cells than this is a spec error, not a matrix (the product grows fast)."""
+ID_AXES = ("subject", "stage", "dtype", "group_sizes", "workload", "world_size", "preset", "seed")
+"""The axes in the order ``Cell.id`` writes them (a cell's id is its directory's name)."""
 
 
 class SpecError(ValueError):
     """A spec that cannot be run; the message names the file, line and key."""
 
 
-# --------------------------------------------------------------------------- #
-# Values
-# --------------------------------------------------------------------------- #
+def _axes() -> dict[str, RunSetting]:
+    declared = run_settings.run_settings()
+    axes = {name: item for name, item in declared.items() if item.matrix == "axis"}
+    if set(axes) != set(ID_AXES):
+        raise AssertionError(f"the matrix axes {sorted(axes)} are not Cell.id's {ID_AXES}")
+    return {name: axes[name] for name in ID_AXES}
 
 
-def _integer(value: Any, rule: Callable[[int], bool], text: str) -> int:
-    if type(value) is not int or not rule(value):
-        raise ValueError(f"{value!r} is invalid: must be {text}")
-    return value
+AXES = _axes()
+"""Axis name -> its run setting, in ``Cell.id`` order ([Note: one declaration per
+setting], qualify/values.py)."""
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise ValueError(f"{value!r} is invalid: must be one of {', '.join(choices)}")
-        return value
-
-    return check
+def matrix_settings() -> dict[str, RunSetting]:
+    """Setting name -> its run setting: every run setting a cell group may set, one value
+    for all its cells (read from the declarations each time: a setting added is one)."""
+    declared = run_settings.run_settings()
+    return {name: item for name, item in declared.items() if item.matrix == "setting"}
 
 
-def _stage(value: Any) -> int:
-    return _integer(value, lambda number: number in (1, 2), "ZeRO stage 1 or 2")
-
-
-def _world_size(value: Any) -> int:
-    return _integer(value, lambda n: 1 <= n <= MAX_WORLD_SIZE, f"in [1, {MAX_WORLD_SIZE}]")
-
-
-def _seed(value: Any) -> int:
-    return _integer(value, lambda number: 0 <= number <= MAX_SEED, "in [0, 2**63 - 1]")
-
-
-def _group_sizes(value: Any) -> tuple[int, ...]:
-    """One G, or a non-empty list of distinct Gs (the candidate arms of one run)."""
-    sizes = value if isinstance(value, list) else [value]
-    if not sizes:
-        raise ValueError("[] is invalid: a cell needs at least one group size")
-    for size in sizes:
-        if type(size) is not int:
-            raise ValueError(f"{size!r} is invalid: a group size is an integer")
-        validate_group_size(size, stage=2, key="group size")
-    if len(set(sizes)) != len(sizes):
-        raise ValueError(f"{sizes!r} is invalid: a group size repeats")
-    return tuple(sizes)
-
-
-@dataclass(frozen=True)
-class Axis:
-    check: Callable[[Any], Any]
-    default: Any
-    flag: str | None
-    """The ``run`` flag; None where the value maps to flags otherwise (``group_sizes``)."""
-
-
-AXES: dict[str, Axis] = {
-    "subject": Axis(_choice(SUBJECTS), "qwz", "--subject"),
-    "stage": Axis(_stage, 2, "--stage"),
-    "dtype": Axis(_choice(DTYPES), "bf16", "--dtype"),
-    "group_sizes": Axis(_group_sizes, (PROPOSAL_GROUP_SIZE,), None),
-    "workload": Axis(_choice(WORKLOADS), "qwen3-tiny", "--workload"),
-    "world_size": Axis(_world_size, 2, "--world-size"),
-    "preset": Axis(_choice(PRESETS), "default", "--preset"),
-    "seed": Axis(_seed, 0, "--seed"),
+RENAMED_KEYS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "bucket_size": lambda value: {"allgather_bucket_size": value, "reduce_bucket_size": value},
+    "compile": lambda value: (
+        {"kernels": "fused" if value is True else "eager"}
+        if type(value) is bool
+        else {"kernels": value}
+    ),
 }
-"""Axis name -> its rule, ``run``'s default and flag; ``Cell.id`` reads them in this order."""
-
-
-def _positive(value: Any) -> int:
-    return _integer(value, lambda number: number >= 1, "a positive integer")
-
-
-def _non_negative(value: Any) -> int:
-    return _integer(value, lambda number: number >= 0, "an integer >= 0")
-
-
-def _seconds(value: Any) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{value!r} is invalid: must be a finite number of seconds > 0")
-    return float(value)
-
-
-def _boolean(value: Any) -> bool:
-    if type(value) is not bool:
-        raise ValueError(f"{value!r} is invalid: must be true or false")
-    return value
-
-
-SETTINGS: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "steps": (_positive, "--steps"),
-    "blocks": (_positive, "--blocks"),
-    "block_steps": (_positive, "--block-steps"),
-    "warmup_steps": (_non_negative, "--warmup-steps"),
-    "eval_every": (_positive, "--eval-every"),
-    "bucket_size": (_positive, "--bucket-size"),
-    "timeout": (_seconds, "--timeout"),
-    "calibration": (_boolean, "--no-calibration"),
-    "compile": (_boolean, "--no-compile"),
-}
-"""Setting -> its rule and ``run`` flag (the two booleans pass their flag when false)."""
+"""Keys of earlier specs -> the settings they meant: a spec written before a rename still
+runs the cells it ran (``bucket_size`` set both buckets; ``compile = false`` meant eager)."""
 
 
 # --------------------------------------------------------------------------- #
@@ -222,17 +154,10 @@ class Cell:
         preset (a ``run`` without ``--preset`` runs the default), then every setting."""
         arguments: list[str] = []
         for axis, value in self.axes:
-            if axis == "group_sizes":
-                for size in value:
-                    arguments += ["--group-size", str(size)]
-            elif not (axis == "preset" and value == "default"):
-                arguments += [AXES[axis].flag, str(value)]
+            if not (axis == "preset" and value == AXES["preset"].default):
+                arguments += AXES[axis].arguments(value)
         for setting, value in self.settings:
-            flag = SETTINGS[setting][1]
-            if isinstance(value, bool):
-                arguments += [] if value else [flag]
-            else:
-                arguments += [flag, repr(value) if isinstance(value, float) else str(value)]
+            arguments += matrix_settings()[setting].arguments(value)
         return arguments
 
 
@@ -263,7 +188,6 @@ class Spec:
 
 TOP_KEYS = ("matrix", "defaults", "cells", "out_of_scope")
 MATRIX_KEYS = ("name", "description")
-GROUP_KEYS = ("name", *AXES, *SETTINGS, "exclude")
 EXCLUDE_KEYS = (*AXES, "reason")
 SCOPE_KEYS = ("scope", "reason")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
@@ -359,7 +283,7 @@ def parse(text: str, path: pathlib.Path) -> Spec:
         raise where.fail("[matrix]: description must be a string", header, "description")
     defaults_start = where.section("defaults")
     defaults = data.get("defaults", {})
-    _table(defaults, "[defaults]", tuple(SETTINGS), where, defaults_start)
+    _table(defaults, "[defaults]", (*matrix_settings(), *RENAMED_KEYS), where, defaults_start)
     settings = _settings(defaults, "[defaults]", where, defaults_start)
     groups = data.get("cells")
     if not isinstance(groups, list) or not groups:
@@ -378,13 +302,15 @@ def parse(text: str, path: pathlib.Path) -> Spec:
 
 
 def _settings(raw: Mapping[str, Any], what: str, where: _Where, start: int | None) -> dict:
-    settings = {}
+    settings, known = {}, matrix_settings()
     for key, value in raw.items():
-        if key in SETTINGS:
-            try:
-                settings[key] = SETTINGS[key][0](value)
-            except ValueError as error:
-                raise where.fail(f"{what}: {key}: {error}", start, key) from None
+        if key not in known and key not in RENAMED_KEYS:
+            continue
+        try:
+            meant = RENAMED_KEYS[key](value) if key in RENAMED_KEYS else {key: value}
+            settings.update({name: known[name].check(item) for name, item in meant.items()})
+        except ValueError as error:
+            raise where.fail(f"{what}: {key}: {error}", start, key) from None
     return settings
 
 
@@ -413,7 +339,8 @@ def _group(
     """The cells of the `index`-th ``[[cells]]`` group, and those its excludes remove."""
     start = where.section("cells", index)
     what = f"[[cells]] #{index + 1}"
-    _table(raw, what, GROUP_KEYS, where, start)
+    group_keys = ("name", *AXES, *matrix_settings(), *RENAMED_KEYS, "exclude")
+    _table(raw, what, group_keys, where, start)
     name = _text(raw.get("name"), what, where, start, "name")
     if not NAME_PATTERN.fullmatch(name):
         raise where.fail(

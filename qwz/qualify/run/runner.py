@@ -18,7 +18,7 @@ across arms is kept as observations: per-step losses and gradient norms,
 held-out losses at fixed steps, step-1 master digests, sampled parameter values
 (drift, context only). The speed blocks then pair the reference with each
 candidate ([Note: order-balanced blocks], evidence/stats.py; timed by run/timing.py); with
-``one_arm_resident`` the arm is rebuilt at every switch, during the untimed
+``one_arm_at_a_time`` the arm is rebuilt at every switch, during the untimed
 warm-up, so even the timing holds one arm at a time.
 
 Per arm and step, on every rank:
@@ -287,8 +287,8 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         plan.arm_config(arm),
         model_parameters=plan.workload.optimizer_parameters(model),
         quantized=arm.quantized,
-        compile_kernels=plan.compile_kernels,
-        integration_enabled=plan.integration_enabled,
+        compile_kernels=plan.kernels == "fused",
+        integration_enabled=plan.qwz_gather,
         shard_alignment=plan.shard_alignment,
     )
     return _call_hook(plan, arm, engine)
@@ -704,7 +704,7 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
 
         def step_of(spec: ArmSpec, resident: dict[str, ArmEngine] = resident):
             if spec.name not in resident:
-                if plan.one_arm_resident:
+                if plan.one_arm_at_a_time:
                     resident.clear()
                     _release_memory()
                 resident[spec.name] = _build(plan, spec)

@@ -104,10 +104,10 @@ def test_plots_that_draw_are_moved_in_together(tmp_path):
 
 def test_the_smallest_sensible_bucket_size_is_the_boundary(tmp_path):
     def problems(bucket: int) -> list[str]:
-        args = cli.build_parser().parse_args(
-            ["run", "--out", str(tmp_path / "o"), "--workload", "mlp", "--bucket-size", str(bucket)]
-        )
-        return [line for line in preflight.check_run_request(args) if "--bucket-size" in line]
+        flag = "--allgather-bucket-size"
+        argv = ["run", "--out", str(tmp_path / "o"), "--workload", "mlp", flag, str(bucket)]
+        args = cli.build_parser().parse_args(argv)
+        return [line for line in preflight.check_run_request(args) if flag in line]
 
     (refusal,) = problems(7)
     assert "269,091 collectives per step" in refusal and refusal.endswith("use at least 264")

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import torch
 
-from qwz.qualify import cli
+from qwz.qualify import cli, preflight
 from tests.unit.qualify.test_run_preflight import parse, problems
 
 NEEDS_DEEPSPEED = pytest.mark.skipif(
@@ -82,7 +82,7 @@ def test_bf16_never_asks(tmp_path):
 
 def test_the_qwz_subject_runs_fp16(tmp_path):
     assert problems(tmp_path, "--dtype", "fp16") == []
-    assert parse("--out", "x", "--dtype", "fp16").initial_scale_power == 20
+    assert preflight.plan_of(parse("--out", "x", "--dtype", "fp16")).fp16_initial_scale_power == 20
 
 
 def _cpu_has_fp16() -> bool:

@@ -269,3 +269,17 @@ def test_the_upstream_scope_spec_covers_what_the_cpu_can_qualify():
     assert any(
         cell.value("dtype") == "fp16" and cell.value("subject") == "qwz" for cell in spec.cells
     )
+
+
+def test_a_key_of_an_earlier_spec_runs_what_it_meant(tmp_path):
+    """``compile = false`` was eager kernels; ``bucket_size`` set both buckets."""
+    spec = parse(
+        '[matrix]\nname = "m"\n[[cells]]\nname = "g"\ncompile = false\nbucket_size = 65536\n',
+        tmp_path / "m.toml",
+    )
+    arguments = spec.cells[0].run_arguments()
+    assert arguments[-6:] == [
+        "--allgather-bucket-size", "65536", "--kernels", "eager", "--reduce-bucket-size", "65536",
+    ]  # fmt: skip
+    with pytest.raises(SpecError, match="compile: 'yes' is invalid: must be one of fused, eager"):
+        parse('[matrix]\nname = "m"\n[[cells]]\nname = "g"\ncompile = "yes"\n', tmp_path / "m")

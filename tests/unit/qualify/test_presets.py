@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pathlib
+
 import pytest
 
-from qwz.qualify import cli, preflight, presets, requirements
-from qwz.qualify.plan import RunPlan
+from qwz.qualify import cli, preflight, presets, requirements, settings
+from qwz.qualify.matrix import spec as matrix_spec
+from qwz.qualify.plan import Launch, RunPlan
 from qwz.qualify.run.workloads import get_workload
+from qwz.qualify.values import POSITIVE_FINITE, setting
 
 
 def plan(*argv: str) -> RunPlan:
@@ -32,7 +37,7 @@ def test_the_default_preset_is_the_twenty_step_qualification_unchanged():
 
 
 def test_the_long_preset_fills_the_flags_left_unset(monkeypatch):
-    monkeypatch.setattr(presets, "_has_gpu_per_rank", lambda world_size, torchrun: False)
+    monkeypatch.setattr(preflight, "_has_gpu_per_rank", lambda world_size: False)
     planned = plan("--preset", "long")
     assert planned.workload == get_workload("mlp-small") and planned.steps >= 2000
     assert (planned.eval_every, planned.blocks, planned.held_out_batches) == (20, 0, 8)
@@ -44,7 +49,7 @@ def test_the_long_preset_fills_the_flags_left_unset(monkeypatch):
 
 
 def test_the_long_preset_trains_qwen3_0_6b_where_every_rank_has_a_gpu(monkeypatch):
-    monkeypatch.setattr(presets, "_has_gpu_per_rank", lambda world_size, torchrun: True)
+    monkeypatch.setattr(preflight, "_has_gpu_per_rank", lambda world_size: True)
     assert plan("--preset", "long").workload.name == "qwen3-0.6b"
     assert plan("--preset", "long", "--workload", "mlp-small").workload.name == "mlp-small"
     assert plan().workload.name == "qwen3-tiny"  # the default preset has no GPU choice
@@ -54,7 +59,7 @@ def test_an_unknown_preset_is_refused_naming_the_choices(capsys):
     with pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args(["run", "--out", "x", "--preset", "longer"])
     assert exited.value.code == 2
-    assert "invalid choice: 'longer' (choose from 'default', 'long')" in capsys.readouterr().err
+    assert "'longer' is invalid: must be one of default, long" in capsys.readouterr().err
 
 
 def test_the_long_rule_needs_scipy_even_without_speed_blocks():
@@ -65,3 +70,50 @@ def test_the_long_rule_needs_scipy_even_without_speed_blocks():
     assert requirements.HORIZON_STATISTICS not in requirements.needed(
         workload="mlp-small", subject="qwz", blocks=0
     )
+
+
+def test_every_preset_value_is_a_setting_its_rule_accepts():
+    declared = settings.run_settings()
+    for preset in presets.PRESETS.values():
+        for name, value in {**preset.values, **preset.gpu_values}.items():
+            assert name in declared, f"preset {preset.name}: {name} is no run setting"
+            assert declared[name].check(value) == value
+
+
+def test_the_check_above_catches_a_preset_value_its_rule_refuses():
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        settings.run_settings()["steps"].check(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Extended(RunPlan):
+    """RunPlan with one setting more, declared as every setting is."""
+
+    warmup_lr: float = setting(0.5, POSITIVE_FINITE, "a setting this test adds")
+
+
+def test_a_setting_declared_once_reaches_the_flags_the_matrix_and_the_presets(monkeypatch):
+    """[Note: one declaration per setting]: one field, and ``run --help`` lists its flag,
+    the matrix spec accepts its key and passes it on, and a preset may set it."""
+    monkeypatch.setattr(settings, "run_settings", lambda: settings.declared_in((_Extended, Launch)))
+    parser = cli.build_parser()
+    run_help = parser._subparsers._group_actions[0].choices["run"].format_help()
+    assert "--warmup-lr X" in run_help and "a setting this test adds (default: 0.5)" in run_help
+    spec = matrix_spec.parse(
+        '[matrix]\nname = "m"\n[[cells]]\nname = "g"\nwarmup_lr = 0.25\n', pathlib.Path("m")
+    )
+    assert spec.cells[0].run_arguments()[-2:] == ["--warmup-lr", "0.25"]
+    with pytest.raises(matrix_spec.SpecError, match="warmup_lr: -1 is invalid"):
+        matrix_spec.parse(
+            '[matrix]\nname = "m"\n[[cells]]\nname = "g"\nwarmup_lr = -1\n', pathlib.Path("m")
+        )
+    tuned = presets.Preset("tuned", values={"workload": "mlp", "warmup_lr": 0.75})
+    monkeypatch.setitem(presets.PRESETS, "tuned", tuned)
+    args = parser.parse_args(["run", "--out", "x"])
+    args.preset = "tuned"
+    settings.resolve(args, gpu_per_rank=False)
+    assert args.warmup_lr == 0.75
+    given = parser.parse_args(["run", "--out", "x", "--warmup-lr", "2"])
+    given.preset = "tuned"
+    settings.resolve(given, gpu_per_rank=False)
+    assert given.warmup_lr == 2.0 and given.given == {"warmup_lr", "preset"}

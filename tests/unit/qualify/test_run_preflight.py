@@ -52,11 +52,11 @@ def usage_error(capsys, *argv: str) -> str:
         (["--steps", "0"], "argument --steps: 0 is invalid: must be a positive integer"),
         (["--world-size", "2.5"], "argument --world-size: '2.5' is not an integer"),
         (["--world-size", "9" * 5000], "argument --world-size: '999"),
-        (["--warmup-steps", "-1"], "argument --warmup-steps: -1 is invalid: must be >= 0"),
+        (["--warmup-steps", "-1"], "argument --warmup-steps: -1 is invalid: must be an integer"),
         (["--group-size", "abc"], "argument --group-size: 'abc' is not an integer"),
         (["--group-size", "12"], "argument --group-size: 12 is invalid: must be a positive multi"),
         (["--seed", "-1"], "argument --seed: -1 is invalid"),
-        (["--stage", "3"], "argument --stage: 3 is invalid: ZeRO stage 1 or 2"),
+        (["--stage", "3"], "argument --stage: 3 is invalid: must be ZeRO stage 1 or 2"),
         (["--stage", "1e3"], "argument --stage: '1e3' is not an integer"),
         (["--min-speedup", "nan"], "argument --min-speedup: nan is invalid: must be a finite"),
         (["--out", ""], "argument --out: '' is not a usable path"),
@@ -201,7 +201,7 @@ def test_an_interrupted_run_exits_128_plus_signal_and_writes_nothing(
 
     monkeypatch.setattr(launch, "launch", interrupted)
     out = tmp_path / "out"
-    argv = ["run", "--out", str(out), "--workload", "mlp", "--no-compile"]
+    argv = ["run", "--out", str(out), "--workload", "mlp", "--kernels", "eager"]
     assert cli.main(argv) == code
     assert not out.exists()
     assert f"interrupted by {signal.Signals(signum).name}" in capsys.readouterr().err
@@ -251,10 +251,13 @@ def test_atomic_write_keeps_the_usual_file_mode(tmp_path):
 
 FLAGS = [
     "--world-size", "--steps", "--stage", "--group-size", "--dtype", "--workload", "--subject",
-    "--blocks", "--block-steps", "--warmup-steps", "--seed", "--lr", "--bucket-size",
-    "--min-speedup", "--timeout", "--ledger",
+    "--blocks", "--block-steps", "--warmup-steps", "--seed", "--lr", "--allgather-bucket-size",
+    "--kernels", "--min-speedup", "--timeout", "--ledger",
 ]  # fmt: skip
-SWITCHES = ["--compile", "--no-compile", "--no-integration", "--force"]
+SWITCHES = [
+    "--calibration", "--no-calibration", "--qwz-gather", "--no-qwz-gather", "--force",
+    "--one-arm-at-a-time",
+]  # fmt: skip
 VALUES = st.sampled_from(
     ["0", "1", "2", "-1", "64", "8192", "1e3", "nan", "inf", "-inf", "1e400", "0x10", "",
      " 3", "9" * 40, "bf16", "mlp", "qwz", "--", "-", "1_000", "\u0663", "2.0"]
@@ -281,10 +284,35 @@ def test_argument_vectors_parse_or_exit_2_with_one_error_line(capsys, argv):
         assert "invalid int value" not in err and "invalid float value" not in err
         assert err.strip().splitlines()[-1].startswith("qwz-qualify run: error: ")
         return
+    preflight.apply_preset(args)  # the flags left unset get the preset's values
     for value in (args.lr, args.timeout):
         assert value > 0 and value != float("inf")
-    preflight.apply_preset(args)  # the flags left unset get the preset's values
-    assert args.steps >= 1 and args.blocks >= 1 and args.block_steps >= 1
+    assert args.steps >= 1 and args.blocks >= 0 and args.block_steps >= 1
     assert args.warmup_steps >= 0 and 0 <= args.seed < 2**63
     assert all(size > 0 and size % 8 == 0 for size in args.group_sizes or ())
     assert args.min_speedup is None or abs(args.min_speedup) != float("inf")
+
+
+@pytest.mark.parametrize(
+    ("argv", "replacement"),
+    [
+        (["--bucket-size", "65536"], "--allgather-bucket-size N --reduce-bucket-size N"),
+        (["--no-compile"], "--kernels eager"),
+        (["--compile"], "--kernels fused"),
+        (["--no-integration"], "--no-qwz-gather"),
+        (["--initial-scale-power", "8"], "--fp16-initial-scale-power"),
+    ],
+)
+def test_a_renamed_flag_is_refused_naming_its_replacement(capsys, argv, replacement):
+    last = usage_error(capsys, "--out", "somewhere", *argv)
+    assert f"{argv[0]} was renamed: use {replacement}" in last
+
+
+def test_each_bucket_is_its_own_setting():
+    """``--allgather-bucket-size`` no longer sets the reduce bucket too."""
+    plan = preflight.plan_of(parse("--out", "x", "--allgather-bucket-size", "65536"))
+    zero = plan.arm_config(plan.arms[-1])["zero_optimization"]
+    assert (zero["allgather_bucket_size"], zero["reduce_bucket_size"]) == (65536, 500_000_000)
+    plan = preflight.plan_of(parse("--out", "x", "--reduce-bucket-size", "4096"))
+    zero = plan.arm_config(plan.arms[0])["zero_optimization"]
+    assert (zero["allgather_bucket_size"], zero["reduce_bucket_size"]) == (500_000_000, 4096)

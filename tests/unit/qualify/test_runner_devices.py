@@ -121,7 +121,7 @@ def test_peak_memory_is_the_train_step_s_not_the_checks(monkeypatch):
 
     monkeypatch.setattr(subjects.QwzArm, "train_step", charged_step)
     monkeypatch.setattr(own_shard, "check_own_shards", charged_check)
-    plan = RunPlan(workload=get_workload("mlp"), dtype="fp32", steps=3, blocks=0, calibrate=False)
+    plan = RunPlan(workload=get_workload("mlp"), dtype="fp32", steps=3, blocks=0, calibration=False)
     obs, _ = runner._train_arm(plan, plan.arms[0], 0, None, None, runner._Progress(False))
     assert obs.failure is None and obs.steps_completed == 3
     assert obs.memory["peak_allocated_bytes"] == Meter.STEP_BYTES
