@@ -305,17 +305,38 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.evidence import harness_error, machine
-    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
-    from qwz.qualify.run.launch import RankFailure, launch
-    from qwz.qualify.run.runner import qualify_rank
-    from qwz.qualify.run.subjects import use_deepspeed_source
+    from qwz.qualify.evidence import machine
+    from qwz.qualify.run.launch import RankFailure
 
     problems = preflight.check_run_request(args)
     if problems:
         for problem in problems:
             print(f"qwz-qualify run: error: {problem}", file=sys.stderr)
         return 2
+    plan = _plan_to_run(args)
+    world_size = preflight.run_world_size(args)
+    invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
+    try:
+        observations = _run_ranks(plan, world_size, args)
+    except RankFailure as failure:
+        return _write_failure(failure, plan, world_size, invocation, args.out)
+    if observations is None:  # not rank 0
+        return 0
+    built = evidence.build_record(
+        plan,
+        observations,
+        ledger_dir=args.ledger,
+        min_speedup=args.min_speedup,
+        invocation=invocation,
+    )
+    return _write_evidence(built, args.out)
+
+
+def _plan_to_run(args: argparse.Namespace):
+    """The plan of a request preflight accepted, with the kernels this machine can run."""
+    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.run.subjects import use_deepspeed_source
+
     if args.kernels == "fused" and not compile_available():
         print(
             "qwz-qualify: the fused kernels are not usable here (no C compiler?); "
@@ -328,47 +349,39 @@ def cmd_run(args: argparse.Namespace) -> int:
         # Here too: spawned ranks start from this sys.path, and the failure record's
         # identity is read in this process.
         use_deepspeed_source(plan.deepspeed_src)
-    world_size = args.world_size
-    invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
-    try:
-        if preflight.under_torchrun():
-            launched = int(os.environ["WORLD_SIZE"])
-            if "world_size" in args.given and args.world_size != launched:
-                print(
-                    f"--world-size {args.world_size} contradicts torchrun's {launched}",
-                    file=sys.stderr,
-                )
-                return 2
-            world_size = launched
-            observations = _run_torchrun(plan, args.timeout, args.out)
-        else:
-            observations = launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
-    except RankFailure as failure:
-        # A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
-        # is a FAIL record naming the rank that failed first, the arm and the step.
-        print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
-        if failure.cause is None:
-            raise
-        if harness_error.is_harness_error(failure.cause):
-            # [Note: harness errors]: the harness could not observe the subject; no verdict.
-            content = harness_error.report(failure.cause, plan.subject, invocation)
-            path = harness_error.write(args.out, content)
-            print(f"wrote {path}; {harness_error.summary(content)}")
-            return harness_error.HARNESS_ERROR_EXIT
-        built = evidence.build_failure_record(
-            plan, world_size, failure.cause, failure.context, failure.results, invocation
-        )
-    else:
-        if observations is None:  # not rank 0
-            return 0
-        built = evidence.build_record(
-            plan,
-            observations,
-            ledger_dir=args.ledger,
-            min_speedup=args.min_speedup,
-            invocation=invocation,
-        )
-    return _write_evidence(built, args.out)
+    return plan
+
+
+def _run_ranks(plan, world_size: int, args: argparse.Namespace):
+    """Every rank's observations on rank 0 (None on the others): this process's rank under
+    torchrun, else `world_size` local ranks."""
+    from qwz.qualify.run.launch import launch
+    from qwz.qualify.run.runner import qualify_rank
+
+    if preflight.under_torchrun():
+        return _run_torchrun(plan, args.timeout, args.out)
+    return launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
+
+
+def _write_failure(failure, plan, world_size: int, invocation, out: pathlib.Path) -> int:
+    """A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
+    is a FAIL record naming the rank that failed first, the arm and the step; or, where the
+    harness could not observe the subject, no verdict ([Note: harness errors])."""
+    from qwz.qualify.evidence import build as evidence
+    from qwz.qualify.evidence import harness_error
+
+    print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
+    if failure.cause is None:
+        raise failure
+    if harness_error.is_harness_error(failure.cause):
+        content = harness_error.report(failure.cause, plan.subject, invocation)
+        path = harness_error.write(out, content)
+        print(f"wrote {path}; {harness_error.summary(content)}")
+        return harness_error.HARNESS_ERROR_EXIT
+    built = evidence.build_failure_record(
+        plan, world_size, failure.cause, failure.context, failure.results, invocation
+    )
+    return _write_evidence(built, out)
 
 
 def _write_evidence(built, out: pathlib.Path) -> int:

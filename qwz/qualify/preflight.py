@@ -46,6 +46,10 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
         problems.append("--no-qwz-gather applies to --subject deepspeed only")
     if args.one_arm_at_a_time and args.warmup_steps < 1:
         problems.append("--one-arm-at-a-time needs --warmup-steps >= 1 (arms are rebuilt then)")
+    if under_torchrun() and "world_size" in args.given:
+        launched = int(os.environ["WORLD_SIZE"])
+        if args.world_size != launched:
+            problems.append(f"--world-size {args.world_size} contradicts torchrun's {launched}")
     problems += _deepspeed_problems(args)
     out_problem = writable_directory_problem(args.out, "--out")
     if out_problem:

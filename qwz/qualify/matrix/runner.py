@@ -85,7 +85,9 @@ def expected_plan(parser: argparse.ArgumentParser, arguments: list[str]) -> dict
     try:
         with contextlib.redirect_stderr(refusals):
             namespace = parser.parse_args(["run", *arguments, "--out", os.devnull])
-        namespace.compile = namespace.compile and compile_available()  # as cmd_run does
+        preflight.apply_preset(namespace)
+        if namespace.kernels == "fused" and not compile_available():  # as cmd_run does
+            namespace.kernels = "eager"
         plan = preflight.plan_of(namespace)
     except (SystemExit, ValueError):
         return None

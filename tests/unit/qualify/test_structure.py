@@ -2,8 +2,8 @@
 import cycle, and dependencies that point down only (DESIGN.md, "Layout").
 
 The import graph has one edge per ``import``/``from ... import`` anywhere in a module,
-function-level ones included (a lazy import is still a dependency), except those under
-``if TYPE_CHECKING:`` (annotations only: nothing runs them)."""
+function-level ones (a lazy import is still a dependency) and those under
+``if TYPE_CHECKING:`` included (what an annotation names, its reader must read)."""
 
 from __future__ import annotations
 
@@ -56,24 +56,13 @@ def _modules(root: pathlib.Path = PACKAGE_DIR) -> dict[str, pathlib.Path]:
     return modules
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imported_names(module: str, path: pathlib.Path) -> set[str]:
     """Every dotted name `module` imports: ``from a import b`` imports ``a.b`` (a module, or a
     name inside the module ``a``)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    def visit(node: ast.AST) -> None:  # ``if TYPE_CHECKING:`` imports are imports too
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -212,8 +201,9 @@ def _write(root: pathlib.Path, relative: str, text: str) -> None:
 
 
 def test_the_graph_sees_lazy_and_relative_imports_and_finds_their_cycle(tmp_path):
-    """The detector itself: a cycle through a function-level relative import is found; one
-    through an ``if TYPE_CHECKING:`` import is not an edge."""
+    """The detector itself: a cycle through a function-level relative import is found, and an
+    ``if TYPE_CHECKING:`` import is an edge like any other (a type-only arrow up is an arrow
+    up: the module's reader needs the other to read it)."""
     root = tmp_path / "qwz"
     _write(root, "__init__.py", "")
     _write(root, "a.py", "def f():\n    from .b import g\n")
@@ -221,7 +211,7 @@ def test_the_graph_sees_lazy_and_relative_imports_and_finds_their_cycle(tmp_path
     _write(root, "c.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import qwz.a\n")
     graph = import_graph(root)
     assert cycles(graph) == [["qwz.a", "qwz.b"]]
-    assert graph["qwz.c"] == set()
+    assert graph["qwz.c"] == {"qwz.a"}
 
 
 def test_the_length_count_finds_a_long_function(tmp_path):
