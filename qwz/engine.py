@@ -45,7 +45,7 @@ class Engine:
         config: QwzConfig,
         *,
         process_group: dist.ProcessGroup | None = None,
-        compile_kernels: bool | None = None,
+        fused_kernels: bool | None = None,
         shard_alignment: int | None = None,
     ):
         _check_supported(config)
@@ -75,7 +75,7 @@ class Engine:
             [(name, p) for name, p in self.module.named_parameters() if p.requires_grad],
             stage=config.zero.stage,
             optimizer=OptimizerSpec(config.optimizer.type, config.optimizer.params),
-            gather=_gather_policy(config, world_size, shard_alignment, compile_kernels),
+            gather=_gather_policy(config, world_size, shard_alignment, fused_kernels),
             reduce=ReducePolicy(
                 bucket_size=config.zero.reduce_bucket_size,
                 # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
@@ -328,7 +328,7 @@ def broadcast_module_state(
 
 
 def _gather_policy(
-    config: QwzConfig, world_size: int, shard_alignment: int | None, compile_kernels: bool | None
+    config: QwzConfig, world_size: int, shard_alignment: int | None, fused_kernels: bool | None
 ) -> GatherPolicy:
     """The weight gather `config` asks for at `world_size`.
 
@@ -343,7 +343,7 @@ def _gather_policy(
         preserve_numel=weights.preserve_numel,
         bucket_size=config.zero.allgather_bucket_size,
         shard_alignment=shard_alignment,
-        compile_kernels=compile_kernels,
+        fused_kernels=fused_kernels,
     )
 
 
@@ -392,14 +392,14 @@ def initialize(
     config: Mapping[str, Any] | str | QwzConfig,
     *,
     process_group: dist.ProcessGroup | None = None,
-    compile_kernels: bool | None = None,
+    fused_kernels: bool | None = None,
     shard_alignment: int | None = None,
 ) -> Engine:
     """Build an :class:`Engine` from a DeepSpeed-style config (dict, JSON path or JSON text).
 
     Uses the default process group unless `process_group` is given; without an
     initialised process group it runs on one rank with the collectives skipped.
-    `compile_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
+    `fused_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
     C kernels on CPU, ``torch.compile`` otherwise) when a one-time
     probe shows they work here and write the eager kernels' bytes, else uses the eager
     kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
@@ -416,6 +416,6 @@ def initialize(
         model,
         parsed,
         process_group=process_group,
-        compile_kernels=compile_kernels,
+        fused_kernels=fused_kernels,
         shard_alignment=shard_alignment,
     )

@@ -190,7 +190,8 @@ def _squares_float64(values: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _fused_sum_of_squares():
     # dynamic=True: one kernel for every shard length, so no engine hits a recompile limit;
-    # the cache keyed by environment: [Note: compile cache per environment] (kernels.py).
+    # the cache keyed by environment: [Note: compile cache per environment]
+    # (kernels/compile_cache.py).
     return torch_compile(_squares_float64, dynamic=True)
 
 
@@ -233,9 +234,9 @@ class ZeroOptimizer:
         self._divide_before_reduce = self.reduce_dtype == torch.float16 and self.world_size > 1
         """fp16 collectives average before they sum (phase 1 of the module docstring)."""
 
-        choice = choose_kernels(gather.compile_kernels, self.device, self.dtype)
+        choice = choose_kernels(gather.fused_kernels, self.device, self.dtype)
         self.kernels = choice.kernels
-        """The gather's kernels: fused by default (kernels.choose_kernels) when they work here."""
+        """The gather's kernels: fused by default when they work here (qwz.kernels)."""
         self.kernel_fallback = choice.fallback_reason
         """Why the fused kernels are not in use although wanted (None when they are)."""
         collectives.check_same_kernels_on_every_rank(
@@ -414,7 +415,7 @@ class ZeroOptimizer:
         """Phases 1-3: reduce, check and clip the gradients, step the master shards.
         Returns the gradient norm and whether the masters stepped (False: overflow skip)."""
         shard_grads = [self._reduced_shard_grad(region, loss_scale) for region in self.regions]
-        fused = self.kernels.name == "compiled"
+        fused = self.kernels.name == "fused"
         squares = torch.stack([_sum_of_squares(grad, fused) for grad in shard_grads]).sum()
         # Reduced and rooted in float64, then rounded once to float32:
         # [Note: sharding-independent norm].

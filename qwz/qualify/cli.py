@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qwz.config import validate_group_size
-from qwz.kernels import compile_available
+from qwz.kernels import fused_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, RunPlan
@@ -524,7 +524,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"qwz-qualify run: error: {problem}", file=sys.stderr)
         return 2
-    if args.compile and not compile_available():
+    if args.compile and not fused_available():
         print(
             "qwz-qualify: the fused kernels are not usable here (no C compiler?); "
             "the arms use the eager kernels, and the record says so",

@@ -120,7 +120,7 @@ def test_a_spec_change_the_native_kernels_do_not_share_is_killed_and_shown(world
     own = next(item for item in record.own_shards if item.arm == CANDIDATE)
     assert [use.rank for use in own.kernels] == [0, 1]
     for use in own.kernels:
-        assert use.kernels == "compiled" and not use.native
+        assert use.kernels == "fused" and not use.native
         assert any("do not reproduce the eager kernels' bytes" in r for r in use.fallbacks)
     markdown = report.render_markdown(record)
     assert "native kernels dropped" in markdown

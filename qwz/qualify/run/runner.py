@@ -287,7 +287,7 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         plan.arm_config(arm),
         model_parameters=plan.workload.optimizer_parameters(model),
         quantized=arm.quantized,
-        compile_kernels=plan.compile_kernels,
+        fused_kernels=plan.compile_kernels,
         integration_enabled=plan.integration_enabled,
         shard_alignment=plan.shard_alignment,
     )

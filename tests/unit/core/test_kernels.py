@@ -1,4 +1,4 @@
-"""Kernel choice (qwz/kernels.py): the ``torch.compile`` kernels write the eager kernels'
+"""Kernel choice (qwz/kernels/): the ``torch.compile`` kernels write the eager kernels'
 bytes, the divisions are exact however they are lowered ([Note: exact division]), and
 compiled kernels never cross environments ([Note: compile cache per environment])."""
 
@@ -15,6 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qwz import kernels, quant
+from qwz.kernels import fused
+from qwz.kernels.fused import FusedDecode
+from qwz.kernels.self_tests import require_eager_bytes
 
 aten = torch.ops.aten
 
@@ -32,7 +35,7 @@ def torch_kernels():
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=64):
-        yield kernels._torch_kernels()
+        yield fused.torch_kernels()
     torch._dynamo.reset()
 
 
@@ -45,12 +48,10 @@ def torch_kernels():
         (torch.float16, ()),
     ],
 )
-def test_compiled_kernels_write_the_eager_bytes_on_rows_and_fp32_extremes(
-    torch_kernels, dtype, rows
-):
+def test_fused_kernels_write_the_eager_bytes_on_rows_and_fp32_extremes(torch_kernels, dtype, rows):
     report = kernels.compare_with_eager("cpu", dtype, torch_kernels, rows=rows)
     assert torch_kernels.encode.fallback is None and torch_kernels.decode.fallback is None
-    assert report.kernels == "compiled" and report.rows_checked == len(rows) + 1
+    assert report.kernels == "fused" and report.rows_checked == len(rows) + 1
     assert report.ok, report.mismatches
 
 
@@ -81,7 +82,7 @@ def test_a_self_test_catches_kernels_that_write_other_bytes():
     assert not report.ok and len(report.mismatches) == 2
     assert all(m.row_bytes_differ == 1 for m in report.mismatches)  # a zero group: decodes 0
     with pytest.raises(RuntimeError, match="broken kernels on cpu do not reproduce"):
-        kernels._require_eager_bytes(report)
+        require_eager_bytes(report)
 
 
 def test_compare_with_eager_refuses_an_unsupported_dtype():
@@ -99,7 +100,7 @@ def test_a_failing_self_test_on_a_device_means_eager_there(monkeypatch, caplog):
         asked.append((device.type, dtype))
         return "forced failure" if dtype == torch.float16 else None
 
-    decode = kernels._FusedDecode(None, self_test_on)
+    decode = FusedDecode(None, self_test_on)
     scales, codes = torch.ones(2, 3), torch.ones(2, 24, dtype=torch.int8)
     out = torch.zeros(2, 24, dtype=torch.float16)
     with caplog.at_level("WARNING", logger="qwz"):
@@ -229,7 +230,7 @@ def _run(cache_root: Path, extra: dict[str, str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capped_first", [False, True], ids=["native-then-capped", "reverse"])
-def test_compiled_kernels_are_right_in_both_environments_sharing_one_cache(tmp_path, capped_first):
+def test_fused_kernels_are_right_in_both_environments_sharing_one_cache(tmp_path, capped_first):
     capped = _capped_environment()
     order = [capped, {}] if capped_first else [{}, capped]
     first, second = (_run(tmp_path, extra) for extra in order)
