@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwz import kernels, quant
+import qwz
+from qwz import kernels, optimizer, quant
 from qwz.kernels import fused
 from qwz.kernels.fused import FusedDecode
 from qwz.kernels.self_tests import require_eager_bytes
@@ -273,3 +274,62 @@ def test_compile_cache_keeps_the_user_s_tag_and_directory(monkeypatch, tmp_path)
     finally:
         kernels.compile_cache.cache_clear()
     assert torch.compiler.config.cache_key_tag != "mine"
+
+
+# --------------------------------------------------------------------------- #
+# [Note: the norm's kernel] (optimizer.py)
+# --------------------------------------------------------------------------- #
+
+
+def _norm_engine(**keywords):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8))
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.05,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine = qwz.initialize(model, config=config, **keywords)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(4, 16, generator=generator).bfloat16()
+    loss = engine(inputs).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("fused_kernels", [None, True, False], ids=["default", "fused", "eager"])
+def test_the_norm_is_eager_whatever_the_gather_kernels(monkeypatch, fused_kernels):
+    asked, original = [], optimizer._sum_of_squares
+
+    def recording(values, fused):
+        asked.append(fused)
+        return original(values, fused)
+
+    monkeypatch.setattr(optimizer, "_sum_of_squares", recording)
+    engine = _norm_engine(fused_kernels=fused_kernels)
+    assert engine.optimizer.fused_norm is False and asked and not any(asked)
+    assert engine.optimizer.kernels.name == ("eager" if fused_kernels is False else "fused")
+
+
+def test_a_fused_norm_asked_for_serves_and_gives_the_eager_norm():
+    eager, fused_norm = _norm_engine(), _norm_engine(fused_norm=True)
+    assert fused_norm.optimizer.fused_norm is True
+    assert fused_norm.global_grad_norm == eager.global_grad_norm
+    assert qwz.param_hash(fused_norm.module) == qwz.param_hash(eager.module)
+
+
+def test_a_fused_norm_that_fails_its_self_test_is_refused(monkeypatch):
+    def wrong_sum_of_squares():
+        return lambda values: optimizer._squares_float64(values) * 1.01
+
+    monkeypatch.setattr(optimizer, "_fused_sum_of_squares", wrong_sum_of_squares)
+    optimizer._fused_norm_self_test.cache_clear()
+    try:
+        assert optimizer.choose_norm(False, torch.device("cpu")) is False  # never asked
+        with pytest.raises(RuntimeError, match=r"fused_norm=True but the fused norm fails"):
+            optimizer.choose_norm(True, torch.device("cpu"))
+    finally:
+        optimizer._fused_norm_self_test.cache_clear()
