@@ -167,7 +167,7 @@ def _arm(name: str, role: str, quantized: bool) -> dict[str, Any]:
         "group_size": 64 if quantized else None,
         "stage": 2,
         "dtype": "bf16",
-        "kernels": "compiled",
+        "kernels": "fused",
         "integration_enabled": True,
         "config": _arm_config(quantized=quantized),
     }

@@ -47,7 +47,7 @@ def _arms(plan: RunPlan) -> list[dict[str, Any]]:
             "group_size": arm.group_size,
             "stage": plan.stage,
             "dtype": plan.dtype,
-            "kernels": "compiled" if plan.compile_kernels else "eager",
+            "kernels": "fused" if plan.compile_kernels else "eager",
             "integration_enabled": plan.integration_enabled,
             "config": plan.arm_config(arm),
         }

@@ -12,6 +12,10 @@ judged: "written by schema N; this qwz reads up to M".
 2 -> 3: the judge's identity (``judge``, null: unknown) and each check's rule version
 (``Check.rule`` 0: judged before rules were versioned) are new; records of schema 2 also
 gained fields during schema 2 (every one optional, with its old meaning as default).
+
+3 -> 4: the fused kernels are called by what they are: ``"compiled"`` (the native C kernels on
+CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
+``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,34 @@ def _from_2(payload: dict[str, Any]) -> dict[str, Any]:
     return dict(payload, schema_version=3)
 
 
-UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2}
+def _fused(value: Any) -> Any:
+    return "fused" if value == "compiled" else value
+
+
+def _renamed_kernels(entry: Any) -> Any:
+    """`entry` (an arm or a kernel use) with ``kernels`` "compiled" renamed "fused"."""
+    if isinstance(entry, dict) and "kernels" in entry:
+        return dict(entry, kernels=_fused(entry["kernels"]))
+    return entry
+
+
+def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
+    upgraded = dict(payload, schema_version=4)
+    arms = payload.get("arms")
+    if isinstance(arms, list):
+        upgraded["arms"] = [_renamed_kernels(arm) for arm in arms]
+    own_shards = payload.get("own_shards")
+    if isinstance(own_shards, list):
+        upgraded["own_shards"] = [
+            dict(own, kernels=[_renamed_kernels(use) for use in own["kernels"]])
+            if isinstance(own, dict) and isinstance(own.get("kernels"), list)
+            else own
+            for own in own_shards
+        ]
+    return upgraded
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}
 """Version N -> the step from N to N + 1."""
 
 
