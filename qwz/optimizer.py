@@ -45,8 +45,9 @@ One optimizer step, in communication phases
    before the collective, as DeepSpeed does, so the sum of W loss-scaled fp16 gradients
    cannot overflow where each was finite; in bf16 and fp32 the sum is divided after the
    collective, in fp32 (the same values for a power-of-two W).
-2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
-   gives the global gradient norm (reported per step). In fp16 with loss scaling a
+2. *Norm and clipping.* Each rank squares and sums its shard in float64 (eager
+   unless ``fused_norm``: [Note: the norm's kernel]); one all-reduce gives the
+   global gradient norm (reported per step). In fp16 with loss scaling a
    non-finite norm is an overflow: every rank skips the update and the gather together
    ([Note: dynamic loss scale], loss_scale.py). Otherwise a non-finite norm
    raises :class:`NonFiniteError` on every rank, naming the step and the
