@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 from benchmarks import injectors
 from qwz.qualify.evidence import build, checks, record
 from qwz.qualify.evidence.schema import Record
+from qwz.qualify.plan import RunPlan
 from qwz.qualify.presets import PRESETS
 from qwz.qualify.run.workloads import get_workload
 
@@ -43,16 +44,20 @@ HOOK = "benchmarks.injectors:by_arm"
 
 def power_plan(preset_name: str, seed: int, names: Sequence[str], steps: int | None):
     preset = PRESETS[preset_name]
+    chosen = {  # the preset's values, else the settings' declared defaults
+        name: preset.values.get(name, getattr(RunPlan, name))
+        for name in ("steps", "eval_every", "held_out_batches", "learning_rule")
+    }
     return injectors.PowerPlan(
         workload=get_workload(WORKLOAD),
-        steps=steps or preset.steps,
-        eval_every=preset.eval_every,
-        held_out_batches=preset.held_out_batches,
-        learning_rule=preset.learning_rule,
+        steps=steps or chosen["steps"],
+        eval_every=chosen["eval_every"],
+        held_out_batches=chosen["held_out_batches"],
+        learning_rule=chosen["learning_rule"],
         preset=preset.name,
         blocks=0,  # speed is not what the table measures
         seed=seed,
-        compile_kernels=True,
+        kernels="fused",
         arm_hook=HOOK,
         injectors=tuple(names),
     )

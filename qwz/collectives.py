@@ -324,15 +324,15 @@ def check_same_kernels_on_every_rank(
 ) -> None:
     """Raise on every rank of `group` unless every rank chose fused kernels or every rank
     chose eager ones. Both write the same bytes, but a rank that silently runs other kernels
-    than its peers is a configuration error (`choice`: this rank's, kernels.choose_kernels)."""
+    than its peers is a configuration error (`choice`: this rank's, qwz.kernels.choose_kernels)."""
     if world_size == 1:
         return
     name = choice.kernels.name
-    fused = torch.tensor([int(name == "compiled")], dtype=torch.int64, device=device)
+    fused = torch.tensor([int(name == "fused")], dtype=torch.int64, device=device)
     dist.all_reduce(fused, group=group)
     if int(fused) not in (0, world_size):
         raise RuntimeError(
             f"rank {dist.get_rank(group)}: ranks disagree on the gather kernels ({int(fused)} "
             f"of {world_size} fused; this rank: {name}, fallback: {choice.fallback_reason}); "
-            "pass compile_kernels explicitly"
+            "pass fused_kernels explicitly"
         )

@@ -45,8 +45,9 @@ class Engine:
         config: QwzConfig,
         *,
         process_group: dist.ProcessGroup | None = None,
-        compile_kernels: bool | None = None,
+        fused_kernels: bool | None = None,
         shard_alignment: int | None = None,
+        fused_norm: bool = False,
     ):
         _check_supported(config)
         distributed = dist.is_available() and dist.is_initialized()
@@ -61,31 +62,22 @@ class Engine:
         )
         self.config = config
         self.world_size = world_size
-        # [Note: collectives on the group's device] (devices.py): cuda:LOCAL_RANK for an NCCL
-        # or mixed "cpu:gloo,cuda:nccl" group, set as the current device; one move, already
-        # in the working dtype, so the GPU never holds an fp32 copy of the model.
-        device = group_device(process_group) if distributed else None
-        if device is not None and device.type != "cuda":
-            device = None  # a gloo group: the model stays where the caller put it
-        self.module = model.to(device=device, dtype=WORKING_DTYPES[config.dtype])
-        if distributed and world_size > 1:  # [Note: replicas start identical]
-            broadcast_module_state(self.module, process_group)
+        self.module = _place_module(model, config, process_group, distributed, world_size)
         assert config.optimizer is not None  # _check_supported
         self.optimizer = ZeroOptimizer(
             [(name, p) for name, p in self.module.named_parameters() if p.requires_grad],
             stage=config.zero.stage,
             optimizer=OptimizerSpec(config.optimizer.type, config.optimizer.params),
-            gather=_gather_policy(config, world_size, shard_alignment, compile_kernels),
-            reduce=ReducePolicy(
-                bucket_size=config.zero.reduce_bucket_size,
-                # DeepSpeed's ZeRO-1/2 reduces in `communication_data_type`, else the working
-                # dtype: the same bytes for the same config.
-                dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
-                accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
-            ),
+            gather=_gather_policy(config, world_size, shard_alignment, fused_kernels),
+            reduce=_reduce_policy(config),
             gradient_clipping=config.gradient_clipping,
             process_group=process_group,
+            fused_norm=fused_norm,
         )
+        self._start_counters()
+
+    def _start_counters(self) -> None:
+        """The step counters, the last gradient norm and the loss scaler, before any step."""
         self.micro_steps = 0
         """step() calls so far (micro-batches), as DeepSpeed counts them."""
         self.global_steps = 0
@@ -97,8 +89,8 @@ class Engine:
         self.skipped_steps = 0
         """Optimizer steps skipped because the fp16 gradients overflowed (as DeepSpeed counts)."""
         self.loss_scaler = (
-            LossScaler.from_config(config.loss_scale)
-            if config.dtype == "fp16"
+            LossScaler.from_config(self.config.loss_scale)
+            if self.config.dtype == "fp16"
             else LossScaler.unscaled()
         )
         """fp16 loss scaling ([Note: dynamic loss scale]); a fixed scale of 1 otherwise."""
@@ -327,8 +319,40 @@ def broadcast_module_state(
             tensor.copy_(staged)
 
 
+def _place_module(
+    model: torch.nn.Module,
+    config: QwzConfig,
+    process_group: dist.ProcessGroup | None,
+    distributed: bool,
+    world_size: int,
+) -> torch.nn.Module:
+    """`model` in the working dtype, on the group's device (`distributed`: a process group is
+    initialised), with rank 0's state on every rank.
+
+    [Note: collectives on the group's device] (devices.py): cuda:LOCAL_RANK for an NCCL or
+    mixed "cpu:gloo,cuda:nccl" group, set as the current device; one move, already in the
+    working dtype, so the GPU never holds an fp32 copy of the model."""
+    device = group_device(process_group) if distributed else None
+    if device is not None and device.type != "cuda":
+        device = None  # a gloo group: the model stays where the caller put it
+    module = model.to(device=device, dtype=WORKING_DTYPES[config.dtype])
+    if distributed and world_size > 1:  # [Note: replicas start identical]
+        broadcast_module_state(module, process_group)
+    return module
+
+
+def _reduce_policy(config: QwzConfig) -> ReducePolicy:
+    """The gradient reduction `config` asks for. DeepSpeed's ZeRO-1/2 reduces in
+    `communication_data_type`, else the working dtype: the same bytes for the same config."""
+    return ReducePolicy(
+        bucket_size=config.zero.reduce_bucket_size,
+        dtype=WORKING_DTYPES[config.communication_dtype or config.dtype],
+        accumulate_dtype=WORKING_DTYPES[config.grad_accum_dtype or "fp32"],
+    )
+
+
 def _gather_policy(
-    config: QwzConfig, world_size: int, shard_alignment: int | None, compile_kernels: bool | None
+    config: QwzConfig, world_size: int, shard_alignment: int | None, fused_kernels: bool | None
 ) -> GatherPolicy:
     """The weight gather `config` asks for at `world_size`.
 
@@ -343,7 +367,7 @@ def _gather_policy(
         preserve_numel=weights.preserve_numel,
         bucket_size=config.zero.allgather_bucket_size,
         shard_alignment=shard_alignment,
-        compile_kernels=compile_kernels,
+        fused_kernels=fused_kernels,
     )
 
 
@@ -392,14 +416,15 @@ def initialize(
     config: Mapping[str, Any] | str | QwzConfig,
     *,
     process_group: dist.ProcessGroup | None = None,
-    compile_kernels: bool | None = None,
+    fused_kernels: bool | None = None,
     shard_alignment: int | None = None,
+    fused_norm: bool = False,
 ) -> Engine:
     """Build an :class:`Engine` from a DeepSpeed-style config (dict, JSON path or JSON text).
 
     Uses the default process group unless `process_group` is given; without an
     initialised process group it runs on one rank with the collectives skipped.
-    `compile_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
+    `fused_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
     C kernels on CPU, ``torch.compile`` otherwise) when a one-time
     probe shows they work here and write the eager kernels' bytes, else uses the eager
     kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
@@ -410,12 +435,16 @@ def initialize(
     the same order ([Note: padding rule], layout.py). It is not a config key: it changes no
     training setting, only which rank owns which element, and DeepSpeed's strict config
     would refuse it.
+    `fused_norm`: False (default) sums the gradient norm's squares with the eager kernel;
+    True with one pass fused by ``torch.compile``, after a self-test on the device (raises if
+    it fails); see [Note: the norm's kernel] (optimizer.py).
     """
     parsed = config if isinstance(config, QwzConfig) else QwzConfig.from_deepspeed(config)
     return Engine(
         model,
         parsed,
         process_group=process_group,
-        compile_kernels=compile_kernels,
+        fused_kernels=fused_kernels,
         shard_alignment=shard_alignment,
+        fused_norm=fused_norm,
     )

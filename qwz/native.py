@@ -2,7 +2,7 @@
 first use, cached on disk, called through ctypes.
 
 This module owns building and calling them; the numbers they compute are
-[Note: quantization math] (quant.py), and kernels.py decides when they are used (its
+[Note: quantization math] (quant.py), and qwz/kernels/ decides when they are used (its
 self-test checks they write the eager kernels' bytes before any gather runs them).
 
 [Note: native build]

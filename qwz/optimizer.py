@@ -45,8 +45,9 @@ One optimizer step, in communication phases
    before the collective, as DeepSpeed does, so the sum of W loss-scaled fp16 gradients
    cannot overflow where each was finite; in bf16 and fp32 the sum is divided after the
    collective, in fp32 (the same values for a power-of-two W).
-2. *Norm and clipping.* Each rank squares and sums its shard; one all-reduce
-   gives the global gradient norm (reported per step). In fp16 with loss scaling a
+2. *Norm and clipping.* Each rank squares and sums its shard in float64 (eager
+   unless ``fused_norm``: [Note: the norm's kernel]); one all-reduce gives the
+   global gradient norm (reported per step). In fp16 with loss scaling a
    non-finite norm is an overflow: every rank skips the update and the gather together
    ([Note: dynamic loss scale], loss_scale.py). Otherwise a non-finite norm
    raises :class:`NonFiniteError` on every rank, naming the step and the
@@ -85,6 +86,7 @@ import torch.distributed as dist
 from qwz import collectives, layout, shards
 from qwz.collectives import GatherStats
 from qwz.kernels import choose_kernels, torch_compile
+from qwz.kernels.self_tests import first_line
 from qwz.policies import GatherPolicy, OptimizerSpec, ReducePolicy
 
 WORKING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,7 +174,8 @@ def _sum_of_squares(values: torch.Tensor, fused: bool) -> torch.Tensor:
     in the rare case where the float64 value sits on a float32 rounding boundary. The
     qualification relies on this for its step-1 exactness check across group sizes.
     `fused`: one pass fused by torch.compile; else eager, widening a bounded chunk at a time
-    (:data:`NORM_CHUNK_NUMEL`), so the float64 copy never holds the whole shard."""
+    (:data:`NORM_CHUNK_NUMEL`), so the float64 copy never holds the whole shard. Which of the
+    two a step uses: [Note: the norm's kernel]."""
     if fused:
         return _fused_sum_of_squares()(values)
     total = torch.zeros((), dtype=torch.float64, device=values.device)
@@ -190,8 +193,56 @@ def _squares_float64(values: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _fused_sum_of_squares():
     # dynamic=True: one kernel for every shard length, so no engine hits a recompile limit;
-    # the cache keyed by environment: [Note: compile cache per environment] (kernels.py).
+    # the cache keyed by environment: [Note: compile cache per environment]
+    # (kernels/compile_cache.py).
     return torch_compile(_squares_float64, dynamic=True)
+
+
+NORM_SELF_TEST_NUMEL = 100_003
+"""Elements of the vector the fused norm must agree on with the eager one before it serves
+(odd, so no vector width divides it)."""
+
+
+@functools.cache
+def _fused_norm_self_test(device: torch.device) -> str | None:
+    """Why the fused norm cannot serve on `device` (None when it can): it must compile, and
+    the float32 norm it gives (the value a step reports and clips with) must equal the
+    eager kernel's on a ramp of mixed magnitudes."""
+    values = torch.linspace(-3.0, 5.0, NORM_SELF_TEST_NUMEL, device=device)
+    values = values * torch.linspace(0.5, 1.5, NORM_SELF_TEST_NUMEL, device=device)
+    try:
+        fused, eager = (_sum_of_squares(values, f).sqrt().float() for f in (True, False))
+    except Exception as error:  # any failure means: eager, and say why
+        return first_line(error)
+    if not torch.equal(fused, eager):
+        return f"fused norm {fused.item()!r} != eager norm {eager.item()!r} on the self-test"
+    return None
+
+
+def choose_norm(fused_norm: bool, device: torch.device) -> bool:
+    """Whether the gradient norm runs fused: only when `fused_norm` asks for it, and then
+    only if :func:`_fused_norm_self_test` passes on `device` (else raise).
+
+    [Note: the norm's kernel]
+    The norm (phase 2) has two kernels of its own, :func:`_sum_of_squares` eager or fused by
+    ``torch.compile``, and its own choice: the gather's kernels say nothing about it. A fused
+    gather is qwz's native C kernels on CPU, which need no ``torch.compile`` at all, and a
+    self-test of the wire bytes is no check of a float64 reduction. The norm is eager unless
+    ``fused_norm=True`` because that is what serves it by default: the eager kernel needs no
+    compiler, costs no compile when a process starts (every rank pays it), and cannot load a
+    graph compiled for another environment -- the failure [Note: compile cache per
+    environment] records was a fused norm's (2.21 for 2.97). Its price is one bounded float64
+    pass over this rank's gradient shard per step, slower than the fused pass on CPU; a run
+    where that matters asks for the fused norm, which serves only after it agrees with the
+    eager kernel on a self-test vector on the device. Both sum in float64, so the float32 norm
+    a step uses is the same from either but in the rare case of [Note: sharding-independent
+    norm]'s rounding boundary."""
+    if not fused_norm:
+        return False
+    reason = _fused_norm_self_test(torch.device(device))
+    if reason is not None:
+        raise RuntimeError(f"fused_norm=True but the fused norm fails here: {reason}")
+    return True
 
 
 class ZeroOptimizer:
@@ -207,6 +258,7 @@ class ZeroOptimizer:
         reduce: ReducePolicy,
         gradient_clipping: float = 0.0,
         process_group: dist.ProcessGroup | None = None,
+        fused_norm: bool = False,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage: {stage} is invalid: ZeroOptimizer implements stages 1 and 2")
@@ -220,28 +272,10 @@ class ZeroOptimizer:
         """Quantized-region shards are whole multiples of this ([Note: padding rule])."""
         self.gradient_clipping = gradient_clipping
         self.process_group = process_group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.world_size = dist.get_world_size(process_group) if distributed else 1
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        self.dtype = named_params[0][1].dtype
-        self.device = named_params[0][1].device
-        for name, param in named_params:
-            if param.dtype != self.dtype:
-                raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
-        self.reduce_dtype = self.dtype if reduce.dtype is None else reduce.dtype
-        """Dtype of the gradient collectives (default: the working dtype)."""
-        self._divide_before_reduce = self.reduce_dtype == torch.float16 and self.world_size > 1
-        """fp16 collectives average before they sum (phase 1 of the module docstring)."""
-
-        choice = choose_kernels(gather.compile_kernels, self.device, self.dtype)
-        self.kernels = choice.kernels
-        """The gather's kernels: fused by default (kernels.choose_kernels) when they work here."""
-        self.kernel_fallback = choice.fallback_reason
-        """Why the fused kernels are not in use although wanted (None when they are)."""
-        collectives.check_same_kernels_on_every_rank(
-            choice, self.process_group, self.world_size, self.device
-        )
-
+        self._place(named_params)
+        self._choose_gather_kernels()
+        self.fused_norm = choose_norm(fused_norm, self.device)
+        """Whether the gradient norm runs fused ([Note: the norm's kernel]; eager by default)."""
         self.regions = self._build_regions(named_params)
         self.gather_plan = self._plan_gather()
         """One plan for the whole weight gather (both regions, one collective per chunk)."""
@@ -260,6 +294,33 @@ class ZeroOptimizer:
         self._shard_grads: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ setup
+
+    def _place(self, named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """This rank's place in the group, the working dtype and device (all parameters
+        share them) and the dtype the gradient collectives run in."""
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(self.process_group) if distributed else 1
+        self.rank = dist.get_rank(self.process_group) if distributed else 0
+        self.dtype = named_params[0][1].dtype
+        self.device = named_params[0][1].device
+        for name, param in named_params:
+            if param.dtype != self.dtype:
+                raise ValueError(f"{name}: dtype {param.dtype} differs from {self.dtype}")
+        self.reduce_dtype = self.dtype if self.reduce.dtype is None else self.reduce.dtype
+        """Dtype of the gradient collectives (default: the working dtype)."""
+        self._divide_before_reduce = self.reduce_dtype == torch.float16 and self.world_size > 1
+        """fp16 collectives average before they sum (phase 1 of the module docstring)."""
+
+    def _choose_gather_kernels(self) -> None:
+        """The gather's kernels, the same kind on every rank (qwz.kernels.choose_kernels)."""
+        choice = choose_kernels(self.gather.fused_kernels, self.device, self.dtype)
+        self.kernels = choice.kernels
+        """The gather's kernels: fused by default when they work here."""
+        self.kernel_fallback = choice.fallback_reason
+        """Why the fused kernels are not in use although wanted (None when they are)."""
+        collectives.check_same_kernels_on_every_rank(
+            choice, self.process_group, self.world_size, self.device
+        )
 
     def _build_regions(
         self, named_params: Sequence[tuple[str, torch.nn.Parameter]]
@@ -414,8 +475,9 @@ class ZeroOptimizer:
         """Phases 1-3: reduce, check and clip the gradients, step the master shards.
         Returns the gradient norm and whether the masters stepped (False: overflow skip)."""
         shard_grads = [self._reduced_shard_grad(region, loss_scale) for region in self.regions]
-        fused = self.kernels.name == "compiled"
-        squares = torch.stack([_sum_of_squares(grad, fused) for grad in shard_grads]).sum()
+        squares = torch.stack(
+            [_sum_of_squares(grad, self.fused_norm) for grad in shard_grads]
+        ).sum()
         # Reduced and rooted in float64, then rounded once to float32:
         # [Note: sharding-independent norm].
         total = collectives.all_reduce_sum(squares, self.world_size, self.process_group)

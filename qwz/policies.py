@@ -62,9 +62,9 @@ class GatherPolicy:
     shard_alignment: int | None = None
     """The quantized region's shards are whole multiples of this many elements
     ([Note: padding rule], layout.py); None: the group size."""
-    compile_kernels: bool | None = None
+    fused_kernels: bool | None = None
     """None: the fused kernels where a one-time probe shows they work here, else eager (same
-    bytes); True: require the fused kernels; False: eager (kernels.choose_kernels)."""
+    bytes); True: require the fused kernels; False: eager (qwz.kernels.choose_kernels)."""
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)

@@ -5,7 +5,7 @@ module relies on: :data:`DEFAULT_GROUP_SIZE`, the scale formula (:func:`scale_fr
 :func:`group_scales`), the decode error bound (:data:`DECODE_ERROR_SLACK`) and the byte
 layout of one rank's wire row (:class:`WireRow`). The eager kernels (:func:`encode_into`,
 :func:`decode_into`) are straight-line tensor code (no data-dependent Python branch, no
-``.item()``), so ``torch.compile`` can fuse them; kernels.py chooses between them, the
+``.item()``), so ``torch.compile`` can fuse them; qwz/kernels/ chooses between them, the
 fused ones and qwz's native one-pass C kernels (native.py), which compute the same bytes.
 
 [Note: quantization math]

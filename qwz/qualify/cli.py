@@ -38,7 +38,7 @@ import os
 import pathlib
 import sys
 
-from qwz.kernels import compile_available
+from qwz.kernels import fused_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.settings import argparse_type
@@ -337,7 +337,7 @@ def _plan_to_run(args: argparse.Namespace):
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.run.subjects import use_deepspeed_source
 
-    if args.kernels == "fused" and not compile_available():
+    if args.kernels == "fused" and not fused_available():
         print(
             "qwz-qualify: the fused kernels are not usable here (no C compiler?); "
             "the arms use the eager kernels, and the record says so",

@@ -233,8 +233,8 @@ def _rebuilt(arm, plan, edit_zero, reported_group_size=None):
         plan.workload.build_model(plan.seed),
         config,
         quantized=True,
-        compile_kernels=plan.kernels == "fused",
-        integration_enabled=plan.qwz_gather,
+        fused_kernels=plan.kernels == "fused",
+        qwz_gather=plan.qwz_gather,
     )
     if reported_group_size is not None:
         engine.group_size = reported_group_size
@@ -302,7 +302,7 @@ _ORIGINALS: dict[tuple[Any, str], Any] = {}
 def _clear_kernel_choice() -> None:
     from qwz import kernels
 
-    for cached in (kernels.native_kernels, kernels.self_test_on, kernels.compiled_kernels):
+    for cached in (kernels.native_kernels, kernels.self_test_on, kernels.fused_kernels):
         cached.cache_clear()
 
 
@@ -314,7 +314,7 @@ def _restore_spec() -> None:
         _clear_kernel_choice()
 
 
-def _spec_patched(arm, plan, patches, *, compile_kernels=False):
+def _spec_patched(arm, plan, patches, *, fused_kernels=False):
     """The candidate rebuilt with `patches` ((module, name, value), ...) in force until the
     engine is collected ([Note: spec mutants])."""
     _restore_spec()
@@ -327,8 +327,8 @@ def _spec_patched(arm, plan, patches, *, compile_kernels=False):
         plan.workload.build_model(plan.seed),
         copy.deepcopy(plan.arm_config(arm)),
         quantized=True,
-        compile_kernels=compile_kernels,
-        integration_enabled=plan.qwz_gather,
+        fused_kernels=fused_kernels,
+        qwz_gather=plan.qwz_gather,
     )
     weakref.finalize(engine, _restore_spec)
     return engine
@@ -347,7 +347,7 @@ def spec_scale_absmax_over_100_native_disagrees(arm, engine, plan):
     from qwz import quant
 
     return _spec_patched(
-        arm, plan, [(quant, "scale_from_absmax", _scale_over_100)], compile_kernels=True
+        arm, plan, [(quant, "scale_from_absmax", _scale_over_100)], fused_kernels=True
     )
 
 

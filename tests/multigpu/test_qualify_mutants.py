@@ -115,12 +115,12 @@ def test_a_spec_change_the_native_kernels_do_not_share_is_killed_and_shown(world
     spec while the Python paths change it; qwz drops the native kernels for torch.compile of
     the changed code. The candidate still FAILs, and the record and the report say which
     kernels ran and why the native ones were dropped."""
-    record = qualify(worlds, mutated("qwz", NATIVE_DISAGREES, compile_kernels=True))
+    record = qualify(worlds, mutated("qwz", NATIVE_DISAGREES, kernels="fused"))
     assert_killed(record, NATIVE_DISAGREES)
     own = next(item for item in record.own_shards if item.arm == CANDIDATE)
     assert [use.rank for use in own.kernels] == [0, 1]
     for use in own.kernels:
-        assert use.kernels == "compiled" and not use.native
+        assert use.kernels == "fused" and not use.native
         assert any("do not reproduce the eager kernels' bytes" in r for r in use.fallbacks)
     markdown = report.render_markdown(record)
     assert "native kernels dropped" in markdown

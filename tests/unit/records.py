@@ -167,8 +167,8 @@ def _arm(name: str, role: str, quantized: bool) -> dict[str, Any]:
         "group_size": 64 if quantized else None,
         "stage": 2,
         "dtype": "bf16",
-        "kernels": "compiled",
-        "integration_enabled": True,
+        "kernels": "fused",
+        "qwz_gather": True,
         "config": _arm_config(quantized=quantized),
     }
 

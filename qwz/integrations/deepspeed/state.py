@@ -32,7 +32,7 @@ class DropInState:
     preserve_numel: int | None = None
     """Parameters of at most this many elements travel exactly (None: stock)."""
     kernels: QuantKernels | None = None
-    """The gather's kernels (kernels.choose_kernels; None: stock)."""
+    """The gather's kernels (qwz.kernels.choose_kernels; None: stock)."""
     kernel_fallback: str | None = None
     """Why the fused kernels are not in use although wanted (None when they are)."""
     staging: Staging | None = None

@@ -105,7 +105,7 @@ _OPTIMIZER_ATTRIBUTES = (
 def initialize(
     *args: Any,
     qwz_gather: bool | None = None,
-    compile_kernels: bool | None = None,
+    fused_kernels: bool | None = None,
     **kwargs: Any,
 ) -> tuple:
     """``deepspeed.initialize`` with ``zero_quantized_weights`` made real at stages 1 and 2.
@@ -114,7 +114,7 @@ def initialize(
     the config may be given as ``config``, ``config_params`` or ``args.deepspeed_config``
     (a dict, a JSON path or JSON text). ``qwz_gather=False`` (default: the
     ``QWZ_DEEPSPEED_GATHER`` environment variable, on unless 0/false/off) validates
-    and strips the qwz keys but leaves DeepSpeed stock. ``compile_kernels``: None
+    and strips the qwz keys but leaves DeepSpeed stock. ``fused_kernels``: None
     (default) uses the gather's fused kernels (native C on CPU, ``torch.compile``
     otherwise) when a one-time probe shows they work here, else the eager
     kernels (same bytes), and logs why (``optimizer.qwz.kernel_fallback``); True requires
@@ -151,7 +151,7 @@ def initialize(
     if stage in (1, 2) and _is_zero_optimizer(optimizer):
         shards.attach(optimizer)
     if take_over:
-        _take_over(optimizer, requested, compile_kernels=compile_kernels)
+        _take_over(optimizer, requested, fused_kernels=fused_kernels)
         resume.attach(result[0])
     elif stage in (1, 2) and _is_zero_optimizer(optimizer):
         optimizer.quantization_group_size = None
@@ -173,7 +173,7 @@ def _is_zero_optimizer(optimizer: Any) -> bool:
 
 
 def _take_over(
-    optimizer: Any, requested: QuantizedWeights, compile_kernels: bool | None = None
+    optimizer: Any, requested: QuantizedWeights, fused_kernels: bool | None = None
 ) -> None:
     """Replace the weight gather of this one optimizer object; see [Note: what is replaced]."""
     if not _is_zero_optimizer(optimizer):
@@ -197,7 +197,7 @@ def _take_over(
     quantizing = any(plan.world_size > 1 for plan in plans)
     optimizer.quantization_group_size = requested.group_size if quantizing else None
     device = optimizer.bit16_groups_flat[0].device
-    choice = choose_kernels(compile_kernels, device, optimizer.bit16_groups_flat[0].dtype)
+    choice = choose_kernels(fused_kernels, device, optimizer.bit16_groups_flat[0].dtype)
     optimizer.qwz = DropInState(
         plans=plans,
         preserve_numel=requested.preserve_numel,

@@ -47,8 +47,8 @@ def _arms(plan: RunPlan) -> list[dict[str, Any]]:
             "group_size": arm.group_size,
             "stage": plan.stage,
             "dtype": plan.dtype,
-            "kernels": "compiled" if plan.kernels == "fused" else "eager",
-            "integration_enabled": plan.qwz_gather,
+            "kernels": plan.kernels,
+            "qwz_gather": plan.qwz_gather,
             "config": plan.arm_config(arm),
         }
         for arm in plan.arms

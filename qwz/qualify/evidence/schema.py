@@ -198,11 +198,11 @@ class Arm(_Model):
     group_size: int | None
     stage: int
     dtype: str
-    kernels: Literal["eager", "compiled"] = Field(
-        description='Quantize/dequantize kernels: eager, or fused ("compiled": qwz\'s native C '
-        "kernels on CPU, torch.compile otherwise)"
+    kernels: Literal["eager", "fused"] = Field(
+        description="Quantize/dequantize kernels: eager, or fused (qwz's native C kernels on "
+        'CPU, torch.compile otherwise; "compiled" before schema 4)'
     )
-    integration_enabled: bool = Field(
+    qwz_gather: bool = Field(
         description="deepspeed subject: whether qwz's gather was allowed to take over"
     )
     config: dict[str, Any] = Field(description="The DeepSpeed-style config given to the engine")
@@ -342,8 +342,8 @@ class KernelUse(_Model):
 
     rank: int
     kernels: str | None = Field(
-        description='"eager" or "compiled" (fused: the native C kernels where they serve, '
-        "else torch.compile); null: the arm ran none of qwz's kernels"
+        description='"eager" or "fused" (the native C kernels where they serve, else '
+        'torch.compile; "compiled" before schema 4); null: the arm ran none of qwz\'s kernels'
     )
     native: bool = Field(description="Whether the native C kernels served the fused kernels")
     fallbacks: list[str] = Field(

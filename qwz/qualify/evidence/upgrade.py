@@ -13,8 +13,11 @@ judged: "written by schema N; this qwz reads up to M".
 (``Check.rule`` 0: judged before rules were versioned) are new; records of schema 2 also
 gained fields during schema 2 (every one optional, with its old meaning as default).
 
-3 -> 4: every run setting has one name for its flag, its plan field and its plan key (the
-plan's renamed keys, ``_plan_from_3``).
+3 -> 4: every run setting has one name for its flag, its plan field and its record key (the
+plan's renamed keys, ``_plan_from_3``; each arm's ``integration_enabled`` is ``qwz_gather``);
+the fused kernels are called by what they are: ``"compiled"`` (the native C kernels on
+CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
+``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
 """
 
 from __future__ import annotations
@@ -56,11 +59,38 @@ def _plan_from_3(plan: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
+def _fused(value: Any) -> Any:
+    return "fused" if value == "compiled" else value
+
+
+def _renamed_kernels(entry: Any) -> Any:
+    """`entry` (an arm or a kernel use) with ``kernels`` "compiled" renamed "fused", and an
+    arm's ``integration_enabled`` renamed ``qwz_gather``."""
+    if not isinstance(entry, dict):
+        return entry
+    entry = {"qwz_gather" if key == "integration_enabled" else key: v for key, v in entry.items()}
+    if "kernels" in entry:
+        entry["kernels"] = _fused(entry["kernels"])
+    return entry
+
+
 def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
+    upgraded = dict(payload, schema_version=4)
     plan = payload.get("plan")
     if isinstance(plan, dict):
-        payload = dict(payload, plan=_plan_from_3(plan))
-    return dict(payload, schema_version=4)
+        upgraded["plan"] = _plan_from_3(plan)
+    arms = payload.get("arms")
+    if isinstance(arms, list):
+        upgraded["arms"] = [_renamed_kernels(arm) for arm in arms]
+    own_shards = payload.get("own_shards")
+    if isinstance(own_shards, list):
+        upgraded["own_shards"] = [
+            dict(own, kernels=[_renamed_kernels(use) for use in own["kernels"]])
+            if isinstance(own, dict) and isinstance(own.get("kernels"), list)
+            else own
+            for own in own_shards
+        ]
+    return upgraded
 
 
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from qwz.kernels import compile_available
+from qwz.kernels import fused_available
 from qwz.qualify import preflight, supervise
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.record import load as load_record
@@ -86,7 +86,7 @@ def expected_plan(parser: argparse.ArgumentParser, arguments: list[str]) -> dict
         with contextlib.redirect_stderr(refusals):
             namespace = parser.parse_args(["run", *arguments, "--out", os.devnull])
         preflight.apply_preset(namespace)
-        if namespace.kernels == "fused" and not compile_available():  # as cmd_run does
+        if namespace.kernels == "fused" and not fused_available():  # as cmd_run does
             namespace.kernels = "eager"
         plan = preflight.plan_of(namespace)
     except (SystemExit, ValueError):

@@ -351,7 +351,7 @@ def title(record: Record) -> str:
     """Which subject ran, and in which mode: the drop-in with the takeover disabled runs
     stock DeepSpeed for every arm."""
     subject = record.subject
-    if subject.name == "deepspeed" and not any(arm.integration_enabled for arm in record.arms):
+    if subject.name == "deepspeed" and not any(arm.qwz_gather for arm in record.arms):
         return "Stock DeepSpeed qualification (qwz's gather disabled)"
     text = SUBJECT_TITLES[subject.name]
     if subject.name != "qwz":
@@ -367,7 +367,7 @@ def _quantized(record: Record, arm: Arm) -> str:
     if not arm.quantized:
         return "no"
     qwz_decides = record.subject.name == "qwz" or (
-        record.subject.name == "deepspeed" and arm.integration_enabled
+        record.subject.name == "deepspeed" and arm.qwz_gather
     )
     return "yes" if qwz_decides else "requested"
 
@@ -536,7 +536,7 @@ def _mode(record: Record) -> str:
             "inside), each config passed through untouched; whether a candidate quantizes is "
             "DeepSpeed's code's to decide, and the probe reads it off the wire"
         )
-    if any(arm.integration_enabled for arm in record.arms):
+    if any(arm.qwz_gather for arm in record.arms):
         return "stock DeepSpeed is the reference; candidates are DeepSpeed with qwz's gather"
     return "stock DeepSpeed for every arm (qwz's gather disabled): candidates only request it"
 

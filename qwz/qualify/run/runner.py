@@ -287,8 +287,8 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         plan.arm_config(arm),
         model_parameters=plan.workload.optimizer_parameters(model),
         quantized=arm.quantized,
-        compile_kernels=plan.kernels == "fused",
-        integration_enabled=plan.qwz_gather,
+        fused_kernels=plan.kernels == "fused",
+        qwz_gather=plan.qwz_gather,
         shard_alignment=plan.shard_alignment,
     )
     return _call_hook(plan, arm, engine)

@@ -87,11 +87,11 @@ class QwzArm(ArmEngine):
         self,
         model: torch.nn.Module,
         config: dict[str, Any],
-        compile_kernels: bool,
+        fused_kernels: bool,
         shard_alignment: int | None = None,
     ):
         self.engine = qwz.initialize(
-            model, config=config, compile_kernels=compile_kernels, shard_alignment=shard_alignment
+            model, config=config, fused_kernels=fused_kernels, shard_alignment=shard_alignment
         )
         self.module = self.engine.module
         self.optimizer = self.engine.optimizer
@@ -113,7 +113,7 @@ class DeepSpeedArm(ArmEngine):
         model: torch.nn.Module,
         config: dict[str, Any],
         qwz_gather: bool,
-        compile_kernels: bool,
+        fused_kernels: bool,
         model_parameters: list[Any] | None = None,
     ):
         from qwz.integrations import deepspeed as integration
@@ -123,7 +123,7 @@ class DeepSpeedArm(ArmEngine):
             model_parameters=_parameters(model, model_parameters),
             config=config,
             qwz_gather=qwz_gather,
-            compile_kernels=compile_kernels,
+            fused_kernels=fused_kernels,
         )
         self.module = self.engine.module
         self.optimizer = self.engine.optimizer
@@ -211,8 +211,8 @@ def make_arm(
     config: dict[str, Any],
     *,
     quantized: bool,
-    compile_kernels: bool = False,
-    integration_enabled: bool = True,
+    fused_kernels: bool = False,
+    qwz_gather: bool = True,
     shard_alignment: int | None = None,
     model_parameters: list[Any] | None = None,
 ) -> ArmEngine:
@@ -220,7 +220,7 @@ def make_arm(
     partitions its own buffers and refuses the argument. `model_parameters`: DeepSpeed's
     (param groups, as the MoE workload needs); qwz's engine takes the model's parameters."""
     if subject == "qwz":
-        return QwzArm(model, config, compile_kernels, shard_alignment)
+        return QwzArm(model, config, fused_kernels, shard_alignment)
     if shard_alignment is not None:
         raise ValueError(
             f"shard_alignment: {shard_alignment} is invalid for subject {subject!r}: only "
@@ -230,8 +230,8 @@ def make_arm(
         return DeepSpeedArm(
             model,
             config,
-            qwz_gather=quantized and integration_enabled,
-            compile_kernels=compile_kernels,
+            qwz_gather=quantized and qwz_gather,
+            fused_kernels=fused_kernels,
             model_parameters=model_parameters,
         )
     if subject == "deepspeed-native":

@@ -1,4 +1,4 @@
-"""Kernel choice (qwz/kernels.py): the ``torch.compile`` kernels write the eager kernels'
+"""Kernel choice (qwz/kernels/): the ``torch.compile`` kernels write the eager kernels'
 bytes, the divisions are exact however they are lowered ([Note: exact division]), and
 compiled kernels never cross environments ([Note: compile cache per environment])."""
 
@@ -14,7 +14,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qwz import kernels, quant
+import qwz
+from qwz import kernels, optimizer, quant
+from qwz.kernels import fused
+from qwz.kernels.fused import FusedDecode
+from qwz.kernels.self_tests import require_eager_bytes
 
 aten = torch.ops.aten
 
@@ -32,7 +36,7 @@ def torch_kernels():
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=64):
-        yield kernels._torch_kernels()
+        yield fused.torch_kernels()
     torch._dynamo.reset()
 
 
@@ -45,12 +49,10 @@ def torch_kernels():
         (torch.float16, ()),
     ],
 )
-def test_compiled_kernels_write_the_eager_bytes_on_rows_and_fp32_extremes(
-    torch_kernels, dtype, rows
-):
+def test_fused_kernels_write_the_eager_bytes_on_rows_and_fp32_extremes(torch_kernels, dtype, rows):
     report = kernels.compare_with_eager("cpu", dtype, torch_kernels, rows=rows)
     assert torch_kernels.encode.fallback is None and torch_kernels.decode.fallback is None
-    assert report.kernels == "compiled" and report.rows_checked == len(rows) + 1
+    assert report.kernels == "fused" and report.rows_checked == len(rows) + 1
     assert report.ok, report.mismatches
 
 
@@ -81,7 +83,7 @@ def test_a_self_test_catches_kernels_that_write_other_bytes():
     assert not report.ok and len(report.mismatches) == 2
     assert all(m.row_bytes_differ == 1 for m in report.mismatches)  # a zero group: decodes 0
     with pytest.raises(RuntimeError, match="broken kernels on cpu do not reproduce"):
-        kernels._require_eager_bytes(report)
+        require_eager_bytes(report)
 
 
 def test_compare_with_eager_refuses_an_unsupported_dtype():
@@ -99,7 +101,7 @@ def test_a_failing_self_test_on_a_device_means_eager_there(monkeypatch, caplog):
         asked.append((device.type, dtype))
         return "forced failure" if dtype == torch.float16 else None
 
-    decode = kernels._FusedDecode(None, self_test_on)
+    decode = FusedDecode(None, self_test_on)
     scales, codes = torch.ones(2, 3), torch.ones(2, 24, dtype=torch.int8)
     out = torch.zeros(2, 24, dtype=torch.float16)
     with caplog.at_level("WARNING", logger="qwz"):
@@ -229,7 +231,7 @@ def _run(cache_root: Path, extra: dict[str, str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capped_first", [False, True], ids=["native-then-capped", "reverse"])
-def test_compiled_kernels_are_right_in_both_environments_sharing_one_cache(tmp_path, capped_first):
+def test_fused_kernels_are_right_in_both_environments_sharing_one_cache(tmp_path, capped_first):
     capped = _capped_environment()
     order = [capped, {}] if capped_first else [{}, capped]
     first, second = (_run(tmp_path, extra) for extra in order)
@@ -272,3 +274,62 @@ def test_compile_cache_keeps_the_user_s_tag_and_directory(monkeypatch, tmp_path)
     finally:
         kernels.compile_cache.cache_clear()
     assert torch.compiler.config.cache_key_tag != "mine"
+
+
+# --------------------------------------------------------------------------- #
+# [Note: the norm's kernel] (optimizer.py)
+# --------------------------------------------------------------------------- #
+
+
+def _norm_engine(**keywords):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8))
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.05,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine = qwz.initialize(model, config=config, **keywords)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(4, 16, generator=generator).bfloat16()
+    loss = engine(inputs).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("fused_kernels", [None, True, False], ids=["default", "fused", "eager"])
+def test_the_norm_is_eager_whatever_the_gather_kernels(monkeypatch, fused_kernels):
+    asked, original = [], optimizer._sum_of_squares
+
+    def recording(values, fused):
+        asked.append(fused)
+        return original(values, fused)
+
+    monkeypatch.setattr(optimizer, "_sum_of_squares", recording)
+    engine = _norm_engine(fused_kernels=fused_kernels)
+    assert engine.optimizer.fused_norm is False and asked and not any(asked)
+    assert engine.optimizer.kernels.name == ("eager" if fused_kernels is False else "fused")
+
+
+def test_a_fused_norm_asked_for_serves_and_gives_the_eager_norm():
+    eager, fused_norm = _norm_engine(), _norm_engine(fused_norm=True)
+    assert fused_norm.optimizer.fused_norm is True
+    assert fused_norm.global_grad_norm == eager.global_grad_norm
+    assert qwz.param_hash(fused_norm.module) == qwz.param_hash(eager.module)
+
+
+def test_a_fused_norm_that_fails_its_self_test_is_refused(monkeypatch):
+    def wrong_sum_of_squares():
+        return lambda values: optimizer._squares_float64(values) * 1.01
+
+    monkeypatch.setattr(optimizer, "_fused_sum_of_squares", wrong_sum_of_squares)
+    optimizer._fused_norm_self_test.cache_clear()
+    try:
+        assert optimizer.choose_norm(False, torch.device("cpu")) is False  # never asked
+        with pytest.raises(RuntimeError, match=r"fused_norm=True but the fused norm fails"):
+            optimizer.choose_norm(True, torch.device("cpu"))
+    finally:
+        optimizer._fused_norm_self_test.cache_clear()

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from qwz import kernels as wire_kernels
 from qwz import native, quant
 from qwz.kernels import EAGER_KERNELS
+from qwz.kernels.fused import FusedDecode, FusedEncode
 from qwz.quant import WireRow, row_codes, row_scales
 
 from ..strategies import tensors
@@ -119,7 +120,7 @@ def test_fused_kernels_use_the_native_ones_only_where_they_serve(kernels, torch_
     only where the kernels share torch's OpenMP runtime); an fp16 destination or a
     non-contiguous source take the torch kernels -- the same bytes either way."""
     torch_threads(1)
-    fused = wire_kernels.compiled_kernels()
+    fused = wire_kernels.fused_kernels()
     assert isinstance(fused.encode.native, native.NativeKernels)
     assert isinstance(fused.decode.native, native.NativeKernels)
     row = WireRow(2, 64, 0, 2)
@@ -240,9 +241,9 @@ def test_fused_kernels_call_the_native_ones_with_the_callers_tensors(kernels, to
         raise AssertionError("the torch path ran")
 
     fused = wire_kernels.QuantKernels(
-        "compiled",
-        wire_kernels._FusedEncode(Spy(), no_torch_compile),
-        wire_kernels._FusedDecode(Spy(), no_torch_compile),
+        "fused",
+        FusedEncode(Spy(), no_torch_compile),
+        FusedDecode(Spy(), no_torch_compile),
     )
     values = torch.linspace(-2.0, 3.0, 64 * 17 - 5)
     rows, decoded = _rows(fused, values, 64, 17, 2, 1, torch.bfloat16)
@@ -291,10 +292,8 @@ def test_fused_kernels_without_a_working_torch_compile_run_eager_logged(
     def broken(device, dtype):
         return "InductorError: no C++ compiler"
 
-    decode = wire_kernels._FusedDecode(kernels, broken)
-    fused = wire_kernels.QuantKernels(
-        "compiled", wire_kernels._FusedEncode(kernels, broken), decode
-    )
+    decode = FusedDecode(kernels, broken)
+    fused = wire_kernels.QuantKernels("fused", FusedEncode(kernels, broken), decode)
     values = torch.linspace(-2.0, 3.0, 64 * 3)
     with caplog.at_level("WARNING", logger="qwz"):
         rows, decoded = _rows(fused, values, 64, 3, 2, 0, torch.float16)

@@ -20,6 +20,7 @@ import qwz
 from qwz import kernels as wire_kernels
 from qwz import quant
 from qwz.kernels import EAGER_KERNELS
+from qwz.kernels.fused import FusedDecode, FusedEncode, FusedKernel
 from qwz.quant import (
     DECODE_ERROR_SLACK,
     WireRow,
@@ -422,9 +423,7 @@ def fresh_fused_kernels():
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=64):
-        yield wire_kernels.QuantKernels(
-            "compiled", wire_kernels._FusedEncode(), wire_kernels._FusedDecode()
-        )
+        yield wire_kernels.QuantKernels("fused", FusedEncode(), FusedDecode())
     torch._dynamo.reset()
 
 
@@ -491,7 +490,7 @@ def test_recompile_limit_falls_back_to_eager_logged_and_recorded(caplog):
     import torch._dynamo
 
     torch._dynamo.reset()
-    kernel = wire_kernels._FusedKernel(quant.encode_into)
+    kernel = FusedKernel(quant.encode_into)
     rows = {}
     with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level("WARNING", logger="qwz"):
         for num_groups in (1, 2, 1, 3):

@@ -268,7 +268,7 @@ def test_a_wrong_global_norm_fails_update_naming_it():
 def test_own_shard_mismatches_fail_and_kernel_fallbacks_are_named():
     payload = make_payload()
     fallback = "native kernels dropped, torch.compile instead: RuntimeError: native kernels"
-    kernels = [{"rank": r, "kernels": "compiled", "native": False, "fallbacks": [fallback]}
+    kernels = [{"rank": r, "kernels": "fused", "native": False, "fallbacks": [fallback]}
                for r in (0, 1)]  # fmt: skip
     payload["own_shards"][1] |= {"mismatches": 7, "kernels": kernels}
     check = by_name(make_record(own_shards=payload["own_shards"]))[f"own-shard[{CANDIDATE}]"]

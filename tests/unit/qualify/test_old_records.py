@@ -30,6 +30,9 @@ MATRICES = sorted(
     FIXTURES / sha / "matrix" for sha in COMMITS if (FIXTURES / sha / "matrix").is_dir()
 )
 CURRENT = FIXTURES / "current" / "record.json"
+SCHEMA_3 = FIXTURES / "schema3" / "record.json"
+"""The current fixture as today's judge sealed it in schema 3, before the fused kernels were
+called "fused": its arms ran eager kernels, so its bytes hold no "compiled"."""
 
 
 def ids(paths):
@@ -305,6 +308,39 @@ def test_a_record_of_a_newer_schema(tmp_path):
     assert f"written by schema {newer}; this qwz reads up to {schema.SCHEMA_VERSION}" in str(
         caught.value
     )
+
+
+def _compiled(payload):
+    """The schema-3 record as a run with the fused kernels wrote it: ``"compiled"``."""
+    for arm in payload["arms"]:
+        if arm["role"] == "candidate":
+            arm["kernels"] = "compiled"
+    for own in payload["own_shards"]:
+        for use in own["kernels"]:
+            use["kernels"] = "compiled"
+
+
+def test_a_schema_3_record_of_compiled_kernels_loads_as_fused(tmp_path):
+    assert json.loads(SCHEMA_3.read_text())["schema_version"] == 3
+    assert record.load(SCHEMA_3).upgraded_from == 3
+    path = rewritten(SCHEMA_3, tmp_path / "record.json", _compiled, redigest=True)
+    assert '"compiled"' in path.read_text()
+    loaded = record.load(path)
+    assert loaded.upgraded_from == 3 and loaded.schema_version == schema.SCHEMA_VERSION == 4
+    assert [arm.kernels for arm in loaded.arms] == ["eager", "eager", "fused"]
+    assert {use.kernels for own in loaded.own_shards for use in own.kernels} == {"fused"}
+    # The digest is checked on the bytes as written ("compiled"), before the upgrade:
+    assert loaded.digest == json.loads(path.read_text())["digest"]
+    edited = rewritten(SCHEMA_3, tmp_path / "edited.json", _compiled, redigest=False)
+    with pytest.raises(schema.RecordError, match="digest mismatch"):
+        record.load(edited)
+
+
+def test_a_schema_4_record_says_fused_not_compiled():
+    with pytest.raises(ValueError, match="fused"):
+        schema.Arm.model_validate(
+            {**record.load(CURRENT).arms[-1].model_dump(), "kernels": "compiled"}
+        )
 
 
 def test_an_old_baseline_without_cuda_is_comparable_with_a_record_that_has_it():

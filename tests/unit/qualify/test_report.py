@@ -195,11 +195,11 @@ def test_a_native_deepspeed_report_names_its_subject_and_what_it_only_requested(
 def test_stock_deepspeed_through_the_drop_in_says_so():
     payload = make_payload(subject={"name": "deepspeed", "version": "0.19.8", "sha": None})
     for arm in payload["arms"]:
-        arm["integration_enabled"] = False
+        arm["qwz_gather"] = False
     markdown = report.render_markdown(seal.seal(payload))
     assert markdown.startswith("# Stock DeepSpeed qualification (qwz's gather disabled): ")
     assert "| `candidate-g64` | requested | 64 |" in markdown
-    payload["arms"][2]["integration_enabled"] = True
+    payload["arms"][2]["qwz_gather"] = True
     markdown = report.render_markdown(seal.seal(payload))
     assert markdown.startswith("# DeepSpeed + qwz's gather qualification, deepspeed 0.19.8: ")
     assert "| `candidate-g64` | yes | 64 |" in markdown

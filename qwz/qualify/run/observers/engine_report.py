@@ -23,7 +23,7 @@ def kernels_used(engine: Any, rank: int) -> dict[str, Any]:
     name = getattr(chosen, "name", None)
     fallbacks = [f"fused kernels unusable, eager instead: {fallback}"] if fallback else []
     native = False
-    if name == "compiled":  # the fused kernels' probes ran: asking costs nothing now
+    if name == "fused":  # the fused kernels' probes ran: asking costs nothing now
         native_kernels, native_reason = kernels.native_kernels()
         native = native_kernels is not None
         if native_reason:
