@@ -5,10 +5,10 @@ Pure arithmetic on sizes; no tensors are allocated here.
 [Note: padding rule]
 A flat buffer holds its parameters back to back and is padded with zeros at the
 end until its length is ``world_size * shard_numel`` where ``shard_numel`` is a
-whole number of ``shard_alignment`` elements. For an exact buffer the shard alignment
-is 1. For a quantized buffer it is the quantization group size unless the caller
-asks for a positive multiple of it (checked by :func:`shard_alignment`), so every
-rank's shard is a whole number of
+whole number of ``shard_alignment`` elements. For the exact region ([Note: small
+parameters travel exactly]) the shard alignment is 1. For a quantized buffer it is
+the quantization group size unless the caller asks for a positive multiple of it
+(checked by :func:`shard_alignment`), so every rank's shard is a whole number of
 groups and no group ever spans two ranks. The padding is zero in the working
 copy, in the gradients and in the master shard, so it quantizes to zero codes
 and never moves.
@@ -209,8 +209,8 @@ class ExactPiece(NamedTuple):
 
 class GatherChunk(NamedTuple):
     """One collective: main-stream elements [start, end) of every rank's shard (``end`` is
-    at most the real source length; quantized rows zero-pad the last group) and the
-    exact pieces that ride in the same rows."""
+    at most the real source length; quantized rows zero-pad the last group) and the exact
+    pieces that ride in the same rows."""
 
     start: int
     end: int
