@@ -18,7 +18,7 @@ values out. The master shard is never overwritten with the decoded values, so
 quantization error does not accumulate in the optimizer's state.
 
 [Note: gather pipeline]
-:func:`gather` runs one collective per chunk (quantized rows and the exact stream in one
+:func:`gather` runs one collective per chunk (quantized groups and exact elements in one
 row, [Note: wire row] in quant.py) through staging buffers allocated once
 (:class:`Staging`) and, with two buffers, overlaps them::
 
@@ -108,8 +108,9 @@ class Staging:
 
 class MaskedGroups(NamedTuple):
     """Groups of one chunk of this rank's quantized stream that hold both quantized and
-    exact elements: they are re-encoded with the exact elements zeroed, so a small
-    parameter's values never widen its neighbours' scales."""
+    exact elements (exact runs, [Note: small parameters travel exactly], layout.py): they
+    are re-encoded with the exact elements zeroed, so a small parameter's values never
+    widen its neighbours' scales."""
 
     group_index: torch.Tensor
     """int64 (n,): the groups, counted from the chunk's first group."""
@@ -198,8 +199,10 @@ def gather(
 
     source: (>= plan.source_numel,) this rank's main stream (the fp32 master shard).
     dest: (W, >= plan.source_numel) a view of the working buffer, one row per rank.
-    exact_source / exact_dest: this rank's exact stream and the (W, n) view its pieces
-    land in (default: `source` and `dest`). masked: per chunk, see :class:`MaskedGroups`.
+    exact_source / exact_dest: where this rank's exact elements are read and the (W, n) view
+    their pieces land in: an exact region's buffers, or by default `source` and `dest` (exact
+    runs; [Note: small parameters travel exactly], layout.py). masked: per chunk, see
+    :class:`MaskedGroups`.
     """
     world_size = plan.world_size
     exact_source = source if exact_source is None else exact_source

@@ -43,7 +43,8 @@ GROUP_SIZE_MULTIPLE = 8
 """Group sizes must be multiples of this (vector width of the int8 codes)."""
 
 DEFAULT_PRESERVE_NUMEL = 65_536
-"""Parameters of at most this many elements are gathered exactly, never quantized."""
+"""Parameters of at most this many elements travel exactly, never quantized ([Note: small
+parameters travel exactly], layout.py)."""
 
 DEFAULT_BUCKET_SIZE = 500_000_000
 """DeepSpeed's default for ``allgather_bucket_size`` and ``reduce_bucket_size``."""

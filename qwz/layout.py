@@ -5,10 +5,10 @@ Pure arithmetic on sizes; no tensors are allocated here.
 [Note: padding rule]
 A flat buffer holds its parameters back to back and is padded with zeros at the
 end until its length is ``world_size * shard_numel`` where ``shard_numel`` is a
-whole number of ``shard_alignment`` elements. For an exact buffer the shard alignment
-is 1. For a quantized buffer it is the quantization group size unless the caller
-asks for a positive multiple of it (checked by :func:`shard_alignment`), so every
-rank's shard is a whole number of
+whole number of ``shard_alignment`` elements. For the exact region ([Note: small
+parameters travel exactly]) the shard alignment is 1. For a quantized buffer it is
+the quantization group size unless the caller asks for a positive multiple of it
+(checked by :func:`shard_alignment`), so every rank's shard is a whole number of
 groups and no group ever spans two ranks. The padding is zero in the working
 copy, in the gradients and in the master shard, so it quantizes to zero codes
 and never moves.
@@ -26,9 +26,10 @@ The unused padding costs at most ``world_size * shard_alignment`` zero elements.
 
 [Note: staging bound]
 The weight gather moves each rank's shard in chunks. A chunk carries the same
-number of whole groups (quantization groups, or elements for an exact stream)
+number of whole groups (quantization groups, or elements for an exact region alone)
 from every rank, so one collective of equal-sized rows serves it; the row also carries the chunk's
-share of the exact stream ([Note: wire row], quant.py). Staging is allocated
+share of the exact elements ([Note: wire row], quant.py; [Note: small parameters travel
+exactly]). Staging is allocated
 once per gather plan and reused: two buffers, so that chunk k's collective runs
 while chunk k + 1 is packed and chunk k - 1 decoded ([Note: gather pipeline],
 collectives.py). Each buffer holds ``world_size`` rows of the largest chunk,
@@ -36,7 +37,7 @@ and the planner keeps *both buffers together* within the budget of
 ``allgather_bucket_size`` elements of the working dtype: each buffer gets half.
 When half the budget cannot hold one unit (and one exact element) per rank, the
 plan falls back to a single buffer with the smallest chunk -- one unit per rank,
-plus one element of an exact stream of its own or the exact elements inside
+plus one element of the exact region or the exact runs inside
 that unit -- so a tiny budget still makes progress (and exceeds it by design,
 as before, by that one minimal chunk).
 So, for every plan::
@@ -44,6 +45,40 @@ So, for every plan::
     staging_bytes = num_buffers * world_size * max(row_bytes)
                  <= max(budget_bytes, world_size * minimal_row_bytes)
 
+[Note: small parameters travel exactly]
+Parameters of at most ``preserve_numel`` elements (biases, norms, gates) are never
+quantized: their elements -- the *exact elements* -- are cast from the fp32 master to the
+working dtype and travel in the exact part of the same wire rows, after the codes
+([Note: wire row], quant.py). "Exact" is the idea's one name: ``exact_numel`` counts exact
+elements (a row's, a record's), an :class:`ExactPiece` is a run of them in one chunk's row,
+``OwnShard.exact_mask`` marks them in a shard (shards.py), and the harness's own contract
+asks whether a parameter ``travels_exactly`` (qualify/evidence/spec.py). The threshold keeps
+the public key's name end to end (``zero_quantized_weights_preserve_numel``, default 65,536,
+also a field of the checkpoint manifest); the harness, which never imports the code it
+judges, holds its own copy as ``spec.EXACT_MAX_NUMEL``.
+
+One planner (:func:`plan_gather`), one row format and one gather
+(:func:`qwz.collectives.gather`) serve both users; they differ only in where the exact
+elements sit in memory:
+
+* *The exact region* (qwz's engine, optimizer.py). The engine owns its layout, so it packs
+  the small parameters into a flat buffer of their own (shard alignment 1) beside the
+  quantized region. ``plan_gather(exact_numel=...)`` spreads each rank's exact shard evenly
+  over the chunks. No quantization group ever holds an exact element, so nothing is masked.
+* *Exact runs* (the DeepSpeed drop-in, integrations/deepspeed/gather.py). DeepSpeed owns the
+  flat partitions -- parameters back to back in its order, equal partitions per rank -- and
+  its reductions and checkpoints depend on them, so the small parameters stay where they
+  are: ``plan_gather(exact_runs=...)`` takes each rank's ``[start, end)`` runs of exact
+  elements inside its partition, each travels with the chunk that covers it and is written
+  after that chunk's decode, and a group that mixes quantized and exact elements is
+  re-encoded with the exact ones zeroed (:class:`qwz.collectives.MaskedGroups`).
+
+Why not one placement: the engine cannot take the masked form without changing its layout,
+and the layout decides every element's owner and offset, hence the order of every gradient
+reduction and the final weights ([Note: padding rule]); the drop-in cannot take a region
+without re-laying out DeepSpeed's partitions. Both meet the same contract (a group's scale
+comes from its quantized elements only, the exact elements are the master's cast): in the
+engine the masking is simply vacuous.
 """
 
 from __future__ import annotations
@@ -142,7 +177,8 @@ def resolve_shard_alignment(requested: int | None, *, group_size: int, quantize:
 def split_by_size(
     named_shapes: Sequence[tuple[str, torch.Size]], preserve_numel: int
 ) -> tuple[list[tuple[str, torch.Size]], list[tuple[str, torch.Size]]]:
-    """(exact, quantizable): parameters of at most `preserve_numel` elements travel exactly."""
+    """(exact, quantizable): parameters of at most `preserve_numel` elements travel exactly
+    ([Note: small parameters travel exactly])."""
     exact = [(n, s) for n, s in named_shapes if torch.Size(s).numel() <= preserve_numel]
     large = [(n, s) for n, s in named_shapes if torch.Size(s).numel() > preserve_numel]
     return exact, large
@@ -159,9 +195,10 @@ def quantized_unit_bytes(group_size: int) -> int:
 
 
 class ExactPiece(NamedTuple):
-    """A run of elements that travels exactly: ``numel`` elements of `owner`'s exact source
-    from ``source_offset``, at ``row_offset`` of the row's exact part, written to the
-    owner's row of the exact destination at ``dest_offset``."""
+    """A run of exact elements in one chunk's row ([Note: small parameters travel exactly]):
+    ``numel`` elements of `owner`'s exact source (its exact region shard, or its partition
+    for exact runs) from ``source_offset``, at ``row_offset`` of the row's exact part,
+    written to the owner's row of the exact destination at ``dest_offset``."""
 
     owner: int
     source_offset: int
@@ -218,10 +255,10 @@ class GatherPlan:
         return sum(chunk.row.row_bytes for chunk in self.chunks)
 
 
-def _pieces_by_quota(
+def _exact_region_pieces(
     exact_numel: int, world_size: int, num_chunks: int
 ) -> list[tuple[ExactPiece, ...]]:
-    """Exact streams of `exact_numel` elements per rank (every rank the same, in a buffer of
+    """An exact region's `exact_numel` elements per rank (every rank the same, in a buffer of
     their own) spread evenly over the chunks, each rank's run to its own row."""
     quota = ceil_div(exact_numel, num_chunks)
     result = []
@@ -233,10 +270,10 @@ def _pieces_by_quota(
     return result
 
 
-def _pieces_by_position(
+def _exact_run_pieces(
     runs: Sequence[Sequence[tuple[int, int]]], ranges: Sequence[tuple[int, int]]
 ) -> list[tuple[ExactPiece, ...]]:
-    """Exact elements inside the main stream's own buffer: `runs[owner]` are sorted,
+    """Exact runs inside the main stream's own buffer: `runs[owner]` are sorted,
     disjoint [start, end) ranges of the owner's shard. Each travels with the chunk whose
     range holds it, so it is written after that chunk's quantized decode."""
     starts = [[start for start, _ in owner_runs] for owner_runs in runs]
@@ -284,14 +321,15 @@ def plan_gather(
     """Plan a gather of every rank's main stream of `source_numel` real elements, in whole
     groups of `group_size` elements (the quantization groups when `quantize`, the last one
     zero-padded; an unquantized stream cut the same way chunks like a quantized one), or
-    element by element when `group_size` is None (unquantized only), plus an exact stream:
-    either `exact_numel` elements per rank in a buffer of their own, spread evenly over the
-    chunks, or `exact_runs` per rank inside the main stream's buffer, each with the chunk
-    that covers it. Picks the fewest chunks whose staging keeps [Note: staging bound], and
+    element by element when `group_size` is None (unquantized only), plus the exact
+    elements ([Note: small parameters travel exactly]): either an exact region of
+    `exact_numel` elements per rank in a buffer of its own, spread evenly over the chunks,
+    or `exact_runs` per rank inside the main stream's buffer, each with the chunk that
+    covers it. Picks the fewest chunks whose staging keeps [Note: staging bound], and
     at least one per `pipeline_numel` (default :data:`PIPELINE_CHUNK_NUMEL`) source elements
     ([Note: chunks to overlap])."""
     if exact_numel and exact_runs is not None:
-        raise ValueError("exact_numel and exact_runs: give one exact stream, not both")
+        raise ValueError("exact_numel and exact_runs: give an exact region or exact runs, not both")
     if quantize and group_size is None:
         raise ValueError("group_size: None is invalid when quantizing: give the group size")
     unit_numel = 1 if group_size is None else group_size
@@ -302,10 +340,10 @@ def plan_gather(
         starts = range(0, source_numel, step) if source_numel else range(0)
         ranges = [(start, min(start + step, source_numel)) for start in starts]
         if exact_runs is not None:
-            all_pieces = _pieces_by_position(exact_runs, ranges)
+            all_pieces = _exact_run_pieces(exact_runs, ranges)
         else:
             ranges += [(source_numel, source_numel)] * (num_chunks - len(ranges))
-            all_pieces = _pieces_by_quota(exact_numel, world_size, len(ranges))
+            all_pieces = _exact_region_pieces(exact_numel, world_size, len(ranges))
         chunks = []
         for (start, end), pieces in zip(ranges, all_pieces, strict=True):
             counts = [0] * world_size

@@ -16,9 +16,10 @@ gathered values without copies). There are two buffers, called regions:
 * ``quantized`` -- parameters with more than ``preserve_numel`` elements. Its
   gather sends int8 codes + fp32 scales (or, with quantization off, the
   working dtype through the very same chunking: the reference arm).
-* ``exact`` -- the small parameters (biases, norms). Always gathered exactly
-  in the working dtype: they are cheap, and quantizing a norm's few values
-  buys nothing.
+* ``exact`` -- the small parameters (biases, norms): the exact region. They
+  always travel exactly in the working dtype: they are cheap, and quantizing a
+  norm's few values buys nothing ([Note: small parameters travel exactly],
+  layout.py, says why qwz gives them a region and the DeepSpeed drop-in does not).
 
 Each region is padded per [Note: padding rule] (layout.py): rank ``r`` owns the
 slice ``[r * shard_numel, (r + 1) * shard_numel)`` of it, and in the quantized

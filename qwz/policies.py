@@ -55,7 +55,8 @@ class GatherPolicy:
     """Elements per quantization group; the large parameters' shards and chunks are whole
     groups of it even when not quantizing."""
     preserve_numel: int
-    """Parameters of at most this many elements travel exactly (the exact region)."""
+    """Parameters of at most this many elements travel exactly, in the exact region
+    ([Note: small parameters travel exactly], layout.py)."""
     bucket_size: int
     """``allgather_bucket_size``: elements of the working dtype that both staging buffers
     together stay within ([Note: staging bound], layout.py)."""

@@ -67,10 +67,11 @@ One rank's contribution to one gather collective is a row of bytes::
     [ scales: 4 * U ][ codes: U * G ][ exact: E * element_size ][ pad to 4 ]
 
 ``U`` quantization groups (fp32 scales first, so they sit at a 4-byte aligned offset), their
-int8 codes, then ``E`` elements that travel exactly in the working dtype (small parameters),
-then at most 3 zero bytes so that the next rank's row, and with it its scales, starts 4-byte
-aligned. Without quantization the row is ``[ values: U * G ][ exact: E ]`` in the working
-dtype, which needs no padding. Every rank's row of one collective has the same length.
+int8 codes, then ``E`` exact elements in the working dtype ([Note: small parameters travel
+exactly], layout.py), then at most 3 zero bytes so that the next rank's row, and with it its
+scales, starts 4-byte aligned. Without quantization the row is
+``[ values: U * G ][ exact: E ]`` in the working dtype, which needs no padding.
+Every rank's row of one collective has the same length.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ class WireRow(NamedTuple):
     """Quantization groups U (with quantization off: 0, and `raw_numel` elements instead)."""
     group_size: int
     exact_numel: int
-    """Elements E sent exactly in the working dtype after the codes."""
+    """Exact elements E, sent in the working dtype after the codes."""
     element_size: int
     """Bytes of one working-dtype element."""
     raw_numel: int = 0

@@ -11,9 +11,10 @@ groups) describing that shard:
   ``shard_optimizer`` steps exactly these tensors.
 * ``working``: the (n,) working-dtype values of the same elements in this
   rank's model, a live view: what the weight gather wrote there.
-* ``group_size`` / ``exact``: how those elements travel -- quantized in groups
+* ``group_size`` / ``exact_mask``: how those elements travel -- quantized in groups
   of ``group_size`` consecutive shard elements (the group grid starts at the
-  shard's first element), except where ``exact`` is True; ``group_size`` None
+  shard's first element), except the exact elements, where ``exact_mask`` is True
+  ([Note: small parameters travel exactly], layout.py); ``group_size`` None
   means everything travels exactly.
 * ``scales``: the (ceil(n / G),) fp32 scale of each group, computed from the
   master with the exact elements zeroed -- the scales the gather must have
@@ -58,8 +59,9 @@ class OwnShard(NamedTuple):
     """(n,) working dtype, live: this rank's gathered values of the same elements."""
     group_size: int | None
     """Quantization group of the wire; None when the shard travels exactly."""
-    exact: torch.Tensor | None
-    """(n,) bool: elements that travel exactly although ``group_size`` is set; None: none."""
+    exact_mask: torch.Tensor | None
+    """(n,) bool: the exact elements, which travel exactly although ``group_size`` is set
+    (exact runs); None: none (an exact region is a shard of its own, ``group_size`` None)."""
     scales: torch.Tensor | None
     """(ceil(n / group_size),) fp32: each group's scale as the gather must compute it."""
     slots: tuple[ShardSlot, ...]
@@ -80,11 +82,13 @@ def slots_in_range(
 
 
 @torch.no_grad()
-def shard_scales(master: torch.Tensor, group_size: int, exact: torch.Tensor | None) -> torch.Tensor:
+def shard_scales(
+    master: torch.Tensor, group_size: int, exact_mask: torch.Tensor | None
+) -> torch.Tensor:
     """Each group's scale from the master with exact elements zeroed (see the note)."""
     values = master.detach().float().reshape(-1)
-    if exact is not None:
-        values = torch.where(exact, torch.zeros_like(values), values)
+    if exact_mask is not None:
+        values = torch.where(exact_mask, torch.zeros_like(values), values)
     return quant.group_scales(values, group_size)
 
 
@@ -93,11 +97,11 @@ def make_own_shard(
     master: torch.Tensor,
     working: torch.Tensor,
     group_size: int | None,
-    exact: torch.Tensor | None,
+    exact_mask: torch.Tensor | None,
     slots: Sequence[ShardSlot],
 ) -> OwnShard:
-    scales = None if group_size is None else shard_scales(master, group_size, exact)
-    return OwnShard(name, master, working, group_size, exact, scales, tuple(slots))
+    scales = None if group_size is None else shard_scales(master, group_size, exact_mask)
+    return OwnShard(name, master, working, group_size, exact_mask, scales, tuple(slots))
 
 
 def slot_of(shard: OwnShard, position: int) -> tuple[str, int]:

@@ -152,7 +152,7 @@ def test_group_sizes_64_and_8192_give_different_hashes_and_each_rank_reports_its
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_wire_bytes_of_the_quantized_gather(worlds, world_size, group_size):
     """Bytes counted by wrapping torch.distributed: the quantized region sends 1 + 4/G bytes
-    per element instead of 2, the exact side channel its bf16 bytes, and nothing else."""
+    per element instead of 2, the exact region its bf16 bytes, and nothing else."""
     config = dict(stage=2, dtype="bf16", group_size=group_size)
     candidate = _train(worlds, world_size, steps=3, quantized=True, **config)
     reference = _train(worlds, world_size, steps=3, quantized=False, **config)
@@ -170,13 +170,13 @@ def test_wire_bytes_of_the_quantized_gather(worlds, world_size, group_size):
         reported = candidate[rank]["reported"][-1]
         assert sum(stats["bytes_sent"] for stats in reported.values()) == sent
     # The ratio on the quantized region alone is exactly (1 + 4/G) / 2; the model-level
-    # ratio adds the exact side channel and padding.
+    # ratio adds the exact region and padding.
     quantized_only = quantized_shard * (1 + 4 / group_size) / (quantized_shard * 2)
     assert quantized_only == pytest.approx((1 + 4 / group_size) / 2, rel=1e-12)
-    side_channel = exact_shard * 2 / expected_reference
+    exact_share = exact_shard * 2 / expected_reference
     ratio = candidate[0]["gather_bytes"][-1] / reference[0]["gather_bytes"][-1]
     padding = 4 * candidate[0]["gather_calls"][-1] / expected_reference
-    assert ratio <= (1 + 4 / group_size) / 2 + side_channel + padding
+    assert ratio <= (1 + 4 / group_size) / 2 + exact_share + padding
     print(f"w{world_size} G={group_size}: quantized/bf16 gather bytes = {ratio:.4f}")
 
 
@@ -195,7 +195,7 @@ def test_staging_never_exceeds_the_bound_and_chunking_never_changes_values(world
     final_hashes = set()
     calls = []
     for bucket in buckets:
-        # preserve_numel 1000 keeps the exact side channel to the 836 bias and norm
+        # preserve_numel 1000 keeps the exact region to the 836 bias and norm
         # elements, so even one element per rank per chunk stays a few hundred calls.
         results = _train(
             worlds,

@@ -14,12 +14,14 @@ multiple of ``2 * W``; qwz never changes that layout). qwz gathers it with one
   its last group zero-padded inside the kernel (so a group never spans two
   ranks), and the padding is never written back. Decoding writes straight into
   every rank's partition of ``bit16_groups_flat[i]``.
-* *Exact elements, in the same rows.* Parameters of at most ``preserve_numel``
+* *Exact runs, in the same rows.* Parameters of at most ``preserve_numel``
   elements (``zero_quantized_weights_preserve_numel``, default 65,536) travel
   exactly, cast from the fp32 master to the working dtype as DeepSpeed casts
-  them. From DeepSpeed's parameter offsets ([Note: reading DeepSpeed by capability]) the
-  plan keeps, for every rank, the runs ``[start, end)`` of small-parameter
-  elements inside its partition (a parameter may straddle two partitions):
+  them ([Note: small parameters travel exactly], qwz/layout.py: why the drop-in
+  keeps them in place while qwz's engine gives them a region). From DeepSpeed's
+  parameter offsets ([Note: reading DeepSpeed by capability]) the plan keeps, for
+  every rank, the exact runs ``[start, end)`` of exact elements inside its
+  partition (a parameter may straddle two partitions):
   a few Python ints per small parameter, no per-element index. Each run travels
   in the row of the chunk that covers it, after that chunk's codes, and is
   written after that chunk's decode, so it overwrites the (meaningless) decoded
@@ -72,8 +74,8 @@ class FlatGroupPlan:
     partition_numel: int
     """DeepSpeed's partition size P (every rank's partition has this size)."""
     exact_runs: tuple[tuple[tuple[int, int], ...], ...]
-    """Per rank: sorted, disjoint [start, end) runs of small-parameter elements inside that
-    rank's partition."""
+    """Per rank: sorted, disjoint [start, end) runs of exact elements inside that rank's
+    partition ([Note: small parameters travel exactly], qwz/layout.py)."""
     gather_plan: GatherPlan
     masked: tuple[MaskedGroups | None, ...]
     """Per chunk: this rank's groups that mix quantized and exact elements (or None)."""
@@ -84,7 +86,7 @@ class FlatGroupPlan:
 
     @property
     def exact_positions(self) -> tuple[torch.Tensor, ...]:
-        """Per rank: sorted int64 positions of small-parameter elements inside that rank's
+        """Per rank: sorted int64 positions of the exact elements inside that rank's
         partition (built on demand from the runs, on the CPU; for checks and reports)."""
         return tuple(
             torch.cat([torch.arange(start, end) for start, end in runs])

@@ -6,8 +6,9 @@ and the working copy of the same elements (``parallel_partitioned_bit16_groups[i
 a slice of the flat bit16 buffer the parameters view), read by capability ([Note: reading
 DeepSpeed by capability], structure.py: a DeepSpeed it cannot read raises SeamError). When
 qwz's gather took over, a partition travels in groups of G elements starting at the
-partition's first element, except the small parameters' positions, which travel exactly (the plan's
-``exact_positions``); stock DeepSpeed sends the working dtype for everything.
+partition's first element, except the exact elements (the plan's exact runs, as
+``exact_positions``; [Note: small parameters travel exactly], qwz/layout.py); stock DeepSpeed
+sends the working dtype for everything.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ def own_shards(optimizer: Any) -> list[OwnShard]:
         ]
         start = rank * partition_numel
         slots = slots_in_range(ranges, start, start + partition_numel)
-        exact, size = None, None
+        exact_mask, size = None, None
         if plans is not None and group_size and plans[i].world_size > 1:
             plan = plans[i]
             size = group_size
-            exact = torch.zeros(partition_numel, dtype=torch.bool, device=master.device)
-            exact[plan.exact_positions[plan.rank].to(master.device)] = True
-        result.append(make_own_shard(f"group{i}", master, working.reshape(-1), size, exact, slots))
+            exact_mask = torch.zeros(partition_numel, dtype=torch.bool, device=master.device)
+            exact_mask[plan.exact_positions[plan.rank].to(master.device)] = True
+        result.append(
+            make_own_shard(f"group{i}", master, working.reshape(-1), size, exact_mask, slots)
+        )
     return result
 
 

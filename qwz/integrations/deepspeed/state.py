@@ -30,7 +30,8 @@ class DropInState:
     plans: list[FlatGroupPlan] | None = None
     """One gather plan per DeepSpeed param group; None: the gather is stock."""
     preserve_numel: int | None = None
-    """Parameters of at most this many elements travel exactly (None: stock)."""
+    """Parameters of at most this many elements travel exactly, as exact runs ([Note: small
+    parameters travel exactly], qwz/layout.py; None: stock)."""
     kernels: QuantKernels | None = None
     """The gather's kernels (qwz.kernels.choose_kernels; None: stock)."""
     kernel_fallback: str | None = None

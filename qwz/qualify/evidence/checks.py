@@ -44,8 +44,8 @@ not learning: ``learning[reference]`` is inconclusive, and so is the verdict.
 ``probe`` judges the group size from the bytes each rank sent in its weight gather
 over each process group (qwz/integrations/probe.py counts them per group), by the spec's wire:
 every quantized element is one int8 code, every group of G elements one fp32 scale
-(``1 + 4/G`` bytes per quantized element), and the elements of parameters of at most
-65,536 travel exactly in the working dtype. With ``q`` quantized, ``e`` exact and ``p``
+(``1 + 4/G`` bytes per quantized element), and the exact elements (those of parameters of
+at most 65,536) travel in the working dtype. With ``q`` quantized, ``e`` exact and ``p``
 padding elements in a rank's shard over the group, and ``c`` gather calls, the bytes
 must lie in ``[q + 4*ceil(q/G) + e*b, n + c*(G-1) + 4*(ceil(n/G) + c - 1) + (e+p)*b +
 3c]`` (``n = q + e + p``, ``b`` the working element size): the fewest is the spec's
@@ -531,7 +531,9 @@ def wire_group_size(groups: list[WireGroup], group: WireGroup) -> float | None:
 
 EXACT_SIDE_CHANNEL_BYTES = 4
 """[Note: received bytes per process group]: the most bytes one exact element may take on the
-wire (an fp32 side channel; the fewest is the working dtype's)."""
+wire (sent as fp32; the fewest is the working dtype's). The name is older than the one name
+"exact elements" and stays: it is part of the probe rule's constants digest (judge.py), which
+a rename would change without a rule change."""
 ROW_SLACK_BYTES = 48
 """[Note: received bytes per process group]: padding one source's row per chunk may carry --
 each of its three parts (codes, scales, exact elements) aligned to 16 bytes."""

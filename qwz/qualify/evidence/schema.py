@@ -437,8 +437,14 @@ class WireGroup(_Model):
     group_ranks: list[int] = Field(description="Global ranks of the process group")
     bytes_per_step: int = Field(ge=0)
     calls_per_step: int = Field(ge=0, description="Gather collectives over the group")
-    quantized_numel: int = Field(ge=0, description="Elements of parameters above 65,536")
-    exact_numel: int = Field(ge=0, description="Elements of parameters of at most 65,536")
+    quantized_numel: int = Field(
+        ge=0, description="Quantized elements: those of parameters above 65,536 elements"
+    )
+    exact_numel: int = Field(
+        ge=0,
+        description="Exact elements, which travel exactly: those of parameters of at most "
+        "65,536 elements",
+    )
     padding_numel: int = Field(ge=0, description="Shard positions no parameter covers")
     element_bytes: int = Field(ge=1, description="Bytes of one working-dtype element")
     params: Literal["dense", "expert", "mixed"] = Field(

@@ -11,7 +11,7 @@ This module imports nothing from ``qwz`` (only ``typing`` and ``torch``): no
 tolerance imports this module, never the reverse). ``tests/unit/qualify/test_spec.py``
 inspects its imports and fails if one appears. The harness's other rules that depend on
 the spec (the own-shard judgement in observers/own_shard.py, the calibration noise in runner.py,
-the exactness threshold) take their constants and formulas from here.
+the threshold of the exact elements) take their constants and formulas from here.
 
 [Note: the spec's decode]
 Per group of ``G`` consecutive elements of a flat shard (the grid starts at the
@@ -47,14 +47,15 @@ by at most ``127 * 2**-24`` (below the allowance's margin over the kernels'
 [Note: the contract and its freedoms]
 The decode above is the *reference arithmetic*; the PR (#8511) fixes less than it. What a
 correct implementation must do, per group of ``G`` consecutive elements of a rank's
-partition (the grid anchored at the partition's first element; elements that travel
-exactly count as zeros in their group):
+partition (the grid anchored at the partition's first element; the *exact elements*, those
+that travel exactly, count as zeros in their group):
 
 - symmetric int8 codes in ``[-127, 127]``, one fp32 scale per group equal to ``absmax/127``
   of the group, codes rounded to nearest, ``x_hat = code * scale`` written in the working
   dtype;
-- every element of a parameter of at most :data:`EXACT_MAX_NUMEL` elements exact (the
-  master cast to the working dtype), and everything exact over a one-rank gather;
+- every element of a parameter of at most :data:`EXACT_MAX_NUMEL` elements an exact
+  element (:func:`travels_exactly`: the master cast to the working dtype), and every element
+  exact over a one-rank gather (:func:`gather_travels_exactly`);
 - every rank, the owner too, writing the same decoded values (the ``replicas`` check);
 - chunks of whole groups (a group split across chunks has two scales, which no choice
   below allows).
@@ -106,7 +107,10 @@ MIN_SCALE = 2.0**-126
 """Smallest nonzero scale: the smallest normal float32."""
 
 EXACT_MAX_NUMEL = 65_536
-"""Parameters of at most this many elements travel exactly (in the working dtype)."""
+"""Parameters of at most this many elements travel exactly: their elements are exact
+elements, the master cast to the working dtype (qwz's engine and drop-in call them the same,
+and take the threshold from ``zero_quantized_weights_preserve_numel``; the judge keeps its
+own copy)."""
 
 SCALE_BYTES = 4
 """Bytes of one group's fp32 scale on the wire."""
@@ -136,7 +140,8 @@ def wire_bytes_per_element(group_size: int) -> float:
 
 
 def travels_exactly(param_numel: int) -> bool:
-    """Whether a parameter of `param_numel` elements travels exactly."""
+    """Whether a parameter of `param_numel` elements travels exactly (its elements are exact
+    elements)."""
     return param_numel <= EXACT_MAX_NUMEL
 
 

@@ -358,7 +358,8 @@ def _wire_layout(
 ) -> dict[tuple[int, ...], dict[str, Any]]:
     """Per process group, the spec's counts of this rank's own-shard elements there
     ([Note: group size from the wire], qualify/evidence/checks.py): quantized (parameters above
-    spec.EXACT_MAX_NUMEL), exact (at most), padding (no parameter) and the working element
+    spec.EXACT_MAX_NUMEL), exact (at most: :func:`spec.travels_exactly`), padding (no
+    parameter) and the working element
     size, and which parameters they are (dense, expert: [Note: replica sets], replicas.py)."""
     layout: dict[tuple[int, ...], dict[str, Any]] = {}
     for shard, ranks in zip(shards, group_ranks, strict=True):

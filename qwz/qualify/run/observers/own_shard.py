@@ -13,7 +13,7 @@ counted as ``reference`` when it is bit for bit the reference arithmetic and oth
 each freedom it used (``working_input``, ``scale_ulp``, ``near_ties``). In a group no choice
 gives whole, the choice that gives the most elements is taken, the others are the
 mismatches, and no freedom is counted (the group used none the contract allows).
-Elements the spec sends exactly (parameters of at most 65,536 elements, everything when
+The exact elements (those of parameters of at most 65,536 elements, everything when
 nothing is quantized) must equal the master cast to the working dtype. The worst error over
 ``scale/2 + 2**-15 scale + two half-ulps`` (the input's and the output's casts) is kept as
 context. The shards are checked in bounded pieces of whole groups on every device
@@ -40,8 +40,9 @@ def exact_masks(
     param_numel: dict[str, int],
     gather_ranks: Sequence[int],
 ) -> list[torch.Tensor]:
-    """Per shard, (n,) bool: the elements that must travel exactly whatever the engine says
-    -- those of parameters the spec sends exactly (:func:`spec.travels_exactly`), and every
+    """Per shard, (n,) bool: the exact elements, by the spec whatever the engine's
+    ``OwnShard.exact_mask`` says -- those of parameters that travel exactly
+    (:func:`spec.travels_exactly`), and every
     element when nothing is quantized (`group_size` None) or when the shard's gather group
     has one rank (`gather_ranks`: per shard, the ranks of that group;
     :func:`spec.gather_travels_exactly`)."""
