@@ -34,22 +34,18 @@ import torch
 import torch.distributed as dist
 
 from qwz.qualify.run.subjects import extensions_dir
-from tests.deepspeed_checkout import head, make_checkout, make_variants, read_patch, use_variant
+from tests.deepspeed_checkout import NATIVE_BROKEN, head, make_checkout, read_patch, use_variant
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp
 
-pytestmark = [pytest.mark.multigpu, pytest.mark.xdist_group("deepspeed-variants")]
-"""One worker runs this module's tests one after another: they switch one checkout."""
+pytestmark = pytest.mark.multigpu
+"""The tests switch branches of the worker's one checkout (``deepspeed_variants``), one test
+after another on one xdist worker (tests/multigpu/conftest.py groups each file)."""
 
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 EXACT_PARAM_NUMEL = 65536
 """The proposal's rule: parameters of at most this many elements travel exactly."""
 STEPS = 3
-BROKEN = (
-    "broken_scale_128",
-    "broken_group_size_64",
-    "broken_owner_exact",
-    "broken_small_quantized",
-)
+BROKEN = NATIVE_BROKEN
 
 
 # ---------------------------------------------------------------- the spec, written out here
@@ -185,11 +181,9 @@ def _run_checkout(root: pathlib.Path, runs: list[tuple[int, int]]) -> dict[str, 
 
 # ---------------------------------------------------------------- direct tests
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory) -> pathlib.Path:
+def checkout(deepspeed_variants) -> pathlib.Path:
     """The proposal and each broken variant (on top of it) as branches of one checkout."""
-    variants = {"proposal": [read_patch("proposal")]}
-    variants |= {name: [read_patch("proposal"), read_patch(name)] for name in BROKEN}
-    return make_variants(tmp_path_factory.mktemp("deepspeed"), variants)
+    return deepspeed_variants
 
 
 @pytest.fixture(scope="module")
