@@ -519,3 +519,14 @@ def test_the_nightly_runs_the_tests_the_test_command_leaves_to_it():
         and "mark.nightly" in path.read_text()
     ]
     assert elsewhere == [], f"marked nightly outside tests/multigpu (never deselected): {elsewhere}"
+
+
+def test_the_pull_request_job_runs_the_unit_tests_the_fast_tier_leaves_out():
+    """``bash ci/unit.sh`` leaves the tests marked ``slow`` out unless ``QWZ_SLOW_TESTS=1``;
+    the pull-request job sets it, so a slow unit test still runs on every pull request."""
+    script = (ROOT / "ci" / "unit.sh").read_text()
+    assert 'markers="not multigpu and not slow"' in script
+    assert '[ "${QWZ_SLOW_TESTS:-0}" = "1" ] && markers="not multigpu"' in script
+    ci = load(ROOT / ".github" / "workflows" / "ci.yml")
+    step = next(s for s in ci["jobs"]["unit"]["steps"] if "ci/unit.sh" in s.get("run", ""))
+    assert step.get("env", {}).get("QWZ_SLOW_TESTS") == "1", step
