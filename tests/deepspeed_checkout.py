@@ -125,6 +125,37 @@ def use_variant(root: pathlib.Path, name: str) -> str:
     return head(root)
 
 
+NATIVE_BROKEN = (
+    "broken_scale_128",
+    "broken_group_size_64",
+    "broken_owner_exact",
+    "broken_small_quantized",
+)
+"""The broken variants of ``proposal.patch``: ``tests/deepspeed_native/<name>.patch`` on top."""
+
+
+def every_variant() -> dict[str, list[str | Files]]:
+    """The changes of every variant the multigpu tests check out, for :func:`make_variants`:
+    the proposal, each of :data:`NATIVE_BROKEN` on top of it, and each module of the corpus
+    (``tests/deepspeed_native/corpus/``) over the proposal. The ``main`` branch is stock.
+
+    [Note: one DeepSpeed checkout per worker]
+    DeepSpeed JIT-builds its CPU comm op for each checkout path ([Note: ops of a checkout],
+    qwz/qualify/run/subjects.py), which takes two to five minutes on 2 cores. One checkout with
+    a branch per variant (the ``deepspeed_variants`` fixture of tests/multigpu/conftest.py,
+    one per xdist worker) builds it once per worker instead of once per test module. The tests
+    of one worker run one after another and each checks out its branch before using it."""
+    from tests.deepspeed_native import corpus
+
+    proposal = read_patch("proposal")
+    variants: dict[str, list[str | Files]] = {"proposal": [proposal]}
+    variants |= {name: [proposal, read_patch(name)] for name in NATIVE_BROKEN}
+    for name in (*corpus.FREEDOMS, *corpus.BROKEN, *corpus.WHOLE_BROKEN):
+        assert name not in variants, f"two variants named {name}"
+        variants[name] = [proposal, {corpus.MODULE: corpus.module_text(name)}]
+    return variants
+
+
 # ------------------------------------------------------ checkouts from source distributions
 SDIST_SHA256 = {
     "0.19.6": "31593acffbe4794c74446094122b1bc29d8c73a137e37aff899ca4a6480df2d8",

@@ -64,6 +64,18 @@ def worlds():
     pool.close()
 
 
+@pytest.fixture(scope="session")
+def deepspeed_variants(tmp_path_factory):
+    """One DeepSpeed checkout for this worker with a branch per variant
+    (:func:`tests.deepspeed_checkout.every_variant`; ``main`` is stock), shared by every
+    module that checks out variants, so DeepSpeed builds its op once per worker ([Note: one
+    DeepSpeed checkout per worker] in tests/deepspeed_checkout.py). A test checks out its
+    branch (``use_variant``) before it runs anything on it."""
+    from tests.deepspeed_checkout import every_variant, make_variants
+
+    return make_variants(tmp_path_factory.mktemp("deepspeed-variants"), every_variant())
+
+
 NIGHTLY = os.environ.get("QWZ_NIGHTLY_TESTS") == "1"
 """``QWZ_NIGHTLY_TESTS=1`` (ci/nightly.sh) runs the tests marked ``nightly``; otherwise they
 are deselected (reported as such, never as passed): they repeat a check at more world sizes

@@ -34,22 +34,18 @@ import torch
 import torch.distributed as dist
 
 from qwz.qualify.run.subjects import extensions_dir
-from tests.deepspeed_checkout import head, make_checkout, make_variants, read_patch, use_variant
+from tests.deepspeed_checkout import NATIVE_BROKEN, head, make_checkout, read_patch, use_variant
 from tests.multigpu.models import MICRO_BATCH, batch, build_deepspeed_layout_mlp
 
-pytestmark = [pytest.mark.multigpu, pytest.mark.xdist_group("deepspeed-variants")]
-"""One worker runs this module's tests one after another: they switch one checkout."""
+pytestmark = pytest.mark.multigpu
+"""The tests switch branches of the worker's one checkout (``deepspeed_variants``), one test
+after another on one xdist worker (tests/multigpu/conftest.py groups each file)."""
 
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 EXACT_PARAM_NUMEL = 65536
 """The proposal's rule: parameters of at most this many elements travel exactly."""
 STEPS = 3
-BROKEN = (
-    "broken_scale_128",
-    "broken_group_size_64",
-    "broken_owner_exact",
-    "broken_small_quantized",
-)
+BROKEN = NATIVE_BROKEN
 
 
 # ---------------------------------------------------------------- the spec, written out here
@@ -152,15 +148,24 @@ def native_steps(checkout: str, stage: int, group_size: int, steps: int = STEPS)
     return observed
 
 
-def drive(checkout: str, runs: list[tuple[int, int]]) -> dict[str, list[dict[str, Any]]]:
-    """In the child process: every (stage, group_size) run on one 2-rank world."""
+def drive(checkout: str, variants: dict[str, list[list[int]]]) -> dict[str, dict[str, list]]:
+    """In the child process, for each variant: its branch checked out, then every (stage,
+    group_size) run on one 2-rank world started after the checkout, so its ranks import that
+    branch's DeepSpeed. One child for every variant: each child costs an import of torch and
+    DeepSpeed that its ranks do not need from it."""
     from qwz.qualify.run.launch import LocalWorld
 
-    with LocalWorld(2, timeout_s=300) as world:
-        return {f"{s}-{g}": world.run(native_steps, checkout, s, g) for s, g in runs}
+    results = {}
+    for variant, runs in variants.items():
+        use_variant(pathlib.Path(checkout), variant)
+        with LocalWorld(2, timeout_s=300) as world:
+            results[variant] = {
+                f"{s}-{g}": world.run(native_steps, checkout, s, g) for s, g in runs
+            }
+    return results
 
 
-def _run_checkout(root: pathlib.Path, runs: list[tuple[int, int]]) -> dict[str, list[dict]]:
+def _run_checkout(root: pathlib.Path, variants: dict[str, list[tuple[int, int]]]) -> dict:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(root), str(WORKTREE)]),
@@ -175,8 +180,8 @@ def _run_checkout(root: pathlib.Path, runs: list[tuple[int, int]]) -> dict[str, 
         "print('RESULT ' + json.dumps(result))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(root), json.dumps(runs)],
-        capture_output=True, text=True, env=env, cwd=WORKTREE, timeout=900, check=False,
+        [sys.executable, "-c", code, str(root), json.dumps(variants)],
+        capture_output=True, text=True, env=env, cwd=WORKTREE, timeout=1800, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -185,17 +190,26 @@ def _run_checkout(root: pathlib.Path, runs: list[tuple[int, int]]) -> dict[str, 
 
 # ---------------------------------------------------------------- direct tests
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory) -> pathlib.Path:
+def checkout(deepspeed_variants) -> pathlib.Path:
     """The proposal and each broken variant (on top of it) as branches of one checkout."""
-    variants = {"proposal": [read_patch("proposal")]}
-    variants |= {name: [read_patch("proposal"), read_patch(name)] for name in BROKEN}
-    return make_variants(tmp_path_factory.mktemp("deepspeed"), variants)
+    return deepspeed_variants
+
+
+DIRECT_RUNS = {"proposal": [(1, 64), (2, 64), (2, 8192)]} | {
+    name: [(2, 8192 if name == "broken_group_size_64" else 64)] for name in BROKEN
+}
+"""The (stage, group_size) runs of each variant the direct tests look at."""
 
 
 @pytest.fixture(scope="module")
-def proposal(checkout) -> dict[str, list[dict]]:
-    use_variant(checkout, "proposal")
-    return _run_checkout(checkout, [(1, 64), (2, 64), (2, 8192)])
+def direct(checkout) -> dict[str, dict[str, list[dict]]]:
+    """Every variant's runs of :data:`DIRECT_RUNS`, from one child process."""
+    return _run_checkout(checkout, DIRECT_RUNS)
+
+
+@pytest.fixture(scope="module")
+def proposal(direct) -> dict[str, list[dict]]:
+    return direct["proposal"]
 
 
 def test_the_patch_stands_alone_without_qwz():
@@ -236,13 +250,8 @@ def test_group_size_8192_changes_the_bytes_on_the_wire(proposal):
 
 
 @pytest.fixture(scope="module")
-def broken(checkout) -> dict[str, dict[str, list[dict]]]:
-    results = {}
-    for name in BROKEN:
-        use_variant(checkout, name)
-        group_size = 8192 if name == "broken_group_size_64" else 64
-        results[name] = _run_checkout(checkout, [(2, group_size)])
-    return results
+def broken(direct) -> dict[str, dict[str, list[dict]]]:
+    return {name: direct[name] for name in BROKEN}
 
 
 def test_scale_over_128_leaves_partitions_that_are_not_the_spec(broken):
@@ -310,7 +319,19 @@ def test_harness_passes_the_proposal_and_binds_its_commit(checkout, tmp_path):
     assert loaded.head.dirty is False
 
 
-@pytest.mark.parametrize("variant", BROKEN)
+HARNESS_NIGHTLY = ("broken_owner_exact", "broken_small_quantized")
+"""Broken variants the harness runs only in the nightly (a qualification each). In CI the
+direct tests above show they break the spec, the scale and group-size variants here show the
+harness names ``own-shard`` and ``probe`` on this subject, the corpus's broken ones
+(test_deepspeed_native_corpus.py) ``own-shard``/``replicas`` and ``in-effect``, and the
+mutation suite kills an owner keeping its exact shard and quantized small parameters on the
+``deepspeed`` subject."""
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param(v, marks=[pytest.mark.nightly] if v in HARNESS_NIGHTLY else []) for v in BROKEN],
+)
 def test_harness_fails_each_broken_variant_naming_the_check(checkout, tmp_path, variant):
     from qwz.qualify.evidence import record
 

@@ -27,11 +27,12 @@ pytest.importorskip(
     "deepspeed", reason="the DeepSpeed integration tests need deepspeed (pip install .[deepspeed])"
 )
 
-from tests.deepspeed_checkout import head, make_variants, read_patch, use_variant
+from tests.deepspeed_checkout import head, use_variant
 from tests.deepspeed_native import corpus
 
-pytestmark = [pytest.mark.multigpu, pytest.mark.xdist_group("deepspeed-corpus")]
-"""One worker runs this module's tests one after another: they switch one checkout."""
+pytestmark = pytest.mark.multigpu
+"""The tests switch branches of the worker's one checkout (``deepspeed_variants``), one test
+after another on one xdist worker (tests/multigpu/conftest.py groups each file)."""
 
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 RUN = [
@@ -53,13 +54,9 @@ def _cases(names, in_ci):
 
 
 @pytest.fixture(scope="module")
-def checkout(tmp_path_factory) -> pathlib.Path:
-    proposal = read_patch("proposal")
-    variants = {
-        name: [proposal, {corpus.MODULE: corpus.module_text(name)}]
-        for name in (*corpus.FREEDOMS, *BROKEN)
-    }
-    return make_variants(tmp_path_factory.mktemp("deepspeed-corpus"), variants)
+def checkout(deepspeed_variants) -> pathlib.Path:
+    """Every corpus module over the proposal, a branch each (and more: every_variant)."""
+    return deepspeed_variants
 
 
 def _qualify(root: pathlib.Path, out: pathlib.Path, world_size: int):

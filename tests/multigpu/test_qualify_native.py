@@ -1,6 +1,6 @@
 """End to end: ``qwz-qualify run --subject deepspeed-native --deepspeed-src PATH`` on stock
 DeepSpeed 0.19 (a copy of the installed package in a temporary git repository,
-tests/deepspeed_checkout.py).
+tests/deepspeed_checkout.py: the ``main`` branch of the checkout the multigpu tests share).
 
 Stock 0.19 accepts ``zero_quantized_weights`` at stage 2 and does nothing with it: at the
 default group size (the key left out) it trains and FAILs ``in-effect``; its strict config
@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from qwz.qualify.evidence import record
-from tests.deepspeed_checkout import head, make_checkout
+from tests.deepspeed_checkout import head, use_variant
 
 pytestmark = pytest.mark.multigpu
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -39,9 +39,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory) -> pathlib.Path:
-    return make_checkout(tmp_path_factory.mktemp("deepspeed"))
+@pytest.fixture
+def checkout(deepspeed_variants) -> pathlib.Path:
+    """Stock DeepSpeed: the ``main`` branch of the worker's one checkout (tests/multigpu/
+    conftest.py), so its op is built once per worker, not once more for this module."""
+    use_variant(deepspeed_variants, "main")
+    return deepspeed_variants
 
 
 def test_stock_deepspeed_fails_in_effect_and_binds_the_checkout(checkout, tmp_path):
