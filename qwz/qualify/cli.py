@@ -249,6 +249,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         run = build_parser().parse_args(["run", "--out", str(args.out), *args.run_args])
     except SystemExit:  # argparse said why
         return 2 if args.command == "bisect" else command.STEP_ABORT
+    preflight.apply_preset(run)  # the subject may come from the preset or the declared default
     kind = "check" if args.check else "hash" if args.hash else "speed" if args.speed else "default"
     options = command.Options(
         args.repo,
