@@ -59,7 +59,7 @@ from qwz.qualify.evidence.record import load
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import MACHINE_FIELDS, Check, Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe, verifies
-from qwz.qualify.review.report import (
+from qwz.qualify.review.formatting import (
     format_bytes,
     format_interval,
     format_sig,

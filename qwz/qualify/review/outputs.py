@@ -70,9 +70,9 @@ def append_job_summary(markdown: str) -> pathlib.Path | None:
 def write_run_outputs(built, out: pathlib.Path, key, signature_section) -> Drawn:
     """Plots, report and record of a finished run into `out`, then the job summary."""
     from qwz.qualify.evidence import record
-    from qwz.qualify.review import report, summary
+    from qwz.qualify.review import plots, report, summary
 
-    drawn = draw_into(out, lambda staging: report.write_plots(built, staging))
+    drawn = draw_into(out, lambda staging: plots.write_plots(built, staging))
     text = report.render_markdown(built, drawn.plots) + drawn.note() + signature_section
     atomic_write_text(out / "report.md", text)
     record.save(built, out / "record.json")

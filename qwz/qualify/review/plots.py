@@ -1,8 +1,12 @@
-"""The plots a reviewer judges by: held-out loss against the margin, and times per step.
+"""The plots a reviewer judges by: losses, held-out loss against the margin, speed-ups and
+times per step.
 
-Drawn on a matplotlib ``Figure`` that ``report.write_plots`` creates (Agg canvas, no
-pyplot). Every number drawn is in the record.
+``write_plots`` draws each on a matplotlib ``Figure`` with the Agg canvas, without pyplot, so
+it never touches a global backend or opens a window. Every number drawn is in the record.
 
+* ``loss.png``: every arm's training loss per step, and each candidate's difference from the
+  reference.
+* ``speedup.png``: per candidate, each block's speed-up with the median and its interval.
 * ``held_out.png``: the held-out loss of every arm at each evaluation step (the
   ``learning`` checks judge these, [Note: learning margin], qualify/evidence/checks.py), and below
   it each arm's difference from the reference with the margin a candidate must stay
@@ -15,8 +19,19 @@ pyplot). Every number drawn is in the record.
 from __future__ import annotations
 
 import math
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
 
 from qwz.qualify.evidence.schema import Record
+from qwz.qualify.review.formatting import (
+    format_interval,
+    format_p,
+    format_speedup,
+    reference_arm,
+    short_hash,
+)
 
 
 def _nan(value: float | None) -> float:
@@ -114,3 +129,157 @@ def draw_step_times(figure, record: Record) -> None:
         axes.set_ylim(bottom=0)
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
+
+
+def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
+    """Write ``loss.png`` and (when the record has performance blocks) ``speedup.png``.
+
+    Returns plot name -> file name relative to ``out_dir``, as ``render_markdown``
+    takes it.
+    """
+    # matplotlib is an optional dependency (the ``qualify`` extra): import it only here.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {}
+
+    figure = Figure(figsize=(8.0, 6.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    _draw_losses(figure, record)
+    figure.savefig(out_dir / "loss.png", dpi=110)
+    plots["loss"] = "loss.png"
+
+    if record.learning.eval_steps:
+        figure = Figure(figsize=(8.0, 6.0), layout="constrained")
+        FigureCanvasAgg(figure)
+        draw_held_out(figure, record)
+        figure.savefig(out_dir / "held_out.png", dpi=110)
+        plots["held_out"] = "held_out.png"
+
+    if record.performance:
+        columns = len(record.performance)
+        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
+        FigureCanvasAgg(figure)
+        _draw_speedups(figure, record)
+        figure.savefig(out_dir / "speedup.png", dpi=110)
+        plots["speedup"] = "speedup.png"
+        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
+        FigureCanvasAgg(figure)
+        draw_step_times(figure, record)
+        figure.savefig(out_dir / "step_times.png", dpi=110)
+        plots["step_times"] = "step_times.png"
+    return plots
+
+
+def _floats(values: Sequence[float | None]) -> list[float]:
+    return [math.nan if value is None else value for value in values]
+
+
+def _draw_losses(figure, record: Record) -> None:
+    reference = reference_arm(record)
+    reference_losses = next(
+        (t.losses for t in record.trajectories if reference and t.arm == reference.name), None
+    )
+    candidates = [t for t in record.trajectories if reference is None or t.arm != reference.name]
+    with_difference = reference_losses is not None and bool(candidates)
+    if with_difference:
+        loss_axes, difference_axes = figure.subplots(
+            2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+        )
+    else:
+        loss_axes, difference_axes = figure.subplots(), None
+
+    for index, trajectory in enumerate(record.trajectories):
+        steps = np.arange(1, len(trajectory.losses) + 1)
+        is_reference = reference is not None and trajectory.arm == reference.name
+        loss_axes.plot(
+            steps,
+            _floats(trajectory.losses),
+            label=trajectory.arm,
+            color="black" if is_reference else f"C{index}",
+            linewidth=2.4 if is_reference else 1.4,
+            linestyle="-" if is_reference else "--",
+            marker=None if is_reference else "o",
+            markersize=3,
+        )
+    loss_axes.set_ylabel("loss (mean over ranks)")
+    loss_axes.legend(title="arm")
+    loss_axes.grid(alpha=0.3)
+    loss_axes.set_title(
+        f"Loss per step: {record.workload.name}, {record.environment.world_size} ranks, "
+        f"head {short_hash(record.head.sha)}"
+    )
+
+    if difference_axes is not None:
+        for index, trajectory in enumerate(record.trajectories):
+            if trajectory in candidates and len(trajectory.losses) == len(reference_losses):
+                steps = np.arange(1, len(trajectory.losses) + 1)
+                difference = np.subtract(_floats(trajectory.losses), _floats(reference_losses))
+                difference_axes.plot(steps, difference, color=f"C{index}", marker="o", markersize=3)
+        difference_axes.axhline(0.0, color="black", linewidth=0.8)
+        difference_axes.set_ylabel(f"loss − {reference.name}")
+        difference_axes.grid(alpha=0.3)
+        difference_axes.set_xlabel("step")
+    else:
+        loss_axes.set_xlabel("step")
+    (difference_axes or loss_axes).xaxis.get_major_locator().set_params(integer=True)
+
+
+def _draw_speedups(figure, record: Record) -> None:
+    all_axes = figure.subplots(1, len(record.performance), sharey=True, squeeze=False)[0]
+    for axes, performance in zip(all_axes, record.performance, strict=True):
+        blocks = np.array([block.index for block in performance.blocks])
+        speedups = np.array([block.speedup for block in performance.blocks])
+        if performance.median_speedup is not None:
+            axes.axhspan(
+                performance.ci_low,
+                performance.ci_high,
+                color="C0",
+                alpha=0.18,
+                label=f"95% interval {format_interval(performance.ci_low, performance.ci_high)}",
+            )
+            axes.axhline(
+                performance.median_speedup,
+                color="C0",
+                linewidth=1.8,
+                label=f"median {format_speedup(performance.median_speedup)}",
+            )
+        axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1.2, label="1.0 (no change)")
+        for order, marker, color in (("AB", "o", "C1"), ("BA", "s", "C2")):
+            chosen = np.array([block.order == order for block in performance.blocks], bool)
+            if chosen.any():
+                axes.scatter(
+                    blocks[chosen],
+                    speedups[chosen],
+                    marker=marker,
+                    color=color,
+                    s=48,
+                    zorder=3,
+                    label=f"block, {order} order",
+                )
+        p_text = "n/a" if performance.p_value is None else format_p(performance.p_value)
+        axes.set_title(f"{performance.arm} (p = {p_text})")
+        axes.set_xlabel("block")
+        axes.set_xticks(blocks)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small", loc="best")
+        axes.margins(x=0.15)
+    # One y scale for every arm (the axes share it), with 1.0 in view so the distance to
+    # "no change" reads at a glance.
+    values = [1.0]
+    for performance in record.performance:
+        values += [block.speedup for block in performance.blocks]
+        values += [
+            value
+            for value in (performance.ci_low, performance.ci_high, performance.median_speedup)
+            if value is not None
+        ]
+    margin = 0.15 * (max(values) - min(values)) or 0.01
+    all_axes[0].set_ylim(min(values) - margin, max(values) + margin)
+    all_axes[0].set_ylabel("speed-up (reference / candidate step time)")
+    figure.suptitle(
+        f"Per-block speed-up: {record.workload.name}, {record.environment.world_size} ranks "
+        "(> 1: candidate faster)"
+    )

@@ -1,273 +1,33 @@
-"""A record as the evidence section of a pull request: markdown tables, two plots, the method.
+"""A record as the evidence section of a pull request: the markdown a reviewer reads.
 
-``render_markdown`` only reads the record: every number it prints is in the
-record, so a reviewer can check the report against the file (whose digest the
-report prints). ``write_plots`` draws the loss curves and the per-block
-speed-ups with matplotlib's Agg canvas, without pyplot, so it never touches a
-global backend or opens a window.
-
-Number formats, used by ``compare`` as well: speed-ups with three decimals
-(``1.037x [1.036, 1.039]``), times and losses with four significant digits,
-memory in MiB or GiB, hashes shortened to 12 hex digits.
+``render_markdown`` only reads the record: every number it prints is in the record, so a
+reviewer can check the report against the file (whose digest the report prints). Number and
+table formats are formatting.py's; the plots (linked from here) are plots.py's.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import pathlib
-from collections import Counter
-from collections.abc import Iterable, Sequence
-
-import numpy as np
 
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import Arm, Record
 from qwz.qualify.evidence.stats import METHOD_NOTE
 from qwz.qualify.review import report_sections
 from qwz.qualify.review.banner import banner
-
-SHORT_HASH_CHARS = 12
-MIB = 1024**2
-GIB = 1024**3
-
-# --------------------------------------------------------------------------- #
-# Number formats
-# --------------------------------------------------------------------------- #
-
-
-def format_sig(value: float, digits: int = 4) -> str:
-    """``value`` with ``digits`` significant digits, positional (no exponent) unless tiny."""
-    if not math.isfinite(value):
-        return str(value)
-    if value != 0.0 and abs(value) < 1e-3:
-        return f"{value:.{digits - 1}e}"
-    text = np.format_float_positional(
-        value, precision=digits, unique=False, fractional=False, trim="k"
-    )
-    return text.rstrip(".")
-
-
-def format_speedup(value: float) -> str:
-    return f"{value:.3f}x"
-
-
-def format_interval(low: float, high: float) -> str:
-    return f"[{low:.3f}, {high:.3f}]"
-
-
-def format_p(value: float) -> str:
-    return f"{value:.2g}" if value >= 1e-4 else f"{value:.1e}"
-
-
-def format_bytes(count: int | float) -> str:
-    if abs(count) >= GIB:
-        return f"{count / GIB:.2f} GiB"
-    if abs(count) >= MIB:
-        return f"{count / MIB:.1f} MiB"
-    return f"{count:,.0f} B"
-
-
-def short_hash(value: str | None) -> str:
-    return "—" if value is None else value[:SHORT_HASH_CHARS]
-
-
-def reference_arm(record: Record) -> Arm | None:
-    """The arm that gathers unquantized (DESIGN.md: the reference of every comparison)."""
-    return next((arm for arm in record.arms if not arm.quantized), None)
-
-
-# --------------------------------------------------------------------------- #
-# Plots
-# --------------------------------------------------------------------------- #
-
-
-def write_plots(record: Record, out_dir: pathlib.Path) -> dict[str, str]:
-    """Write ``loss.png`` and (when the record has performance blocks) ``speedup.png``.
-
-    Returns plot name -> file name relative to ``out_dir``, as ``render_markdown``
-    takes it.
-    """
-    # matplotlib is an optional dependency (the ``qualify`` extra): import it only here.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from qwz.qualify.review import plots as plots_module
-
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plots = {}
-
-    figure = Figure(figsize=(8.0, 6.0), layout="constrained")
-    FigureCanvasAgg(figure)
-    _draw_losses(figure, record)
-    figure.savefig(out_dir / "loss.png", dpi=110)
-    plots["loss"] = "loss.png"
-
-    if record.learning.eval_steps:
-        figure = Figure(figsize=(8.0, 6.0), layout="constrained")
-        FigureCanvasAgg(figure)
-        plots_module.draw_held_out(figure, record)
-        figure.savefig(out_dir / "held_out.png", dpi=110)
-        plots["held_out"] = "held_out.png"
-
-    if record.performance:
-        columns = len(record.performance)
-        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
-        FigureCanvasAgg(figure)
-        _draw_speedups(figure, record)
-        figure.savefig(out_dir / "speedup.png", dpi=110)
-        plots["speedup"] = "speedup.png"
-        figure = Figure(figsize=(4.0 + 3.5 * columns, 4.5), layout="constrained")
-        FigureCanvasAgg(figure)
-        plots_module.draw_step_times(figure, record)
-        figure.savefig(out_dir / "step_times.png", dpi=110)
-        plots["step_times"] = "step_times.png"
-    return plots
-
-
-def _finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
-
-
-def _floats(values: Sequence[float | None]) -> list[float]:
-    return [math.nan if value is None else value for value in values]
-
-
-def _draw_losses(figure, record: Record) -> None:
-    reference = reference_arm(record)
-    reference_losses = next(
-        (t.losses for t in record.trajectories if reference and t.arm == reference.name), None
-    )
-    candidates = [t for t in record.trajectories if reference is None or t.arm != reference.name]
-    with_difference = reference_losses is not None and bool(candidates)
-    if with_difference:
-        loss_axes, difference_axes = figure.subplots(
-            2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
-        )
-    else:
-        loss_axes, difference_axes = figure.subplots(), None
-
-    for index, trajectory in enumerate(record.trajectories):
-        steps = np.arange(1, len(trajectory.losses) + 1)
-        is_reference = reference is not None and trajectory.arm == reference.name
-        loss_axes.plot(
-            steps,
-            _floats(trajectory.losses),
-            label=trajectory.arm,
-            color="black" if is_reference else f"C{index}",
-            linewidth=2.4 if is_reference else 1.4,
-            linestyle="-" if is_reference else "--",
-            marker=None if is_reference else "o",
-            markersize=3,
-        )
-    loss_axes.set_ylabel("loss (mean over ranks)")
-    loss_axes.legend(title="arm")
-    loss_axes.grid(alpha=0.3)
-    loss_axes.set_title(
-        f"Loss per step: {record.workload.name}, {record.environment.world_size} ranks, "
-        f"head {short_hash(record.head.sha)}"
-    )
-
-    if difference_axes is not None:
-        for index, trajectory in enumerate(record.trajectories):
-            if trajectory in candidates and len(trajectory.losses) == len(reference_losses):
-                steps = np.arange(1, len(trajectory.losses) + 1)
-                difference = np.subtract(_floats(trajectory.losses), _floats(reference_losses))
-                difference_axes.plot(steps, difference, color=f"C{index}", marker="o", markersize=3)
-        difference_axes.axhline(0.0, color="black", linewidth=0.8)
-        difference_axes.set_ylabel(f"loss − {reference.name}")
-        difference_axes.grid(alpha=0.3)
-        difference_axes.set_xlabel("step")
-    else:
-        loss_axes.set_xlabel("step")
-    (difference_axes or loss_axes).xaxis.get_major_locator().set_params(integer=True)
-
-
-def _draw_speedups(figure, record: Record) -> None:
-    all_axes = figure.subplots(1, len(record.performance), sharey=True, squeeze=False)[0]
-    for axes, performance in zip(all_axes, record.performance, strict=True):
-        blocks = np.array([block.index for block in performance.blocks])
-        speedups = np.array([block.speedup for block in performance.blocks])
-        if performance.median_speedup is not None:
-            axes.axhspan(
-                performance.ci_low,
-                performance.ci_high,
-                color="C0",
-                alpha=0.18,
-                label=f"95% interval {format_interval(performance.ci_low, performance.ci_high)}",
-            )
-            axes.axhline(
-                performance.median_speedup,
-                color="C0",
-                linewidth=1.8,
-                label=f"median {format_speedup(performance.median_speedup)}",
-            )
-        axes.axhline(1.0, color="0.3", linestyle="--", linewidth=1.2, label="1.0 (no change)")
-        for order, marker, color in (("AB", "o", "C1"), ("BA", "s", "C2")):
-            chosen = np.array([block.order == order for block in performance.blocks], bool)
-            if chosen.any():
-                axes.scatter(
-                    blocks[chosen],
-                    speedups[chosen],
-                    marker=marker,
-                    color=color,
-                    s=48,
-                    zorder=3,
-                    label=f"block, {order} order",
-                )
-        p_text = "n/a" if performance.p_value is None else format_p(performance.p_value)
-        axes.set_title(f"{performance.arm} (p = {p_text})")
-        axes.set_xlabel("block")
-        axes.set_xticks(blocks)
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize="small", loc="best")
-        axes.margins(x=0.15)
-    # One y scale for every arm (the axes share it), with 1.0 in view so the distance to
-    # "no change" reads at a glance.
-    values = [1.0]
-    for performance in record.performance:
-        values += [block.speedup for block in performance.blocks]
-        values += [
-            value
-            for value in (performance.ci_low, performance.ci_high, performance.median_speedup)
-            if value is not None
-        ]
-    margin = 0.15 * (max(values) - min(values)) or 0.01
-    all_axes[0].set_ylim(min(values) - margin, max(values) + margin)
-    all_axes[0].set_ylabel("speed-up (reference / candidate step time)")
-    figure.suptitle(
-        f"Per-block speed-up: {record.workload.name}, {record.environment.world_size} ranks "
-        "(> 1: candidate faster)"
-    )
-
-
-# --------------------------------------------------------------------------- #
-# Markdown
-# --------------------------------------------------------------------------- #
-
-
-def _cell(value: object) -> str:
-    return str(value).replace("|", "\\|").replace("\n", "<br>")
-
-
-def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
-    return [*lines, ""]
-
-
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
-def _devices(names: Sequence[str]) -> str:
-    return ", ".join(f"{count} × {name}" for name, count in Counter(names).items()) or "—"
-
-
-def _group_size(size: int | None) -> str:
-    return "off" if size is None else str(size)
-
+from qwz.qualify.review.formatting import (
+    devices,
+    format_bytes,
+    format_interval,
+    format_p,
+    format_sig,
+    format_speedup,
+    group_size_text,
+    is_finite,
+    reference_arm,
+    short_hash,
+    table,
+    yes_no,
+)
 
 _STATUS = {"pass": "PASS", "fail": "**FAIL**", "n/a": "n/a", "inconclusive": "*inconclusive*"}
 
@@ -281,7 +41,7 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
         f"# {title(record)}: {verdict.status}",
         "",
         f"**{record.workload.name}**, arms {', '.join(f'`{name}`' for name in arm_names)}, "
-        f"{_devices(environment.device_names)} ({environment.backend}), "
+        f"{devices(environment.device_names)} ({environment.backend}), "
         f"head `{short_hash(record.head.sha)}`{' (dirty)' if record.head.dirty else ''}.",
         "",
         f"> **{banner(record)}**",  # [Note: verdict banner], qualify/review/banner.py
@@ -322,7 +82,7 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     lines += _performance_section(record)
     lines += report_sections.reproduce_section(record)
     lines += ["## Checks", ""]
-    lines += _table(
+    lines += table(
         ["check", "result", "detail"],
         [(f"`{check.name}`", _STATUS[check.status], check.detail) for check in record.checks],
     )
@@ -409,7 +169,7 @@ def _failures_section(record: Record) -> list[str]:
     ]
     lines = ["## Failures", ""]
     if rows:
-        lines += _table(["arm", "step", "ranks", "kind", "non-finite parameters", "message"], rows)
+        lines += table(["arm", "step", "ranks", "kind", "non-finite parameters", "message"], rows)
     for t in failed:
         lines += _crash_lines(t.arm, t.failure) if t.failure.kind == "crash" else []
     if not_run:
@@ -457,7 +217,7 @@ def _code_section(record: Record) -> list[str]:
     if harness is not None:
         harness_dirty = " (dirty)" if harness.dirty else ""
         rows.append(("harness (qwz)", f"`{short_hash(harness.sha)}`{harness_dirty}"))
-    return ["## Code under test", "", *_table(["", ""], rows)]
+    return ["## Code under test", "", *table(["", ""], rows)]
 
 
 def _environment_section(record: Record) -> list[str]:
@@ -465,7 +225,7 @@ def _environment_section(record: Record) -> list[str]:
     return [
         "## Environment",
         "",
-        *_table(
+        *table(
             ["", ""],
             [
                 ("python", environment.python),
@@ -473,7 +233,7 @@ def _environment_section(record: Record) -> list[str]:
                 ("deepspeed", environment.deepspeed or "not installed"),
                 ("transformers", environment.transformers or "not installed"),
                 ("backend", environment.backend),
-                ("devices", _devices(environment.device_names)),
+                ("devices", devices(environment.device_names)),
                 (
                     "world size",
                     f"{environment.world_size} ranks on {environment.node_count} "
@@ -495,7 +255,7 @@ def _workload_section(record: Record) -> list[str]:
         f"`{workload.name}`: {workload.num_parameters:,} parameters, {workload.steps} steps, "
         f"seed {workload.seed}.",
         "",
-        *_table(
+        *table(
             ["parameter", "value"],
             [(f"`{key}`", json.dumps(value)) for key, value in workload.params.items()],
         ),
@@ -504,10 +264,10 @@ def _workload_section(record: Record) -> list[str]:
 
 def _arms_section(record: Record) -> list[str]:
     lines = ["## Arms", "", f"Subject `{record.subject.name}`: {_mode(record)}.", ""]
-    lines += _table(
+    lines += table(
         ["arm", "quantized", "group size", "ZeRO stage", "dtype"],
         [
-            (f"`{arm.name}`", _quantized(record, arm), _group_size(arm.group_size), arm.stage,
+            (f"`{arm.name}`", _quantized(record, arm), group_size_text(arm.group_size), arm.stage,
              arm.dtype)
             for arm in record.arms
         ],
@@ -549,9 +309,9 @@ def _trajectory_section(record: Record) -> list[str]:
     rows = []
     for trajectory in record.trajectories:
         losses, norms = trajectory.losses, trajectory.grad_norms
-        finite = all(_finite(value) for value in [*losses, *norms])
-        finite_losses = [value for value in losses if _finite(value)]
-        finite_norms = [value for value in norms if _finite(value)]
+        finite = all(is_finite(value) for value in [*losses, *norms])
+        finite_losses = [value for value in losses if is_finite(value)]
+        finite_norms = [value for value in norms if is_finite(value)]
         if finite_losses:
             min_loss = min(finite_losses)
             min_text = f"{format_sig(min_loss)} (step {losses.index(min_loss) + 1})"
@@ -568,7 +328,7 @@ def _trajectory_section(record: Record) -> list[str]:
             not losses
             or len(losses) != len(reference_losses)
             or not finite
-            or not all(_finite(value) for value in reference_losses)
+            or not all(is_finite(value) for value in reference_losses)
         ):
             difference = "n/a"
         else:
@@ -579,8 +339,8 @@ def _trajectory_section(record: Record) -> list[str]:
             (
                 f"`{trajectory.arm}`",
                 len(losses),
-                format_sig(losses[0]) if losses and _finite(losses[0]) else "—",
-                format_sig(losses[-1]) if losses and _finite(losses[-1]) else "—",
+                format_sig(losses[0]) if losses and is_finite(losses[0]) else "—",
+                format_sig(losses[-1]) if losses and is_finite(losses[-1]) else "—",
                 min_text,
                 "yes" if finite else "**no**",
                 norm_range,
@@ -591,7 +351,7 @@ def _trajectory_section(record: Record) -> list[str]:
     return [
         "## Trajectory",
         "",
-        *_table(
+        *table(
             [
                 "arm",
                 "steps",
@@ -622,7 +382,7 @@ def _learning_section(record: Record) -> list[str]:
         "(never trained on), at each evaluation step.",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["step", *(f"`{arm}`" for arm in series)],
         [
             (step, *("—" if values.get(step) is None else format_sig(values[step], 5)
@@ -700,7 +460,7 @@ def _exactness_section(record: Record) -> list[str]:
         "(scale/2 + 2**-15 scale + cast half-ulp), "
         "context (<= 1).",
         "",
-        *_table(
+        *table(
             ["arm", "step-1 masters", "updates checked", "violations", "worst ratio",
              "first violation", "own shard vs master (<= 1)"],
             rows,
@@ -744,7 +504,7 @@ def _drift_section(record: Record) -> list[str]:
         "for any two AdamW trajectories (qwz/qualify/evidence/tolerance.py), so it is context, "
         "not a check.",
         "",
-        *_table(["arm", "samples/parameter", "max abs difference", "bound at last step"], rows),
+        *table(["arm", "samples/parameter", "max abs difference", "bound at last step"], rows),
     ]
 
 
@@ -757,7 +517,7 @@ def _memory_section(record: Record) -> list[str]:
         "Each arm runs alone, from a reset of the peak (CUDA peak statistics, or the "
         "process's peak RSS): one arm's own peak per rank.",
         "",
-        *_table(
+        *table(
             ["arm", "rank", "kind", "peak allocated", "peak reserved"],
             [
                 (
@@ -800,7 +560,7 @@ def _hashes_section(record: Record) -> list[str]:
             (
                 f"`{hashes.arm}`",
                 per_rank,
-                _yes_no(agree),
+                yes_no(agree),
                 hashes.ledger_status,
                 f"`{short_hash(hashes.ledger_previous)}`" if hashes.ledger_previous else "—",
             )
@@ -812,7 +572,7 @@ def _hashes_section(record: Record) -> list[str]:
         "parameters, [Note: replica sets]); the ledger holds earlier records' hashes for the "
         "same head and environment (`reproduced`: equal to an earlier one).",
         "",
-        *_table(["arm", "final hash", "ranks agree", "ledger", "earlier hash"], rows),
+        *table(["arm", "final hash", "ranks agree", "ledger", "earlier hash"], rows),
     ]
 
 
@@ -820,7 +580,7 @@ def _probe_section(record: Record) -> list[str]:
     rows = []
     for probe in record.probes:
         reported = ", ".join(
-            f"rank {rank}: {_group_size(size)}"
+            f"rank {rank}: {group_size_text(size)}"
             for rank, size in enumerate(probe.reported_group_sizes)
         )
         sources = sorted({source for source in probe.reported_by if source})
@@ -831,7 +591,7 @@ def _probe_section(record: Record) -> list[str]:
         rows.append(
             (
                 f"`{probe.arm}`",
-                _group_size(probe.requested_group_size),
+                group_size_text(probe.requested_group_size),
                 reported,
                 f"{probe.gather_bytes_per_step:,}",
                 f"{reference_bytes:,}",
@@ -844,7 +604,7 @@ def _probe_section(record: Record) -> list[str]:
         "The group size each rank's subject reports (where it reports one), and the bytes "
         "rank 0 sends in the weight gather per step.",
         "",
-        *_table(
+        *table(
             [
                 "arm",
                 "requested group size",
@@ -878,7 +638,7 @@ def _wire_table(record: Record) -> list[str]:
                     f"{group.quantized_numel:,} / {group.exact_numel:,}",
                     f"{group.bytes_per_step:,}",
                     "—" if implied is None else f"{implied:.1f}",
-                    _group_size(probe.requested_group_size),
+                    group_size_text(probe.requested_group_size),
                     f"{fewest:,} – {most:,}",
                 )
             )
@@ -889,7 +649,7 @@ def _wire_table(record: Record) -> list[str]:
         "element), per rank and process group, and the bytes groups of the requested size "
         "allow (qualify/evidence/checks.py, [Note: group size from the wire]).",
         "",
-        *_table(
+        *table(
             [
                 "arm",
                 "rank",
@@ -922,7 +682,7 @@ def _performance_section(record: Record) -> list[str]:
             "Step times are the block medians.",
             "",
         ]
-        lines += _table(
+        lines += table(
             ["block", "order", "reference ms/step", "candidate ms/step", "speed-up"],
             [
                 (

@@ -21,7 +21,7 @@ from qwz.qualify.evidence import checks, gather_speed, machine, record
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.plan import RunPlan
-from qwz.qualify.review import banner, history, junit, outputs, report
+from qwz.qualify.review import banner, history, junit, outputs, plots, report
 from qwz.qualify.run import gather_timing, timing
 from qwz.qualify.run.subjects import make_arm
 from qwz.qualify.run.workloads import get_workload
@@ -270,8 +270,8 @@ def test_the_report_has_the_held_out_plot_and_a_reproduce_block(tmp_path):
     assert "export NCCL_DEBUG=INFO\nexport QWZ_BACKEND=gloo\n" in reproduce
     assert "qwz-qualify run --out runs/x --workload mlp\n" in reproduce
     assert "secret" not in json.dumps(built.model_dump()) and "HOME" not in reproduce
-    plots = report.write_plots(built, tmp_path)
-    assert plots["held_out"] == "held_out.png" and plots["step_times"] == "step_times.png"
+    written = plots.write_plots(built, tmp_path)
+    assert written["held_out"] == "held_out.png" and written["step_times"] == "step_times.png"
 
 
 # --------------------------------------------------------- 4. where it ran

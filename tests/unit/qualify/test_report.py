@@ -6,7 +6,7 @@ import pytest
 
 from qwz.qualify.evidence import seal
 from qwz.qualify.evidence.stats import METHOD_NOTE
-from qwz.qualify.review import report
+from qwz.qualify.review import formatting, plots, report
 
 from ..records import (
     CANDIDATE,
@@ -100,7 +100,7 @@ def test_trajectory_summary(passing):
     markdown = report.render_markdown(passing)
     losses = passing.trajectories[0].losses
     row = next(line for line in markdown.splitlines() if line.startswith(f"| `{REFERENCE}` | 20"))
-    assert report.format_sig(losses[0]) in row and report.format_sig(losses[-1]) in row
+    assert formatting.format_sig(losses[0]) in row and formatting.format_sig(losses[-1]) in row
     assert "| yes |" in row
     candidate_row = next(
         line for line in markdown.splitlines() if line.startswith(f"| `{CANDIDATE}` | 20")
@@ -113,7 +113,7 @@ def test_a_record_with_insufficient_blocks_says_so(tmp_path):
     payload["performance"][0]["blocks"] = payload["performance"][0]["blocks"][:2]
     record = make_record(performance=payload["performance"])
     assert "**Insufficient blocks** for an interval" in report.render_markdown(record)
-    assert "speedup" in report.write_plots(record, tmp_path)
+    assert "speedup" in plots.write_plots(record, tmp_path)
 
 
 def test_table_cells_are_escaped():
@@ -131,24 +131,24 @@ def test_table_cells_are_escaped():
 
 
 def test_plots_are_written_and_linked(tmp_path, passing):
-    plots = report.write_plots(passing, tmp_path / "plots")
-    assert plots == {
+    written = plots.write_plots(passing, tmp_path / "plots")
+    assert written == {
         "loss": "loss.png",
         "held_out": "held_out.png",
         "speedup": "speedup.png",
         "step_times": "step_times.png",
     }
-    for file_name in plots.values():
+    for file_name in written.values():
         content = (tmp_path / "plots" / file_name).read_bytes()
         assert content.startswith(PNG_MAGIC) and len(content) > 10_000
-    markdown = report.render_markdown(passing, plots)
+    markdown = report.render_markdown(passing, written)
     assert "![Loss per step](loss.png)" in markdown
     assert "![Speed-up per block](speedup.png)" in markdown
 
 
 def test_plots_of_a_record_without_performance(tmp_path):
-    plots = report.write_plots(make_record(performance=[]), tmp_path)
-    assert plots == {"loss": "loss.png", "held_out": "held_out.png"}
+    written = plots.write_plots(make_record(performance=[]), tmp_path)
+    assert written == {"loss": "loss.png", "held_out": "held_out.png"}
     assert "No performance blocks" in report.render_markdown(make_record(performance=[]))
 
 
@@ -157,13 +157,13 @@ def test_plots_of_a_record_without_performance(tmp_path):
     [(1.0, "1.000"), (41.532, "41.53"), (0.041532, "0.04153"), (12345.6, "12350"), (0.0, "0.000")],
 )
 def test_format_sig(value, text):
-    assert report.format_sig(value) == text
+    assert formatting.format_sig(value) == text
 
 
 def test_format_bytes():
-    assert report.format_bytes(512) == "512 B"
-    assert report.format_bytes(61_341_696) == "58.5 MiB"
-    assert report.format_bytes(30_980_000_000) == "28.85 GiB"
+    assert formatting.format_bytes(512) == "512 B"
+    assert formatting.format_bytes(61_341_696) == "58.5 MiB"
+    assert formatting.format_bytes(30_980_000_000) == "28.85 GiB"
 
 
 def native_record(**edit):
