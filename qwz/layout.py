@@ -306,6 +306,48 @@ of a collective too often; the value is tuned with benchmarks/gather.py.
 Smaller chunks only shrink the staging, so the bound still holds."""
 
 
+class _StreamLayout(NamedTuple):
+    """What :func:`plan_gather` cuts into chunks: every rank's main stream of `source_numel`
+    elements in units of `unit_numel` (whole groups when quantized), and its exact elements
+    (a region of `exact_numel` per rank, or `exact_runs` inside the main stream)."""
+
+    world_size: int
+    source_numel: int
+    quantize: bool
+    unit_numel: int
+    element_size: int
+    exact_numel: int
+    exact_runs: Sequence[Sequence[tuple[int, int]]] | None
+
+    def chunks(self, num_chunks: int) -> tuple[GatherChunk, ...]:
+        """The stream in `num_chunks` chunks of whole units (fewer where it runs out), each
+        with its wire row and the exact pieces it carries."""
+        source_numel, unit_numel, world_size = self.source_numel, self.unit_numel, self.world_size
+        step = ceil_div(ceil_div(source_numel, unit_numel), num_chunks) * unit_numel
+        starts = range(0, source_numel, step) if source_numel else range(0)
+        ranges = [(start, min(start + step, source_numel)) for start in starts]
+        if self.exact_runs is not None:
+            all_pieces = _exact_run_pieces(self.exact_runs, ranges)
+        else:
+            ranges += [(source_numel, source_numel)] * (num_chunks - len(ranges))
+            all_pieces = _exact_region_pieces(self.exact_numel, world_size, len(ranges))
+        chunks = []
+        for (start, end), pieces in zip(ranges, all_pieces, strict=True):
+            counts = [0] * world_size
+            for piece in pieces:
+                counts[piece.owner] += piece.numel
+            exact = max(counts)
+            if end == start and not exact:
+                continue
+            if self.quantize:
+                groups = ceil_div(end - start, unit_numel)
+                row = WireRow(groups, unit_numel, exact, self.element_size)
+            else:
+                row = WireRow(0, unit_numel, exact, self.element_size, raw_numel=end - start)
+            chunks.append(GatherChunk(start, end, row, pieces))
+        return tuple(chunks)
+
+
 def plan_gather(
     *,
     world_size: int,
@@ -334,32 +376,9 @@ def plan_gather(
         raise ValueError("group_size: None is invalid when quantizing: give the group size")
     unit_numel = 1 if group_size is None else group_size
     units = ceil_div(source_numel, unit_numel)
-
-    def chunks_of(num_chunks: int) -> tuple[GatherChunk, ...]:
-        step = ceil_div(units, num_chunks) * unit_numel
-        starts = range(0, source_numel, step) if source_numel else range(0)
-        ranges = [(start, min(start + step, source_numel)) for start in starts]
-        if exact_runs is not None:
-            all_pieces = _exact_run_pieces(exact_runs, ranges)
-        else:
-            ranges += [(source_numel, source_numel)] * (num_chunks - len(ranges))
-            all_pieces = _exact_region_pieces(exact_numel, world_size, len(ranges))
-        chunks = []
-        for (start, end), pieces in zip(ranges, all_pieces, strict=True):
-            counts = [0] * world_size
-            for piece in pieces:
-                counts[piece.owner] += piece.numel
-            exact = max(counts)
-            if end == start and not exact:
-                continue
-            if quantize:
-                groups = ceil_div(end - start, unit_numel)
-                row = WireRow(groups, unit_numel, exact, element_size)
-            else:
-                row = WireRow(0, unit_numel, exact, element_size, raw_numel=end - start)
-            chunks.append(GatherChunk(start, end, row, pieces))
-        return tuple(chunks)
-
+    layout = _StreamLayout(
+        world_size, source_numel, quantize, unit_numel, element_size, exact_numel, exact_runs
+    )
     most_chunks = max(units, exact_numel, 1)
     pipeline_numel = PIPELINE_CHUNK_NUMEL if pipeline_numel is None else pipeline_numel
     fewest_chunks = min(most_chunks, max(1, ceil_div(source_numel, max(1, pipeline_numel))))
@@ -367,7 +386,7 @@ def plan_gather(
         buffer_budget = budget_bytes // num_buffers
         num_chunks = fewest_chunks
         while True:
-            chunks = chunks_of(num_chunks)
+            chunks = layout.chunks(num_chunks)
             needed = world_size * max((chunk.row.row_bytes for chunk in chunks), default=0)
             if needed <= buffer_budget or num_chunks >= most_chunks:
                 break

@@ -864,81 +864,80 @@ def learning_margin(record: Record) -> dict[str, Any]:
 @rule("learning", 1)
 def _learning(record: Record, reference: str | None, candidates) -> list[Check]:
     numbers = learning_margin(record)
+    reference_check = _reference_learning(reference, numbers)
+    learned = reference_check.status == "pass"
     held_out = _held_out(record)
     steps = [step for step in record.learning.eval_steps if step > 0]
-    start, drop = numbers["reference_start"], numbers["reference_drop"]
-    checks = []
-    name = f"learning[{reference}]"
-    if drop is None or start is None:
-        checks.append(_check(name, "n/a", "the reference has no held-out losses to compare"))
-        learned = False
-    elif drop >= MIN_REFERENCE_DROP * abs(start):
-        checks.append(
-            _check(
-                name,
-                "pass",
-                f"held-out loss fell {start:.4f} -> {numbers['reference_last']:.4f} "
-                f"(>= {MIN_REFERENCE_DROP:.0%} of its start)",
-                **numbers,
-            )
-        )
-        learned = True
-    else:
-        checks.append(
-            _check(
-                name,
-                "inconclusive",
-                f"the reference did not learn: held-out loss {start:.4f} -> "
-                f"{numbers['reference_last']:.4f}, less than {MIN_REFERENCE_DROP:.0%} of its "
-                "start; learning cannot be judged on this run",
-                **numbers,
-            )
-        )
-        learned = False
-    margin = numbers["margin"]
-    calibrated = numbers["noise_gap"] is not None
     # A run that crashed or never started an arm left it no held-out losses: finite says why.
     ended = {t.arm: t.failure.kind for t in record.trajectories if t.failure is not None}
+    checks = [reference_check]
     for arm in candidates:
         name = f"learning[{arm.name}]"
-        ours = held_out.get(arm.name, {})
         if ended.get(arm.name) in ("crash", "not-run"):
             checks.append(_check(name, "n/a", f"the arm ended: {ended[arm.name]}; see finite"))
-            continue
-        if not learned or margin is None:
-            checks.append(
-                _check(name, "inconclusive" if drop is not None else "n/a", "see the reference")
-            )
-            continue
-        if record.learning.rule == "non-inferiority":
+        elif not learned or numbers["margin"] is None:
+            undecided = "inconclusive" if numbers["reference_drop"] is not None else "n/a"
+            checks.append(_check(name, undecided, "see the reference"))
+        elif record.learning.rule == "non-inferiority":
             checks.append(_horizon(record, arm.name, reference))
-            continue
-        if any(ours.get(step) is None for step in steps):
-            checks.append(
-                _check(name, "fail", "held-out loss missing or non-finite at an evaluation step")
-            )
-            continue
-        gaps = {step: ours[step] - held_out[reference][step] for step in steps}
-        worst_step = max(gaps, key=lambda step: gaps[step])
-        how = (
-            f"max({MARGIN_FACTOR:g} x calibration gap {numbers['noise_gap']:.4g}, "
-            f"{MARGIN_FLOOR:.0%} of the reference's drop {drop:.4g})"
-            if calibrated
-            else f"{MARGIN_FLOOR:.0%} of the reference's drop {drop:.4g} (no calibration arm)"
-        )
-        status = "pass" if gaps[worst_step] <= margin else "fail"
-        checks.append(
-            _check(
-                name,
-                status,
-                f"held-out loss minus the reference's: worst {gaps[worst_step]:+.4g} at step "
-                f"{worst_step} (last {gaps[max(steps)]:+.4g}); margin {margin:.4g} = {how}",
-                worst_gap=gaps[worst_step],
-                worst_step=worst_step,
-                margin=margin,
-            )
-        )
+        else:
+            ours, theirs = held_out.get(arm.name, {}), held_out[reference]
+            checks.append(_max_gap(name, ours, theirs, steps, numbers))
     return checks
+
+
+def _reference_learning(reference: str | None, numbers: dict[str, Any]) -> Check:
+    """``learning[reference]``: its held-out loss fell enough to be a baseline."""
+    name = f"learning[{reference}]"
+    start, drop = numbers["reference_start"], numbers["reference_drop"]
+    if drop is None or start is None:
+        return _check(name, "n/a", "the reference has no held-out losses to compare")
+    if drop >= MIN_REFERENCE_DROP * abs(start):
+        return _check(
+            name,
+            "pass",
+            f"held-out loss fell {start:.4f} -> {numbers['reference_last']:.4f} "
+            f"(>= {MIN_REFERENCE_DROP:.0%} of its start)",
+            **numbers,
+        )
+    return _check(
+        name,
+        "inconclusive",
+        f"the reference did not learn: held-out loss {start:.4f} -> "
+        f"{numbers['reference_last']:.4f}, less than {MIN_REFERENCE_DROP:.0%} of its "
+        "start; learning cannot be judged on this run",
+        **numbers,
+    )
+
+
+def _max_gap(
+    name: str,
+    ours: dict[int, float | None],
+    theirs: dict[int, float | None],
+    steps: list[int],
+    numbers: dict[str, Any],
+) -> Check:
+    """[Note: learning margin]: a candidate's worst held-out gap to the reference."""
+    if any(ours.get(step) is None for step in steps):
+        return _check(name, "fail", "held-out loss missing or non-finite at an evaluation step")
+    margin, drop = numbers["margin"], numbers["reference_drop"]
+    gaps = {step: ours[step] - theirs[step] for step in steps}
+    worst_step = max(gaps, key=lambda step: gaps[step])
+    how = (
+        f"max({MARGIN_FACTOR:g} x calibration gap {numbers['noise_gap']:.4g}, "
+        f"{MARGIN_FLOOR:.0%} of the reference's drop {drop:.4g})"
+        if numbers["noise_gap"] is not None
+        else f"{MARGIN_FLOOR:.0%} of the reference's drop {drop:.4g} (no calibration arm)"
+    )
+    return _check(
+        name,
+        "pass" if gaps[worst_step] <= margin else "fail",
+        f"held-out loss minus the reference's: worst {gaps[worst_step]:+.4g} at step "
+        f"{worst_step} (last {gaps[max(steps)]:+.4g}); margin {margin:.4g} = {how}",
+        worst_gap=gaps[worst_step],
+        worst_step=worst_step,
+        margin=margin,
+    )
 
 
 def _horizon(record: Record, arm: str, reference: str) -> Check:

@@ -143,6 +143,25 @@ def margin(calibration: Bound | None, reference_window_loss: float) -> float:
     return floor if calibration is None else max(MARGIN_FACTOR * calibration.absolute, floor)
 
 
+def _untestable(
+    reference: BatchLosses, reference_means: Mapping[int, float | None], steps_in_window
+) -> str | None:
+    """Why the reference's own losses over the window allow no test (None: they do)."""
+    if len(steps_in_window) < MIN_WINDOW_EVALUATIONS:
+        return (
+            f"{len(steps_in_window)} evaluations in the last {WINDOW_SHARE:.0%} of the "
+            f"horizon, fewer than {MIN_WINDOW_EVALUATIONS}: evaluate more often (--eval-every)"
+        )
+    counts = {len(reference.get(step, ())) for step in steps_in_window}
+    means = [reference_means.get(step) for step in steps_in_window]
+    if counts != {max(counts)} or max(counts) < MIN_BATCHES or None in means:
+        return (
+            f"the reference's held-out batch losses over the window are missing or fewer than "
+            f"{MIN_BATCHES} batches: nothing to pair with"
+        )
+    return None
+
+
 def judge(
     candidate: BatchLosses,
     reference: BatchLosses,
@@ -161,28 +180,15 @@ def judge(
         "margin_factor": MARGIN_FACTOR,
         "margin_floor": MARGIN_FLOOR,
     }
-    if len(steps_in_window) < MIN_WINDOW_EVALUATIONS:
-        return Judgement(
-            "inconclusive",
-            f"{len(steps_in_window)} evaluations in the last {WINDOW_SHARE:.0%} of the "
-            f"horizon, fewer than {MIN_WINDOW_EVALUATIONS}: evaluate more often (--eval-every)",
-            numbers,
-        )
-    counts = {len(reference.get(step, ())) for step in steps_in_window}
-    means = [reference_means.get(step) for step in steps_in_window]
-    if counts != {max(counts)} or max(counts) < MIN_BATCHES or None in means:
-        return Judgement(
-            "inconclusive",
-            f"the reference's held-out batch losses over the window are missing or fewer than "
-            f"{MIN_BATCHES} batches: nothing to pair with",
-            numbers,
-        )
+    untestable = _untestable(reference, reference_means, steps_in_window)
+    if untestable is not None:
+        return Judgement("inconclusive", untestable, numbers)
     differences = paired_differences(candidate, reference, steps_in_window)
     if differences is None:
         return Judgement(
             "fail", "a held-out batch loss in the window is missing or non-finite", numbers
         )
-    level = statistics.fmean(means)
+    level = statistics.fmean(reference_means[step] for step in steps_in_window)
     cal_differences = (
         None if calibration is None else paired_differences(calibration, reference, steps_in_window)
     )
