@@ -310,61 +310,55 @@ def _trajectory_section(record: Record) -> list[str]:
     for trajectory in record.trajectories:
         losses, norms = trajectory.losses, trajectory.grad_norms
         finite = all(is_finite(value) for value in [*losses, *norms])
-        finite_losses = [value for value in losses if is_finite(value)]
         finite_norms = [value for value in norms if is_finite(value)]
-        if finite_losses:
-            min_loss = min(finite_losses)
-            min_text = f"{format_sig(min_loss)} (step {losses.index(min_loss) + 1})"
-        else:
-            min_text = "—"
         norm_range = (
             f"{format_sig(min(finite_norms))} – {format_sig(max(finite_norms))}"
             if finite_norms
             else "—"
         )
-        if reference_losses is None or trajectory.arm == reference.name:
-            difference = "—"
-        elif (
-            not losses
-            or len(losses) != len(reference_losses)
-            or not finite
-            or not all(is_finite(value) for value in reference_losses)
-        ):
-            difference = "n/a"
-        else:
-            difference = format_sig(
-                max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)), 3
-            )
+        is_reference = reference is not None and trajectory.arm == reference.name
         rows.append(
             (
                 f"`{trajectory.arm}`",
                 len(losses),
                 format_sig(losses[0]) if losses and is_finite(losses[0]) else "—",
                 format_sig(losses[-1]) if losses and is_finite(losses[-1]) else "—",
-                min_text,
+                _min_loss(losses),
                 "yes" if finite else "**no**",
                 norm_range,
-                difference,
+                "—" if is_reference else _loss_difference(losses, reference_losses, finite),
             )
         )
     reference_name = reference.name if reference else "reference"
-    return [
-        "## Trajectory",
-        "",
-        *table(
-            [
-                "arm",
-                "steps",
-                "first loss",
-                "last loss",
-                "min loss",
-                "all finite",
-                "grad norm range",
-                f"max abs loss difference vs `{reference_name}`",
-            ],
-            rows,
-        ),
-    ]
+    header = ["arm", "steps", "first loss", "last loss", "min loss", "all finite"]
+    header += ["grad norm range", f"max abs loss difference vs `{reference_name}`"]
+    return ["## Trajectory", "", *table(header, rows)]
+
+
+def _min_loss(losses: list[float | None]) -> str:
+    """The lowest finite loss and its step."""
+    finite_losses = [value for value in losses if is_finite(value)]
+    if not finite_losses:
+        return "—"
+    lowest = min(finite_losses)
+    return f"{format_sig(lowest)} (step {losses.index(lowest) + 1})"
+
+
+def _loss_difference(
+    losses: list[float | None], reference_losses: list[float | None] | None, finite: bool
+) -> str:
+    """The largest absolute per-step loss difference from the reference's."""
+    if reference_losses is None:
+        return "—"
+    comparable = (
+        losses
+        and len(losses) == len(reference_losses)
+        and finite
+        and all(is_finite(value) for value in reference_losses)
+    )
+    if not comparable:
+        return "n/a"
+    return format_sig(max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)), 3)
 
 
 def _own_shard(ratio: float | None) -> str:
