@@ -91,6 +91,8 @@ def run_table(
     }
     started = time.monotonic()
     answer = _ask(request, _child_environment(), timeout_s)
+    if not isinstance(answer, str):
+        answer = _checked(answer)
     return {
         "parser": PARSERS[subject],
         "engine": ENGINES[subject],
@@ -98,6 +100,19 @@ def run_table(
         "seconds": round(time.monotonic() - started, 3),
         "error": answer if isinstance(answer, str) else None,
     }
+
+
+def _checked(rows: Any) -> list[dict[str, Any]] | str:
+    """The rows, or why they cannot go into a record: a harness bug must cost the table its
+    verdict (inconclusive), never the run its record."""
+    from pydantic import ValidationError
+
+    from qwz.qualify.evidence.schema import ConformanceRow
+
+    try:
+        return [ConformanceRow.model_validate(row).model_dump(mode="json") for row in rows]
+    except (ValidationError, TypeError) as error:
+        return f"the table's rows do not match the record's schema: {str(error)[:500]}"
 
 
 def _child_environment() -> dict[str, str]:
@@ -139,8 +154,11 @@ def _ask(request: dict[str, Any], environment: dict[str, str], timeout_s: float)
     if done.returncode != 0 or not lines:
         last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
         return f"the table's process exited {done.returncode} without its rows: {last[:500]}"
-    answer = json.loads(lines[-1].removeprefix(MARKER))
-    return answer["error"] if answer["error"] is not None else answer["rows"]
+    try:
+        answer = json.loads(lines[-1].removeprefix(MARKER))
+        return answer["error"] if answer["error"] is not None else answer["rows"]
+    except (ValueError, KeyError, TypeError) as error:
+        return f"the table's process reported no readable rows: {error!r}"[:500]
 
 
 # ------------------------------------------------------------------ in the subprocess

@@ -159,6 +159,11 @@ def test_a_table_process_that_dies_is_the_table_s_error(monkeypatch):
     monkeypatch.setattr(runner, "CHILD", "import sys; sys.exit('no table here')")
     table = runner.run_table("qwz")
     assert table["rows"] == [] and "exited 1 without its rows: no table here" in table["error"]
+    garbled = "print(" + repr(runner.MARKER + '{"rows": [{"row": 1}], "error": null}') + ")"
+    monkeypatch.setattr(runner, "CHILD", garbled)
+    table = runner.run_table("qwz")
+    assert table["rows"] == [] and "rows do not match the record's schema" in table["error"]
+    assert make_record(conformance=table).verdict.status == "INCONCLUSIVE"
 
 
 @pytest.mark.slow  # imports DeepSpeed in a fresh process
