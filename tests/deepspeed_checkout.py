@@ -133,11 +133,22 @@ NATIVE_BROKEN = (
 )
 """The broken variants of ``proposal.patch``: ``tests/deepspeed_native/<name>.patch`` on top."""
 
+CONFORMANCE_BROKEN = (
+    "broken_group_size_multiple_of_4",
+    "broken_stage3_group_size",
+    "broken_fp32_accepted",
+)
+"""Variants of ``proposal.patch`` that break one of the PR's config rules (a group size of 12
+accepted, a non-default size accepted with ZeRO-3, fp32 with quantized weights accepted):
+what ``conformance`` must FAIL (tests/multigpu/test_conformance.py); their gather is the
+proposal's."""
+
 
 def every_variant() -> dict[str, list[str | Files]]:
     """The changes of every variant the multigpu tests check out, for :func:`make_variants`:
-    the proposal, each of :data:`NATIVE_BROKEN` on top of it, and each module of the corpus
-    (``tests/deepspeed_native/corpus/``) over the proposal. The ``main`` branch is stock.
+    the proposal, each of :data:`NATIVE_BROKEN` and :data:`CONFORMANCE_BROKEN` on top of it, and
+    each module of the corpus (``tests/deepspeed_native/corpus/``) over the proposal. The
+    ``main`` branch is stock.
 
     [Note: one DeepSpeed checkout per worker]
     DeepSpeed JIT-builds its CPU comm op for each checkout path ([Note: ops of a checkout],
@@ -150,6 +161,7 @@ def every_variant() -> dict[str, list[str | Files]]:
     proposal = read_patch("proposal")
     variants: dict[str, list[str | Files]] = {"proposal": [proposal]}
     variants |= {name: [proposal, read_patch(name)] for name in NATIVE_BROKEN}
+    variants |= {name: [proposal, read_patch(name)] for name in CONFORMANCE_BROKEN}
     for name in (*corpus.FREEDOMS, *corpus.BROKEN, *corpus.WHOLE_BROKEN):
         assert name not in variants, f"two variants named {name}"
         variants[name] = [proposal, {corpus.MODULE: corpus.module_text(name)}]

@@ -317,10 +317,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = _plan_to_run(args)
     world_size = preflight.run_world_size(args)
     invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
+    conformance = _conformance_table(plan)
     try:
         observations = _run_ranks(plan, world_size, args)
     except RankFailure as failure:
-        return _write_failure(failure, plan, world_size, invocation, args.out)
+        return _write_failure(failure, plan, world_size, invocation, args.out, conformance)
     if observations is None:  # not rank 0
         return 0
     built = evidence.build_record(
@@ -329,8 +330,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         ledger_dir=args.ledger,
         min_speedup=args.min_speedup,
         invocation=invocation,
+        conformance=conformance,
     )
     return _write_evidence(built, args.out)
+
+
+def _conformance_table(plan) -> dict | None:
+    """The PR's config rules through the subject's own parser and engine, before any rank
+    trains ([Note: conformance run] in qualify/run/conformance.py); only where the record is
+    written (under torchrun: rank 0)."""
+    from qwz.qualify.run.conformance import run_table
+
+    if preflight.under_torchrun() and os.environ.get("RANK") != "0":
+        return None
+    table = run_table(plan.subject, qwz_gather=plan.qwz_gather, deepspeed_src=plan.deepspeed_src)
+    said = table["error"] or f"{len(table['rows'])} configs in {table['seconds']:.1f} s"
+    print(f"qwz-qualify: the PR's config rules through the subject's parser: {said}",
+          file=sys.stderr)  # fmt: skip
+    return table
 
 
 def _plan_to_run(args: argparse.Namespace):
@@ -364,7 +381,9 @@ def _run_ranks(plan, world_size: int, args: argparse.Namespace):
     return launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
 
 
-def _write_failure(failure, plan, world_size: int, invocation, out: pathlib.Path) -> int:
+def _write_failure(
+    failure, plan, world_size: int, invocation, out: pathlib.Path, conformance=None
+) -> int:
     """A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
     is a FAIL record naming the rank that failed first, the arm and the step; or, where the
     harness could not observe the subject, no verdict ([Note: harness errors])."""
@@ -380,7 +399,7 @@ def _write_failure(failure, plan, world_size: int, invocation, out: pathlib.Path
         print(f"wrote {path}; {harness_error.summary(content)}")
         return harness_error.HARNESS_ERROR_EXIT
     built = evidence.build_failure_record(
-        plan, world_size, failure.cause, failure.context, failure.results, invocation
+        plan, world_size, failure.cause, failure.context, failure.results, invocation, conformance
     )
     return _write_evidence(built, out)
 

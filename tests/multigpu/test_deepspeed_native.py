@@ -317,6 +317,9 @@ def test_harness_passes_the_proposal_and_binds_its_commit(checkout, tmp_path):
     assert loaded.verdict.status == "PASS", loaded.verdict
     assert loaded.head.sha == head(root)
     assert loaded.head.dirty is False
+    [conformance] = [check for check in loaded.checks if check.name == "conformance"]
+    assert conformance.status == "pass" and conformance.numbers["judged"] > 0
+    assert "## The PR's config rules (conformance)" in (tmp_path / "out" / "report.md").read_text()
 
 
 HARNESS_NIGHTLY = ("broken_owner_exact", "broken_small_quantized")

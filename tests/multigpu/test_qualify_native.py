@@ -59,6 +59,13 @@ def test_stock_deepspeed_fails_in_effect_and_binds_the_checkout(checkout, tmp_pa
     failed = {check.name: check for check in clean.checks if check.status == "fail"}
     assert "in-effect[candidate-g64]" in failed
     assert "not in effect" in failed["in-effect[candidate-g64]"].detail
+    # Its config refuses the group size key (an unknown field) and ignores the flag with fp32
+    # and ZenFlow: conformance shows each refusal with DeepSpeed's message and fails the rest.
+    assert "stage2-g8192" in failed["conformance"].numbers["failed"]
+    assert "stage2-fp32" in failed["conformance"].numbers["failed"]
+    assert clean.conformance is not None
+    refusals = [row.message for row in clean.conformance.rows if row.observed == "refused"]
+    assert refusals and all("Extra inputs are not permitted" in text for text in refusals)
     assert clean.subject.name == "deepspeed-native" and clean.subject.version == "0.19.8"
     assert clean.head.sha == clean.subject.sha == head(checkout)
     assert clean.head.dirty is False and clean.subject.dirty is False

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
+import pathlib
 from typing import Any
 
 from qwz.qualify.evidence import checks, schema, seal
@@ -195,6 +197,15 @@ def wire_group(rank: int, bytes_per_step: int, quantized_numel: int = 579_264) -
     }
 
 
+CONFORMANCE_FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "conformance"
+
+
+def conformance_table(name: str) -> dict[str, Any]:
+    """The conformance section a real subject recorded: tests/fixtures/conformance/<name>.json
+    (``qwz``, ``deepspeed``, ``deepspeed-native-stock``, ``deepspeed-native-proposal``, ...)."""
+    return json.loads((CONFORMANCE_FIXTURES / f"{name}.json").read_text())
+
+
 def make_payload(**overrides: Any) -> dict[str, Any]:
     """The raw observations of a passing two-rank qualification, with ``overrides`` applied
     (checks and verdict are derived by ``seal.seal``)."""
@@ -284,6 +295,7 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
         ],
         "memory": [item for name, _, _ in ARMS for item in _memory(name)],
         "performance": [_performance()],
+        "conformance": conformance_table("qwz"),
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(payload.get(key), dict):

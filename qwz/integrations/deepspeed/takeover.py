@@ -72,7 +72,7 @@ import inspect
 import pathlib
 import types
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -126,6 +126,40 @@ def initialize(
     config = take_config(bound.arguments)
     if config is None:  # DeepSpeed reports the missing config its own way
         return deepspeed.initialize(*bound.args, **bound.kwargs)
+    prepared = prepare_config(config, qwz_gather)
+    bound.arguments["config"] = prepared.config
+
+    result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    optimizer = result[0].optimizer
+    stage = prepared.stage
+    if stage in (1, 2) and _is_zero_optimizer(optimizer):
+        shards.attach(optimizer)
+    if prepared.take_over:
+        _take_over(optimizer, prepared.requested, fused_kernels=fused_kernels)
+        resume.attach(result[0])
+    elif stage in (1, 2) and _is_zero_optimizer(optimizer):
+        optimizer.quantization_group_size = None
+        optimizer.qwz = DropInState()
+    return result
+
+
+class PreparedConfig(NamedTuple):
+    """A config as :func:`initialize` hands it to DeepSpeed, and what qwz read from it."""
+
+    config: dict[str, Any]
+    """The config without the qwz-owned keys ([Note: refused configurations], config.py)."""
+    requested: QuantizedWeights
+    stage: int
+    take_over: bool
+    """Whether qwz's gather replaces DeepSpeed's (stage 1 or 2, requested, enabled)."""
+
+
+def prepare_config(config: dict[str, Any], qwz_gather: bool | None = None) -> PreparedConfig:
+    """The drop-in's config checks ([Note: refused configurations]), before DeepSpeed sees
+    the config: qwz's rules for its keys, the refusals where qwz takes over, and the qwz-owned
+    keys removed. ``config`` is edited in place; a ConfigError names what is refused."""
+    import deepspeed
+
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, Mapping):
         raise ConfigError(f"zero_optimization: {zero!r} is invalid: must be a JSON object")
@@ -144,19 +178,7 @@ def initialize(
         zero.pop(key, None)
     if "zero_optimization" in config:
         config["zero_optimization"] = zero
-    bound.arguments["config"] = config
-
-    result = deepspeed.initialize(*bound.args, **bound.kwargs)
-    optimizer = result[0].optimizer
-    if stage in (1, 2) and _is_zero_optimizer(optimizer):
-        shards.attach(optimizer)
-    if take_over:
-        _take_over(optimizer, requested, fused_kernels=fused_kernels)
-        resume.attach(result[0])
-    elif stage in (1, 2) and _is_zero_optimizer(optimizer):
-        optimizer.quantization_group_size = None
-        optimizer.qwz = DropInState()
-    return result
+    return PreparedConfig(config, requested, stage, take_over)
 
 
 def installed_version(deepspeed: Any) -> str:

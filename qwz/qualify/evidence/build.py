@@ -315,9 +315,12 @@ def build_record(
     ledger_dir: pathlib.Path | None = None,
     min_speedup: float | None = None,
     invocation: dict[str, Any] | None = None,
+    conformance: dict[str, Any] | None = None,
 ) -> Record:
     """Assemble the raw observations of every rank, derive the checks, seal the record;
-    `invocation`: how the run was started ([Note: reproduce], qualify/evidence/machine.py)."""
+    `invocation`: how the run was started ([Note: reproduce], qualify/evidence/machine.py);
+    `conformance`: the PR's config rules as the subject took them ([Note: conformance run],
+    qualify/run/conformance.py), None where the run did not put them to it."""
     first = observations[0]
     environment = Environment(**first["environment"])
     arms = _arms(plan)
@@ -357,6 +360,7 @@ def build_record(
         **{key: sections[key] for key in ("step_one", "updates", "own_shards", "drift")},
         **{key: sections[key] for key in ("hashes", "probes", "loss_scaling", "memory")},
         "performance": performance,
+        "conformance": conformance,
     }
     return seal(payload)
 
@@ -392,6 +396,7 @@ def build_failure_record(
     context: tuple[RankEnd, ...] = (),
     results: dict[int, dict[str, Any]] | None = None,
     invocation: dict[str, Any] | None = None,
+    conformance: dict[str, Any] | None = None,
 ) -> Record:
     """A FAIL record for a run that crashed ([Note: failures] in qualify/run/runner.py).
 
@@ -443,4 +448,4 @@ def build_failure_record(
         }
         for rank in range(world_size)
     ]
-    return build_record(plan, observations, invocation=invocation)
+    return build_record(plan, observations, invocation=invocation, conformance=conformance)

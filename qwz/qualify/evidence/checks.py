@@ -84,7 +84,7 @@ import math
 import statistics
 from typing import Any
 
-from qwz.qualify.evidence import gather_speed, horizon, loss_scaling, stats
+from qwz.qualify.evidence import conformance, gather_speed, horizon, loss_scaling, stats
 from qwz.qualify.evidence.rules import SPEED, rule
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
@@ -148,6 +148,7 @@ def derive(record: Record) -> list[Check]:
     checks += _learning(record, reference, candidates)
     if record.plan.min_speedup is not None:
         checks += [_speedup(item, record.plan.min_speedup) for item in record.performance]
+    checks.append(conformance.conformance(record))
     return checks
 
 

@@ -70,6 +70,7 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "horizon.MARGIN_FLOOR",
     ),
     "speedup": ("checks.MIN_BLOCKS_FOR_INTERVAL",),
+    "conformance": ("conformance.NORMATIVE",),
     SPEED: (
         "checks.MIN_BLOCKS_FOR_INTERVAL",
         "stats.DEFAULT_CONFIDENCE",

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from qwz.qualify.evidence.signing import Signature
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The one place the record's schema version is written ([Note: schema versions], upgrade.py)."""
 OLDEST_SCHEMA_VERSION = 2
 """The oldest schema this qwz reads (upgrade.py upgrades it in memory)."""
@@ -560,6 +560,47 @@ class Learning(_Model):
     )
 
 
+class ConformanceRow(_Model):
+    """One config of the judge's conformance table as the subject's own parser and engine
+    took it ([Note: the PR's config rules], qualify/evidence/conformance.py); the expected
+    outcome is the judge's, never stored here."""
+
+    row: str = Field(description="The row's name in the judge's table")
+    config: dict[str, Any] = Field(description="The DeepSpeed config the subject was given")
+    ran: list[Literal["parse", "initialize"]] = Field(
+        description="What the subject was asked: its config parser, then (stages 1 and 2, where "
+        "the parser accepted) an engine of a tiny model at world size 1"
+    )
+    observed: Literal["accepted", "refused"]
+    refused_at: Literal["parse", "initialize"] | None = Field(
+        description="Where the subject refused it; null: accepted"
+    )
+    message: str | None = Field(
+        description="The subject's own message (the exception's type and text on one line, "
+        "bounded); null: accepted"
+    )
+    group_size: int | None = Field(
+        None,
+        description="Context: the group size the subject's parser resolved for an accepted "
+        "row; null: it resolves none",
+    )
+
+
+class Conformance(_Model):
+    """The PR's config rules run through the subject's own parser and engine before any
+    training (qualify/run/conformance.py)."""
+
+    parser: str = Field(description="What parsed each config")
+    engine: str = Field(description="What built an engine from each config it accepted")
+    rows: list[ConformanceRow]
+    seconds: float = Field(description="Wall time of the whole table")
+    error: str | None = Field(
+        None,
+        description="Why the harness could not run the table (then rows is empty): a harness "
+        "error, never the subject's refusal",
+    )
+
+
 CheckStatus = Literal["pass", "fail", "n/a", "inconclusive"]
 
 
@@ -654,6 +695,11 @@ class Record(_Model):
     )
     memory: list[Memory]
     performance: list[Performance]
+    conformance: Conformance | None = Field(
+        None,
+        description="The PR's config rules run through the subject's parser and engine; null: "
+        "not run (records before schema 5)",
+    )
     checks: list[Check]
     verdict: Verdict
     judge: Judge | None = Field(

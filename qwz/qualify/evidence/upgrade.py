@@ -18,6 +18,9 @@ plan's renamed keys, ``_plan_from_3``; each arm's ``integration_enabled`` is ``q
 the fused kernels are called by what they are: ``"compiled"`` (the native C kernels on
 CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
 ``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
+
+4 -> 5: ``conformance`` (the PR's config rules run through the subject's parser and engine) is
+new; an older record has none, so ``conformance`` reads "not observed" there (rules.INPUTS).
 """
 
 from __future__ import annotations
@@ -93,7 +96,15 @@ def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
-UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}
+def _from_4(payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload, schema_version=5)
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    2: _from_2,
+    3: _from_3,
+    4: _from_4,
+}
 """Version N -> the step from N to N + 1."""
 
 

@@ -14,6 +14,7 @@ from qwz.qualify.evidence.schema import Arm, Record
 from qwz.qualify.evidence.stats import METHOD_NOTE
 from qwz.qualify.review import report_sections
 from qwz.qualify.review.banner import banner
+from qwz.qualify.review.conformance import conformance_section
 from qwz.qualify.review.formatting import (
     devices,
     format_bytes,
@@ -78,6 +79,7 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     lines += _drift_section(record)
     lines += _hashes_section(record)
     lines += _probe_section(record)
+    lines += conformance_section(record)
     lines += _memory_section(record)
     lines += _performance_section(record)
     lines += report_sections.reproduce_section(record)
