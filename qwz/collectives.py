@@ -33,7 +33,7 @@ temporary the size of a chunk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -193,6 +193,7 @@ def gather(
     masked: Sequence[MaskedGroups | None] | None = None,
     group: dist.ProcessGroup | None = None,
     kernels: QuantKernels = EAGER_KERNELS,
+    before_first_write: Callable[[], None] | None = None,
 ) -> GatherStats:
     """Write every rank's `source` into every rank's `dest`, chunk by chunk, one collective
     per chunk, pipelined; see [Note: gather pipeline] and [Note: replica consistency].
@@ -202,29 +203,55 @@ def gather(
     exact_source / exact_dest: where this rank's exact elements are read and the (W, n) view
     their pieces land in: an exact region's buffers, or by default `source` and `dest` (exact
     runs; [Note: small parameters travel exactly], layout.py). masked: per chunk, see
-    :class:`MaskedGroups`.
+    :class:`MaskedGroups`. before_first_write: called once before the first decode writes
+    `dest` (after the first chunks are packed and their collectives launched); what it
+    raises ends the gather with `dest` untouched, once the launched collectives are done
+    (every rank must raise there together: their collectives are matched).
     """
     world_size = plan.world_size
     exact_source = source if exact_source is None else exact_source
     exact_dest = dest if exact_dest is None else exact_dest
     staging.reserve(plan)
-    pending: list[tuple[Any, Any, torch.Tensor]] = []
+    pending: list[tuple[Any, Any, torch.Tensor]] = []  # launched, not yet decoded
+    check = before_first_write
+
+    def finish_oldest() -> None:
+        nonlocal check
+        if check is not None:
+            _open_gate(check, pending)
+            check = None
+        _finish(*pending.pop(0), dest, exact_dest, kernels)
+
     for index, chunk in enumerate(plan.chunks):
         rows = staging.rows(index % plan.num_buffers, world_size, chunk.row)
         if plan.num_buffers == 1 and pending:
-            _finish(*pending.pop(), dest, exact_dest, kernels)
+            finish_oldest()
         chunk_masked = masked[index] if masked else None
         _pack(chunk, rows, rank, source, exact_source, kernels, chunk_masked, dest.dtype)
         work = None
         if world_size > 1:
             work = _all_gather_into(rows.view(-1), rows[rank], group, async_op=True)
-        if pending:
-            _finish(*pending.pop(), dest, exact_dest, kernels)
         pending.append((work, chunk, rows))
+        if len(pending) > 1:
+            finish_oldest()
     while pending:
-        _finish(*pending.pop(), dest, exact_dest, kernels)
+        finish_oldest()
+    if check is not None:  # a plan without chunks writes nothing, but the check still runs
+        check()
     collectives = len(plan.chunks) if world_size > 1 else 0
     return GatherStats(collectives, plan.wire_bytes(), plan.staging_bytes)
+
+
+def _open_gate(check: Callable[[], None], pending: list[tuple[Any, Any, torch.Tensor]]) -> None:
+    """Run `check`; if it raises, wait for the launched collectives first, so none is left
+    writing a staging buffer after the gather has ended."""
+    try:
+        check()
+    except BaseException:
+        for work, _, _ in pending:
+            if work is not None:
+                work.wait()
+        raise
 
 
 def _finish(work, chunk, rows, dest, exact_dest, kernels) -> None:
