@@ -73,7 +73,6 @@ import torch
 import torch.distributed as dist
 
 from qwz import devices
-from qwz.hashing import param_hash
 from qwz.integrations.deepspeed import structure
 from qwz.integrations.probe import WireProbe
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
@@ -491,8 +490,9 @@ class _ArmRun:
         self.next_use.settle(self._final_forward)
         if self.check_own:
             self.observed["own_shard"] = dataclasses.asdict(self.own_result)
-        self.observed["final_hash"] = param_hash(self.engine.module)
-        self.observed["final_hashes"] = replicas.final_hashes(self.engine.module, self.replica_keys)
+        self.observed["final_hash"], self.observed["final_hashes"] = replicas.final_hashes(
+            self.engine.module, self.replica_keys
+        )
 
     def train_step(self, step: int) -> tuple[float, float] | None:
         """One step: its loss and gradient norm, its wire window left open and suspended
