@@ -80,7 +80,14 @@ from qwz.qualify import rank_reports
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, gather_timing, next_use, replicas, timing
+from qwz.qualify.run import (
+    calibration_noise,
+    determinism,
+    gather_timing,
+    next_use,
+    replicas,
+    timing,
+)
 from qwz.qualify.run.observers import engine_report, overflow, own_shard, update
 from qwz.qualify.run.subjects import (
     ArmEngine,
@@ -314,24 +321,6 @@ def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int, step: int) -> li
     if plan.learning_rule == "non-inferiority":
         entry.append([loss for per_rank in _agree(stacked.cpu().tolist()) for loss in per_rank])
     return entry
-
-
-@torch.no_grad()
-def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
-    """[Note: learning margin]: add noise of the quantization error's size to the working
-    copy of every quantized parameter -- uniform in [-scale/2, scale/2] per group of
-    `group_size` elements of the parameter, drawn from one seed on every rank, so the
-    replicas stay identical and the masters are untouched (the next gather overwrites it)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_033 + step)
-    for param in engine.module.parameters():
-        if spec.travels_exactly(param.numel()):
-            continue
-        flat = param.detach().reshape(-1)
-        padded = -(-flat.numel() // group_size) * group_size
-        values = torch.nn.functional.pad(flat.float().cpu(), (0, padded - flat.numel()))
-        scales = spec.scales(values, group_size).repeat_interleave(group_size)
-        noise = (torch.rand(padded, generator=generator) - 0.5) * scales
-        flat.add_(noise[: flat.numel()].to(flat.device, flat.dtype))
 
 
 def _non_finite(step: int, loss_value: float, grad_norm: float) -> NonFiniteStep:
@@ -575,7 +564,7 @@ class _ArmRun:
         observed["losses"].append(loss_value)
         observed["grad_norms"].append(grad_norm)
         if arm.noise_group_size is not None:
-            _perturb(engine, arm.noise_group_size, plan.seed, step)
+            calibration_noise.perturb(engine.module, arm.noise_group_size, plan.seed, step)
         if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
             # The first optimizer step (step 1 unless fp16 overflows skipped the first):
             # until then no gather ran, so every arm held the same weights.
