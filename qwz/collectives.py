@@ -346,23 +346,33 @@ def all_reduce_sum(value: torch.Tensor, world_size: int, group: dist.ProcessGrou
     return value
 
 
-def check_same_kernels_on_every_rank(
+def agree_on_kernels(
     choice: KernelChoice,
     group: dist.ProcessGroup | None,
     world_size: int,
     device: torch.device,
-) -> None:
-    """Raise on every rank of `group` unless every rank chose fused kernels or every rank
-    chose eager ones. Both write the same bytes, but a rank that silently runs other kernels
-    than its peers is a configuration error (`choice`: this rank's, qwz.kernels.choose_kernels)."""
+) -> KernelChoice:
+    """The gather kernels every rank of `group` uses (collective, once at construction):
+    `choice` (this rank's, qwz.kernels.choose_kernels) when every rank chose the same kind,
+    else the eager kernels on every rank, with every rank's reason as the fallback. Both
+    write the same bytes, but a rank whose fused kernels failed their self-test (its own
+    GPU, its own compiler) must not make its peers run other kernels than it does, silently
+    or by an error: each rank's record names the fallback instead."""
     if world_size == 1:
-        return
+        return choice
     name = choice.kernels.name
     fused = torch.tensor([int(name == "fused")], dtype=torch.int64, device=device)
     dist.all_reduce(fused, group=group)
-    if int(fused) not in (0, world_size):
-        raise RuntimeError(
-            f"rank {dist.get_rank(group)}: ranks disagree on the gather kernels ({int(fused)} "
-            f"of {world_size} fused; this rank: {name}, fallback: {choice.fallback_reason}); "
-            "pass fused_kernels explicitly"
-        )
+    fused_ranks = int(fused)
+    if fused_ranks in (0, world_size):
+        return choice
+    reasons: list[tuple[str, str | None]] = [("", None)] * world_size
+    dist.all_gather_object(reasons, (name, choice.fallback_reason), group=group)
+    failed = "; ".join(
+        f"rank {rank}: {reason}" for rank, (kind, reason) in enumerate(reasons) if kind != "fused"
+    )
+    return KernelChoice(
+        EAGER_KERNELS,
+        f"the fused kernels serve on {fused_ranks} of {world_size} ranks only, so every rank "
+        f"runs the eager kernels ({failed})",
+    )

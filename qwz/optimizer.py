@@ -348,15 +348,18 @@ class ZeroOptimizer:
         """fp16 collectives average before they sum (phase 1 of the module docstring)."""
 
     def _choose_gather_kernels(self) -> None:
-        """The gather's kernels, the same kind on every rank (qwz.kernels.choose_kernels)."""
-        choice = choose_kernels(self.gather.fused_kernels, self.device, self.dtype)
+        """The gather's kernels, the same kind on every rank (qwz.kernels.choose_kernels,
+        then collectives.agree_on_kernels)."""
+        choice = collectives.agree_on_kernels(
+            choose_kernels(self.gather.fused_kernels, self.device, self.dtype),
+            self.process_group,
+            self.world_size,
+            self.device,
+        )
         self.kernels = choice.kernels
-        """The gather's kernels: fused by default when they work here."""
+        """The gather's kernels: fused by default when they work on every rank."""
         self.kernel_fallback = choice.fallback_reason
         """Why the fused kernels are not in use although wanted (None when they are)."""
-        collectives.check_same_kernels_on_every_rank(
-            choice, self.process_group, self.world_size, self.device
-        )
 
     def _build_regions(
         self, named_params: Sequence[tuple[str, torch.nn.Parameter]]

@@ -334,7 +334,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _plan_to_run(args: argparse.Namespace):
-    """The plan of a request preflight accepted, with the kernels this machine can run."""
+    """The plan of a request preflight accepted, with the kernels this machine can run
+    ([Note: fused kernels checked before a run], qualify/kernel_check.py)."""
+    from qwz.qualify import kernel_check
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.run.subjects import use_deepspeed_source
 
@@ -346,6 +348,7 @@ def _plan_to_run(args: argparse.Namespace):
         )
         args.kernels = "eager"
     plan = preflight.plan_of(args)
+    kernel_check.cuda_failure(plan, preflight.run_world_size(args), preflight.under_torchrun())
     if args.subject in DEEPSPEED_SUBJECTS:
         # Here too: spawned ranks start from this sys.path, and the failure record's
         # identity is read in this process.

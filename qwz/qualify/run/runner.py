@@ -293,7 +293,9 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         plan.arm_config(arm),
         model_parameters=plan.workload.optimizer_parameters(model),
         quantized=arm.quantized,
-        fused_kernels=plan.kernels == "fused",
+        # "fused": where they pass their self-test on every rank, else eager with the reason
+        # in the record's kernels (qwz.kernels.choose_kernels, collectives.agree_on_kernels).
+        fused_kernels=None if plan.kernels == "fused" else False,
         qwz_gather=plan.qwz_gather,
         shard_alignment=plan.shard_alignment,
     )
