@@ -28,7 +28,9 @@ so chunk k's collective is in flight while chunk k - 1 is decoded and chunk k + 
 Buffer ``k % 2`` is packed again only after chunk k - 2 was decoded from it, so nothing is
 overwritten while it is still read. Packing reads the fp32 master straight into the row;
 decoding writes straight into the destination (strided views allowed): no per-chunk
-temporary the size of a chunk.
+temporary the size of a chunk. A check the caller passes (``before_first_write``) runs once,
+just before the first decode, while the first collectives are in flight ([Note: host reads
+in a step], optimizer.py).
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ class NonFiniteError(FloatingPointError):
 
 
 class StepOutcome(NamedTuple):
-    """What one optimizer step did, read without a host sync ([Note: host reads in a step])."""
+    """What one optimizer step did; the norm left on the device ([Note: host reads in a
+    step])."""
 
     grad_norm: torch.Tensor
     """0-dim fp32 on the device: the global norm of the unscaled gradient, before clipping
