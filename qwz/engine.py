@@ -441,8 +441,9 @@ def initialize(
     initialised process group it runs on one rank with the collectives skipped.
     `fused_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
     C kernels on CPU, ``torch.compile`` otherwise) when a one-time
-    probe shows they work here and write the eager kernels' bytes, else uses the eager
-    kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
+    probe shows they work and write the eager kernels' bytes on every rank of the group, else
+    uses the eager kernels on every rank (same bytes) and logs why
+    (``engine.optimizer.kernel_fallback``, naming the ranks where they failed); True requires
     the fused kernels; False keeps eager.
     `shard_alignment`: None (default) pads the quantized region's shards to whole groups;
     a positive multiple of the group size pads them to whole multiples of it instead, so
