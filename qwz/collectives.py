@@ -28,12 +28,14 @@ so chunk k's collective is in flight while chunk k - 1 is decoded and chunk k + 
 Buffer ``k % 2`` is packed again only after chunk k - 2 was decoded from it, so nothing is
 overwritten while it is still read. Packing reads the fp32 master straight into the row;
 decoding writes straight into the destination (strided views allowed): no per-chunk
-temporary the size of a chunk.
+temporary the size of a chunk. A check the caller passes (``before_first_write``) runs once,
+just before the first decode, while the first collectives are in flight ([Note: host reads
+in a step], optimizer.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -193,6 +195,7 @@ def gather(
     masked: Sequence[MaskedGroups | None] | None = None,
     group: dist.ProcessGroup | None = None,
     kernels: QuantKernels = EAGER_KERNELS,
+    before_first_write: Callable[[], None] | None = None,
 ) -> GatherStats:
     """Write every rank's `source` into every rank's `dest`, chunk by chunk, one collective
     per chunk, pipelined; see [Note: gather pipeline] and [Note: replica consistency].
@@ -202,29 +205,55 @@ def gather(
     exact_source / exact_dest: where this rank's exact elements are read and the (W, n) view
     their pieces land in: an exact region's buffers, or by default `source` and `dest` (exact
     runs; [Note: small parameters travel exactly], layout.py). masked: per chunk, see
-    :class:`MaskedGroups`.
+    :class:`MaskedGroups`. before_first_write: called once before the first decode writes
+    `dest` (after the first chunks are packed and their collectives launched); what it
+    raises ends the gather with `dest` untouched, once the launched collectives are done
+    (every rank must raise there together: their collectives are matched).
     """
     world_size = plan.world_size
     exact_source = source if exact_source is None else exact_source
     exact_dest = dest if exact_dest is None else exact_dest
     staging.reserve(plan)
-    pending: list[tuple[Any, Any, torch.Tensor]] = []
+    pending: list[tuple[Any, Any, torch.Tensor]] = []  # launched, not yet decoded
+    check = before_first_write
+
+    def finish_oldest() -> None:
+        nonlocal check
+        if check is not None:
+            _open_gate(check, pending)
+            check = None
+        _finish(*pending.pop(0), dest, exact_dest, kernels)
+
     for index, chunk in enumerate(plan.chunks):
         rows = staging.rows(index % plan.num_buffers, world_size, chunk.row)
         if plan.num_buffers == 1 and pending:
-            _finish(*pending.pop(), dest, exact_dest, kernels)
+            finish_oldest()
         chunk_masked = masked[index] if masked else None
         _pack(chunk, rows, rank, source, exact_source, kernels, chunk_masked, dest.dtype)
         work = None
         if world_size > 1:
             work = _all_gather_into(rows.view(-1), rows[rank], group, async_op=True)
-        if pending:
-            _finish(*pending.pop(), dest, exact_dest, kernels)
         pending.append((work, chunk, rows))
+        if len(pending) > 1:
+            finish_oldest()
     while pending:
-        _finish(*pending.pop(), dest, exact_dest, kernels)
+        finish_oldest()
+    if check is not None:  # a plan without chunks writes nothing, but the check still runs
+        check()
     collectives = len(plan.chunks) if world_size > 1 else 0
     return GatherStats(collectives, plan.wire_bytes(), plan.staging_bytes)
+
+
+def _open_gate(check: Callable[[], None], pending: list[tuple[Any, Any, torch.Tensor]]) -> None:
+    """Run `check`; if it raises, wait for the launched collectives first, so none is left
+    writing a staging buffer after the gather has ended."""
+    try:
+        check()
+    except BaseException:
+        for work, _, _ in pending:
+            if work is not None:
+                work.wait()
+        raise
 
 
 def _finish(work, chunk, rows, dest, exact_dest, kernels) -> None:
@@ -319,23 +348,33 @@ def all_reduce_sum(value: torch.Tensor, world_size: int, group: dist.ProcessGrou
     return value
 
 
-def check_same_kernels_on_every_rank(
+def agree_on_kernels(
     choice: KernelChoice,
     group: dist.ProcessGroup | None,
     world_size: int,
     device: torch.device,
-) -> None:
-    """Raise on every rank of `group` unless every rank chose fused kernels or every rank
-    chose eager ones. Both write the same bytes, but a rank that silently runs other kernels
-    than its peers is a configuration error (`choice`: this rank's, qwz.kernels.choose_kernels)."""
+) -> KernelChoice:
+    """The gather kernels every rank of `group` uses (collective, once at construction):
+    `choice` (this rank's, qwz.kernels.choose_kernels) when every rank chose the same kind,
+    else the eager kernels on every rank, with every rank's reason as the fallback. Both
+    write the same bytes, but a rank whose fused kernels failed their self-test (its own
+    GPU, its own compiler) must not make its peers run other kernels than it does, silently
+    or by an error: each rank's record names the fallback instead."""
     if world_size == 1:
-        return
+        return choice
     name = choice.kernels.name
     fused = torch.tensor([int(name == "fused")], dtype=torch.int64, device=device)
     dist.all_reduce(fused, group=group)
-    if int(fused) not in (0, world_size):
-        raise RuntimeError(
-            f"rank {dist.get_rank(group)}: ranks disagree on the gather kernels ({int(fused)} "
-            f"of {world_size} fused; this rank: {name}, fallback: {choice.fallback_reason}); "
-            "pass fused_kernels explicitly"
-        )
+    fused_ranks = int(fused)
+    if fused_ranks in (0, world_size):
+        return choice
+    reasons: list[tuple[str, str | None]] = [("", None)] * world_size
+    dist.all_gather_object(reasons, (name, choice.fallback_reason), group=group)
+    failed = "; ".join(
+        f"rank {rank}: {reason}" for rank, (kind, reason) in enumerate(reasons) if kind != "fused"
+    )
+    return KernelChoice(
+        EAGER_KERNELS,
+        f"the fused kernels serve on {fused_ranks} of {world_size} ranks only, so every rank "
+        f"runs the eager kernels ({failed})",
+    )

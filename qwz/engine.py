@@ -16,7 +16,6 @@ The engine reads the config; the optimizer below it receives policies (qwz/polic
 from __future__ import annotations
 
 import logging
-import math
 import os
 import pathlib
 from collections.abc import Mapping
@@ -83,9 +82,9 @@ class Engine:
         self.global_steps = 0
         """Accumulation boundaries passed so far: optimizer steps, fp16 overflow skips
         included (as DeepSpeed counts them)."""
-        self.global_grad_norm: float | None = None
-        """L2 norm of the rank-averaged gradient at the last optimizer step, before clipping
-        (inf or nan when an fp16 overflow skipped it; DeepSpeed reports inf for both)."""
+        self._grad_norm: torch.Tensor | float | None = None
+        """The last optimizer step's gradient norm: on the device until
+        :attr:`global_grad_norm` is read ([Note: host reads in a step], optimizer.py)."""
         self.skipped_steps = 0
         """Optimizer steps skipped because the fp16 gradients overflowed (as DeepSpeed counts)."""
         self.loss_scaler = (
@@ -99,6 +98,20 @@ class Engine:
         if self.config.auto_cast and self.config.dtype == "fp16":
             args, kwargs = _to_half(args), _to_half(kwargs)
         return self.module(*args, **kwargs)
+
+    @property
+    def global_grad_norm(self) -> float | None:
+        """L2 norm of the rank-averaged gradient at the last optimizer step, before clipping
+        (inf or nan when an fp16 overflow skipped it; DeepSpeed reports inf for both); None
+        before the first step. Read from the device when asked, not by the step
+        ([Note: host reads in a step], optimizer.py)."""
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    @global_grad_norm.setter
+    def global_grad_norm(self, value: float | None) -> None:
+        self._grad_norm = value
 
     @property
     def loss_scale(self) -> float:
@@ -149,7 +162,7 @@ class Engine:
         scaler = self.loss_scaler
         at_floor = fp16 and scaler.at_floor
         try:
-            grad_norm = self.optimizer.step(
+            outcome = self.optimizer.step(
                 step_index, loss_scale=scaler.scale, skip_overflow=fp16 and not at_floor
             )
         except NonFiniteError as error:
@@ -160,8 +173,10 @@ class Engine:
                 f"fp16.min_loss_scale, so the overflow cannot be skipped)",
             )
             raise
-        self.global_grad_norm = float(grad_norm)
-        overflow = not math.isfinite(self.global_grad_norm)
+        self._grad_norm = outcome.grad_norm
+        # Only an fp16 overflow skips a step (any other non-finite gradient raised), so the
+        # host knows without reading the norm.
+        overflow = not outcome.stepped
         scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -426,8 +441,9 @@ def initialize(
     initialised process group it runs on one rank with the collectives skipped.
     `fused_kernels`: None (default) uses the gather's fused kernels (qwz's native one-pass
     C kernels on CPU, ``torch.compile`` otherwise) when a one-time
-    probe shows they work here and write the eager kernels' bytes, else uses the eager
-    kernels (same bytes) and logs why (``engine.optimizer.kernel_fallback``); True requires
+    probe shows they work and write the eager kernels' bytes on every rank of the group, else
+    uses the eager kernels on every rank (same bytes) and logs why
+    (``engine.optimizer.kernel_fallback``, naming the ranks where they failed); True requires
     the fused kernels; False keeps eager.
     `shard_alignment`: None (default) pads the quantized region's shards to whole groups;
     a positive multiple of the group size pads them to whole multiples of it instead, so

@@ -48,14 +48,14 @@ One optimizer step, in communication phases
    collective, in fp32 (the same values for a power-of-two W).
 2. *Norm and clipping.* Each rank squares and sums its shard in float64 (eager
    unless ``fused_norm``: [Note: the norm's kernel]); one all-reduce gives the
-   global gradient norm (reported per step). In fp16 with loss scaling a
-   non-finite norm is an overflow: every rank skips the update and the gather together
-   ([Note: dynamic loss scale], loss_scale.py). Otherwise a non-finite norm
-   raises :class:`NonFiniteError` on every rank, naming the step and the
+   global gradient norm (reported per step), which stays on the device. In fp16 with
+   loss scaling a non-finite norm is an overflow: every rank skips the update and the
+   gather together ([Note: dynamic loss scale], loss_scale.py). Otherwise a non-finite
+   norm raises :class:`NonFiniteError` on every rank, naming the step and the
    affected parameters (all ranks take the branch together, since they see the
    same reduced value, so nobody hangs). Then gradients are clipped to
-   ``gradient_clipping`` if set. A non-finite gradient skips the step: nothing
-   changes but the dropped gradients.
+   ``gradient_clipping`` if set, by a coefficient that stays a device tensor. A
+   non-finite gradient skips the step: nothing changes but the dropped gradients.
 3. *Shard update.* The torch optimizer (AdamW, Adam or SGD) steps the fp32
    master shard only. Updated weights that are not finite, or beyond the working
    dtype's range (65504 in fp16: the cast would make them inf), raise on every rank before
@@ -72,14 +72,38 @@ One optimizer step, in communication phases
    ([Note: replica consistency], collectives.py).
 
 With ``world_size == 1`` the same code runs and the collectives are skipped.
+
+[Note: host reads in a step]
+A step reads the device on the host twice, each time one flag that every rank holds
+alike (it was all-reduced), and nothing else; both decide a host call the semantics put
+before a change of state:
+
+1. *Is the reduced gradient norm finite?* -- before the torch optimizer steps. Its step is
+   a host call that changes the masters and its own state (moments, step count), and
+   neither an fp16 overflow skip nor :class:`NonFiniteError` may leave them changed, so
+   whether to make the call is decided on the host. Deciding it on the device instead
+   (a ``torch.where`` over the update) would need a copy of the masters and both moments
+   on every step: three times the shard again in memory. The same read answers fp16's
+   ``engine.step()`` (whether it stepped) and moves the loss scale (host numbers).
+2. *Are the updated masters within the working dtype's range?* -- before the gather
+   writes any working copy, which :class:`NonFiniteError` must leave untouched. The flag
+   is all-reduced right after the update, but read only by the gather, just before its
+   first decode (:func:`collectives.gather`'s ``before_first_write``): by then the first
+   chunks are packed and their collectives launched, so on a GPU the host waits while they
+   run (the decode must wait for them anyway) instead of draining the queue.
+
+Everything else stays on the device: the norm (the engine reads it only when asked,
+``Engine.global_grad_norm``), the clip coefficient, both flags until their one read. The
+error paths read what they need to name the parameters; a step that raises has no
+hot path left. tests/unit/core/test_host_syncs.py counts the reads.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +125,18 @@ class NonFiniteError(FloatingPointError):
 
     parameters: tuple[str, ...] = ()
     what: str = ""
+
+
+class StepOutcome(NamedTuple):
+    """What one optimizer step did; the norm left on the device ([Note: host reads in a
+    step])."""
+
+    grad_norm: torch.Tensor
+    """0-dim fp32 on the device: the global norm of the unscaled gradient, before clipping
+    (non-finite when an fp16 overflow skipped the step)."""
+    stepped: bool
+    """Whether the masters stepped and the weights were gathered (False: an fp16 overflow
+    skipped the step on every rank)."""
 
 
 @dataclass
@@ -313,15 +349,18 @@ class ZeroOptimizer:
         """fp16 collectives average before they sum (phase 1 of the module docstring)."""
 
     def _choose_gather_kernels(self) -> None:
-        """The gather's kernels, the same kind on every rank (qwz.kernels.choose_kernels)."""
-        choice = choose_kernels(self.gather.fused_kernels, self.device, self.dtype)
+        """The gather's kernels, the same kind on every rank (qwz.kernels.choose_kernels,
+        then collectives.agree_on_kernels)."""
+        choice = collectives.agree_on_kernels(
+            choose_kernels(self.gather.fused_kernels, self.device, self.dtype),
+            self.process_group,
+            self.world_size,
+            self.device,
+        )
         self.kernels = choice.kernels
-        """The gather's kernels: fused by default when they work here."""
+        """The gather's kernels: fused by default when they work on every rank."""
         self.kernel_fallback = choice.fallback_reason
         """Why the fused kernels are not in use although wanted (None when they are)."""
-        collectives.check_same_kernels_on_every_rank(
-            choice, self.process_group, self.world_size, self.device
-        )
 
     def _build_regions(
         self, named_params: Sequence[tuple[str, torch.nn.Parameter]]
@@ -443,12 +482,13 @@ class ZeroOptimizer:
 
     def step(
         self, step_index: int, *, loss_scale: float = 1.0, skip_overflow: bool = False
-    ) -> torch.Tensor:
+    ) -> StepOutcome:
         """Reduce, unscale, clip, update the master shards and gather the new weights.
 
         `step_index` (1-based) only names the step in errors. `loss_scale` is the factor the
         loss was multiplied by before backward (fp16); the gradients are divided by it.
-        Returns the global gradient norm (unscaled, before clipping) as a 0-dim fp32 tensor.
+        Returns the global gradient norm (unscaled, before clipping) as a 0-dim fp32 tensor
+        on the device, and whether the step was taken; see [Note: host reads in a step].
 
         A non-finite gradient raises NonFiniteError, unless `skip_overflow` (fp16 loss
         scaling): then every rank skips the update and the gather together, drops the
@@ -458,9 +498,9 @@ class ZeroOptimizer:
                 f"step {step_index}: no gradients were accumulated since the last step"
             )
         try:
-            grad_norm, stepped = self._update(step_index, loss_scale, skip_overflow)
-            if stepped:
-                self.gather_weights()
+            outcome = self._update(step_index, loss_scale, skip_overflow)
+            if outcome.stepped:
+                self.gather_weights(before_first_write=self._range_check(step_index))
         finally:
             # Whatever happened, this step's gradients are consumed: a NonFiniteError drops
             # them, so the next backward starts from clean accumulators.
@@ -468,13 +508,10 @@ class ZeroOptimizer:
                 region.master.grad = None
                 region.grad_accumulator.zero_()
             self._has_gradients = False
-        return grad_norm
+        return outcome
 
-    def _update(
-        self, step_index: int, loss_scale: float, skip_overflow: bool
-    ) -> tuple[torch.Tensor, bool]:
-        """Phases 1-3: reduce, check and clip the gradients, step the master shards.
-        Returns the gradient norm and whether the masters stepped (False: overflow skip)."""
+    def _update(self, step_index: int, loss_scale: float, skip_overflow: bool) -> StepOutcome:
+        """Phases 1-3: reduce, check and clip the gradients, step the master shards."""
         shard_grads = [self._reduced_shard_grad(region, loss_scale) for region in self.regions]
         squares = torch.stack(
             [_sum_of_squares(grad, self.fused_norm) for grad in shard_grads]
@@ -483,10 +520,11 @@ class ZeroOptimizer:
         # [Note: sharding-independent norm].
         total = collectives.all_reduce_sum(squares, self.world_size, self.process_group)
         grad_norm = total.sqrt().to(torch.float32)
-        # Every rank takes this branch together: they all hold the same reduced norm.
-        if not torch.isfinite(grad_norm):
+        # The first of [Note: host reads in a step]. Every rank takes this branch together:
+        # they all hold the same reduced norm.
+        if not bool(torch.isfinite(grad_norm)):
             if skip_overflow:
-                return grad_norm, False
+                return StepOutcome(grad_norm, False)
             self._raise_non_finite(
                 step_index,
                 "gradient",
@@ -502,28 +540,43 @@ class ZeroOptimizer:
         for region, grad in zip(self.regions, shard_grads, strict=True):
             region.master.grad = grad
         self.optimizer.step()
+        return StepOutcome(grad_norm, True)
+
+    def _range_check(self, step_index: int) -> Callable[[], None]:
+        """Flag, on the device, updated masters that are not finite or would not survive the
+        cast to the working dtype (inf, or above 65504 in fp16), all-reduced so every rank
+        holds the same flag; return the check that reads it and raises, which the gather
+        runs before it writes any working copy (the second of [Note: host reads in a
+        step])."""
         masters = [region.master.detach() for region in self.regions]
-        # The extremes are NaN if any element is, and beyond `limit` if an element would not
-        # survive the cast to the working dtype (inf, or above 65504 in fp16): one pass, no
-        # temporary. Every rank takes the branch together: the flag is reduced.
+        # The extremes are NaN if any element is, and beyond `limit` if an element is: one
+        # pass, no temporary.
         limit = torch.finfo(self.dtype).max
         extremes = torch.stack([torch.stack(master.aminmax()) for master in masters]).abs()
         out_of_range = (~(extremes <= limit)).any().float()
-        if collectives.all_reduce_sum(out_of_range, self.world_size, self.process_group) > 0:
-            self._raise_non_finite(
-                step_index,
-                "updated weight",
-                masters,
-                f"after the update, or beyond the {self.dtype} range of +-{limit:g}",
-                "no working copy was changed, but the fp32 master shards and the optimizer "
-                "state took this update and cannot be trusted: restore them from a checkpoint",
-                limit=limit,
-            )
-        return grad_norm, True
+        collectives.all_reduce_sum(out_of_range, self.world_size, self.process_group)
 
-    def gather_weights(self) -> dict[str, GatherStats]:
+        def check_updated_masters() -> None:
+            if bool(out_of_range > 0):
+                self._raise_non_finite(
+                    step_index,
+                    "updated weight",
+                    masters,
+                    f"after the update, or beyond the {self.dtype} range of +-{limit:g}",
+                    "no working copy was changed, but the fp32 master shards and the "
+                    "optimizer state took this update and cannot be trusted: restore them "
+                    "from a checkpoint",
+                    limit=limit,
+                )
+
+        return check_updated_masters
+
+    def gather_weights(
+        self, before_first_write: Callable[[], None] | None = None
+    ) -> dict[str, GatherStats]:
         """Phase 4: write every rank's master shard into every working copy (one gather
-        for both regions, keyed by the region whose chunks carry it)."""
+        for both regions, keyed by the region whose chunks carry it). `before_first_write`:
+        run before any working copy is written; what it raises ends the gather."""
         main, exact = self.regions[-1], self._exact_region()
         world_size = self.world_size
         self.last_gather = {
@@ -537,6 +590,7 @@ class ZeroOptimizer:
                 exact_dest=None if exact is None else exact.working.view(world_size, -1),
                 group=self.process_group,
                 kernels=self.kernels,
+                before_first_write=before_first_write,
             )
         }
         return self.last_gather

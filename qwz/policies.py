@@ -64,8 +64,9 @@ class GatherPolicy:
     """The quantized region's shards are whole multiples of this many elements
     ([Note: padding rule], layout.py); None: the group size."""
     fused_kernels: bool | None = None
-    """None: the fused kernels where a one-time probe shows they work here, else eager (same
-    bytes); True: require the fused kernels; False: eager (qwz.kernels.choose_kernels)."""
+    """None: the fused kernels where a one-time probe shows they work on every rank, else
+    eager on every rank (same bytes; collectives.agree_on_kernels); True: require the fused
+    kernels; False: eager (qwz.kernels.choose_kernels)."""
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)

@@ -31,11 +31,13 @@ or crashed), 3 INCONCLUSIVE cells (or no verdict at all), 2 a refused spec or ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
 import os
 import pathlib
+import signal
 import sys
 
 from qwz.kernels import fused_available
@@ -273,21 +275,75 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         return interrupted.exit_code
 
 
-def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
-    """Under torchrun a rank's own failure ends it through qwz.qualify.rank_reports.crash (exit 70,
-    its report in ``<out>/rank-reports`` of its node); torchrun's agent then stops the other
-    ranks. No record is written for such a run: no process outlives the ranks to read every
-    node's reports (a local run's launcher does)."""
-    import torch
+def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
+    """This rank's part of a run torchrun started; rank 0 gets every rank's observations.
+
+    [Note: a crash under torchrun]
+    A rank's own failure ends it through qwz.qualify.rank_reports.crash, as with local ranks
+    ([Note: failures], qualify/run/runner.py), and torchrun's agent then stops the others;
+    no process outlives the ranks to read their reports, as a local launcher does. So the
+    rank that fails first to claim the run's record writes it, from crash()'s hook, before it
+    exits: it waits up to launch.GRACE_S for every rank's report, picks the rank that failed
+    first ([Note: the rank that failed first]) and writes the FAIL record a local run
+    would (keeping the arms every rank finished), ignoring torchrun's SIGTERM meanwhile. The
+    reports go to ``<out>/rank-reports/<run>`` (one directory per torchrun run and restart,
+    so a run never reads an earlier one's); across nodes the writer sees every rank's
+    reports only where ``--out`` is a shared directory, and ranks it cannot see are
+    "unreported". A rank killed by a signal is named when a peer's collective fails (on
+    gloo at once; on NCCL when the aborted collective raises); a run whose ranks all hang
+    or die leaves only their reports (torchrun's agent has their exit statuses)."""
     import torch.distributed as dist
 
     from qwz.qualify import rank_reports
+    from qwz.qualify.run.launch import torchrun_failure
     from qwz.qualify.run.runner import qualify_rank
 
+    running = f"{qualify_rank.__module__}.{qualify_rank.__qualname__}"
+    reports = _torchrun_reports(args.out)
+
+    def write_record() -> None:  # crash()'s hook on a rank with peers
+        if rank_reports.claim("record"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            failure = torchrun_failure(reports, world_size, running)
+            _write_failure(failure, plan, world_size, invocation, args.out)
+
+    _init_torchrun_group(args.timeout)
+    rank_reports.on_crash(write_record)
+    try:
+        observations = qualify_rank(plan)
+    except Exception as error:  # with one rank, crash() re-raised it; or raised before it
+        if rank_reports.reported_failure(reports, dist.get_rank()) is None:
+            with contextlib.suppress(Exception):
+                rank_reports.crash(error, phase="start")  # with peers it exits here
+        raise torchrun_failure(reports, world_size, running, grace_s=0) from error
+    finally:
+        rank_reports.on_crash(None)
+        dist.destroy_process_group()
+    rank_reports.forget()  # this rank finished: its reports are moot
+    with contextlib.suppress(OSError):
+        (args.out / "rank-reports").rmdir()
+    return observations
+
+
+def _torchrun_reports(out: pathlib.Path) -> pathlib.Path:
+    """This torchrun run's reports directory ([Note: a crash under torchrun]), set for the
+    side channel (qwz.qualify.rank_reports) unless ``QWZ_RANK_REPORTS`` names one."""
+    from qwz.qualify import rank_reports
+
     if rank_reports.REPORTS_ENV not in os.environ:
-        reports = out / "rank-reports"
+        run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "run")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        reports = out / "rank-reports" / f"{run}-{restart}"
         reports.mkdir(parents=True, exist_ok=True)
         os.environ[rank_reports.REPORTS_ENV] = str(reports)
+    return pathlib.Path(os.environ[rank_reports.REPORTS_ENV])
+
+
+def _init_torchrun_group(timeout_s: float) -> None:
+    """The default process group torchrun's environment describes: NCCL on this rank's GPU
+    (LOCAL_RANK) where there is one, else gloo."""
+    import torch
+    import torch.distributed as dist
 
     if not dist.is_initialized():
         use_cuda = torch.cuda.is_available()
@@ -296,12 +352,6 @@ def _run_torchrun(plan, timeout_s: float, out: pathlib.Path):
         dist.init_process_group(
             "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
-    try:
-        observations = qualify_rank(plan)
-    finally:
-        dist.destroy_process_group()
-    rank_reports.forget()  # this rank finished: its reports are moot
-    return observations
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -319,7 +369,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
     conformance = _conformance_table(plan)
     try:
-        observations = _run_ranks(plan, world_size, args)
+        observations = _run_ranks(plan, world_size, args, invocation)
     except RankFailure as failure:
         return _write_failure(failure, plan, world_size, invocation, args.out, conformance)
     if observations is None:  # not rank 0
@@ -351,7 +401,9 @@ def _conformance_table(plan) -> dict | None:
 
 
 def _plan_to_run(args: argparse.Namespace):
-    """The plan of a request preflight accepted, with the kernels this machine can run."""
+    """The plan of a request preflight accepted, with the kernels this machine can run
+    ([Note: fused kernels checked before a run], qualify/kernel_check.py)."""
+    from qwz.qualify import kernel_check
     from qwz.qualify.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.run.subjects import use_deepspeed_source
 
@@ -363,6 +415,7 @@ def _plan_to_run(args: argparse.Namespace):
         )
         args.kernels = "eager"
     plan = preflight.plan_of(args)
+    kernel_check.cuda_failure(plan, preflight.run_world_size(args), preflight.under_torchrun())
     if args.subject in DEEPSPEED_SUBJECTS:
         # Here too: spawned ranks start from this sys.path, and the failure record's
         # identity is read in this process.
@@ -370,14 +423,14 @@ def _plan_to_run(args: argparse.Namespace):
     return plan
 
 
-def _run_ranks(plan, world_size: int, args: argparse.Namespace):
+def _run_ranks(plan, world_size: int, args: argparse.Namespace, invocation):
     """Every rank's observations on rank 0 (None on the others): this process's rank under
     torchrun, else `world_size` local ranks."""
     from qwz.qualify.run.launch import launch
     from qwz.qualify.run.runner import qualify_rank
 
     if preflight.under_torchrun():
-        return _run_torchrun(plan, args.timeout, args.out)
+        return _run_torchrun(plan, world_size, args, invocation)
     return launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
 
 

@@ -4,7 +4,7 @@ A rank that fails while its peers may sit inside a collective cannot tell them
 with a collective (they would never answer), and a rank that is killed cannot
 tell anyone anything. So every rank keeps a few small files in a directory the
 launcher names in ``QWZ_RANK_REPORTS`` (``qwz.qualify.run.launch.LocalWorld`` makes one per
-world; ``qwz-qualify run`` under torchrun uses ``<out>/rank-reports``)::
+world; ``qwz-qualify run`` under torchrun uses ``<out>/rank-reports/<run>``)::
 
     rank00001.where.json     where the rank is: report_progress(arm=..., step=...)
     rank00001.failure.json   why it stopped: written by crash(), then the process exits
@@ -22,7 +22,9 @@ the launcher stops them. The cause is chosen in this order: the earliest
 failure report that is not a lost-peer error (a rank writes its report before
 it aborts the group, so its report precedes every error it causes); else a
 rank that died without a report (SIGKILL, an exit code), earliest seen first;
-else the earliest report. Everything else is context, never the cause.
+else the earliest report. Everything else is context, never the cause. Under torchrun, where
+no launcher sees the ranks' exits, a rank without a report when the record is written is
+"unreported" (killed, or still inside a collective) and ranks with the dead ones.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import torch.distributed as dist
@@ -63,8 +66,9 @@ class RankEnd(NamedTuple):
 
     rank: int
     how: str
-    """"raised" (its exception is known), "signal", "exit" (died without a report) or
-    "timeout" (still running when the launcher's time ran out)."""
+    """"raised" (its exception is known), "signal", "exit" (died without a report),
+    "timeout" (still running when the launcher's time ran out) or "unreported" (under
+    torchrun, where no launcher sees the ranks: no report when the record was written)."""
     error: str | None
     """``Type: message`` of the exception (its first line), or a description of the death."""
     traceback: tuple[str, ...]
@@ -87,6 +91,8 @@ class RankEnd(NamedTuple):
             return f"died with exit code {self.exit_code}"
         if self.how == "timeout":
             return "did not finish (a hang or a deadlock)"
+        if self.how == "unreported":
+            return "ended without a report (killed, or still inside a collective)"
         return f"raised {self.error}"
 
 
@@ -94,7 +100,7 @@ def first_failure(ends: list[RankEnd]) -> RankEnd:
     """The cause among `ends` (non-empty), by [Note: the rank that failed first]."""
     order = [
         [end for end in ends if end.how == "raised" and not end.peer_lost],
-        [end for end in ends if end.how in ("signal", "exit")],
+        [end for end in ends if end.how in ("signal", "exit", "unreported")],
         list(ends),
     ]
     candidates = next(group for group in order if group)
@@ -144,10 +150,36 @@ def report_result(key: str, value: Any) -> None:
         _write(directory / f"rank{_rank():05d}.result.{key}.pkl", pickle.dumps(value))
 
 
+_crash_hook: Callable[[], None] | None = None
+
+
+def on_crash(hook: Callable[[], None] | None) -> None:
+    """Have :func:`crash` call `hook` after this rank's report is written and its process
+    group aborted, before the process exits (None: no hook). Under torchrun no launcher
+    outlives the ranks, so the CLI's hook writes the run's record from here ([Note: a crash
+    under torchrun], qualify/cli.py)."""
+    global _crash_hook
+    _crash_hook = hook
+
+
+def claim(name: str) -> bool:
+    """True for the first caller on any rank to claim `name` in the reports directory (an
+    exclusive create), False for every later one, and without a directory."""
+    directory = _directory()
+    if directory is None:
+        return False
+    try:
+        os.close(os.open(directory / f"{name}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def crash(error: BaseException, **where: Any) -> NoReturn:
     """This rank cannot go on: report `error` and `where` to the launcher, then, with peers,
-    abort the process group and exit with CRASH_EXIT_CODE -- never wait for the peers, who
-    may be inside a collective this rank will not enter. With no peers, re-raise `error`."""
+    abort the process group, run the :func:`on_crash` hook and exit with CRASH_EXIT_CODE --
+    never wait for the peers, who may be inside a collective this rank will not enter. With
+    no peers, re-raise `error`."""
     lines = traceback.format_exception(type(error), error, error.__traceback__)
     text = "".join(lines)
     print(f"rank {_rank()}: {text}", file=sys.stderr, flush=True)
@@ -164,6 +196,11 @@ def crash(error: BaseException, **where: Any) -> NoReturn:
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         raise error
     _abort_process_group()
+    if _crash_hook is not None:
+        try:
+            _crash_hook()
+        except BaseException:  # the exit below must happen whatever the hook does
+            traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(CRASH_EXIT_CODE)
@@ -237,6 +274,12 @@ def reported_failure(directory: pathlib.Path, rank: int) -> RankEnd | None:
         where=where(directory, rank) | dict(report.get("where") or {}),
         at_s=float(report.get("at_s", time.time())),
     )
+
+
+def unreported(directory: pathlib.Path, rank: int) -> RankEnd:
+    """How `rank` ended as far as the side channel alone tells (no failure report): where it
+    last said it was, no more."""
+    return RankEnd(rank, "unreported", None, (), None, None, where(directory, rank), time.time())
 
 
 def results(directory: pathlib.Path, world_size: int) -> dict[int, dict[str, Any]]:

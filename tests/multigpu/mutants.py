@@ -544,16 +544,16 @@ def gather_runs_at_next_forward(arm, engine, plan):
     optimizer = engine.optimizer
     target = getattr(optimizer, "qwz", optimizer)  # the drop-in: [Note: drop-in state]
     gather = target.gather_weights
-    pending = {"gather": False}
+    pending = {"gather": False, "check": None}
 
-    def deferred():
-        pending["gather"] = True
+    def deferred(before_first_write=None):
+        pending.update(gather=True, check=before_first_write)
         return target.last_gather
 
     def finish_gather(module, args):
         if pending["gather"]:
             pending["gather"] = False
-            gather()
+            gather(before_first_write=pending["check"])
 
     target.gather_weights = deferred
     engine.module.register_forward_pre_hook(finish_gather)

@@ -6,6 +6,7 @@ signal; the arms every rank finished are judged, the ones after are "not run".""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -99,6 +100,39 @@ def test_an_exception_on_one_rank_ends_the_run_and_the_record_names_it(tmp_path)
     assert "Not run (the run ended before they started): `candidate-g128`" in report
 
 
+def test_an_exception_under_torchrun_writes_the_record_a_local_run_would(tmp_path):
+    """[Note: a crash under torchrun] (qwz/qualify/cli.py): torchrun starts the ranks, so no
+    launcher of qwz's reads their reports; the rank that fails writes the record, naming the
+    rank, the arm and the step, and keeps the arms every rank finished."""
+    out = tmp_path / "out"
+    at = RUN.index("--world-size")  # torchrun's world instead
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    done = subprocess.run(
+        [*torchrun, "2", "-m", __name__, "run", "--out", str(out), *RUN[:at], *RUN[at + 2 :]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout + done.stderr[-3000:]
+    assert "INJECTED at" in done.stderr, done.stderr[-3000:]
+    loaded = record.load(out / "record.json")
+    trajectories = {t.arm: t for t in loaded.trajectories}
+    failure = trajectories["candidate-g64"].failure
+    assert failure is not None and failure.kind == "crash", failure
+    assert (failure.rank, failure.step, failure.last_completed_step) == (1, 3, 2)
+    assert failure.phase == "train"
+    assert "RuntimeError: injected failure on rank 1, step 3" in failure.message
+    assert any("failing_train_step" in line for line in failure.traceback)
+    assert trajectories["candidate-g128"].failure.kind == "not-run"
+    for arm in ("reference", "calibration-g128"):
+        assert trajectories[arm].failure is None and len(trajectories[arm].losses) == 6
+    assert loaded.verdict.failed == ["finite[candidate-g64]"], loaded.verdict
+    report = (out / "report.md").read_text()
+    assert "`candidate-g64` crashed on rank 1: phase train; last completed step 2" in report
+
+
 def _rank_processes(parent: int) -> list[int]:
     """The launcher's rank processes in start order (rank order): its children that lead
     their own process group ([Note: no orphaned ranks]) and run multiprocessing's spawn."""
@@ -174,3 +208,11 @@ def test_a_killed_rank_is_named_with_its_signal_arm_and_last_step(tmp_path):
     assert len(failure.context) == 1 and failure.context[0].startswith("rank 0 "), failure
     assert all(t.failure.kind == "not-run" for t in loaded.trajectories[1:])
     assert loaded.verdict.failed == ["finite[reference]"], loaded.verdict
+
+
+if __name__ == "__main__":  # one rank under torchrun: `qwz-qualify <argv>` with the hook set
+    from qwz.qualify import cli, preflight
+
+    plan_of = preflight.plan_of
+    preflight.plan_of = lambda args: dataclasses.replace(plan_of(args), arm_hook=HOOK)
+    sys.exit(cli.main(sys.argv[1:]))

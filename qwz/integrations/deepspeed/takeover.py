@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from qwz.collectives import Staging, check_same_kernels_on_every_rank
+from qwz.collectives import Staging, agree_on_kernels
 from qwz.config import (
     DEFAULT_PRESERVE_NUMEL,
     GROUP_SIZE_KEY,
@@ -220,6 +220,8 @@ def _take_over(
     optimizer.quantization_group_size = requested.group_size if quantizing else None
     device = optimizer.bit16_groups_flat[0].device
     choice = choose_kernels(fused_kernels, device, optimizer.bit16_groups_flat[0].dtype)
+    # Every rank takes over its optimizer, so the default group agrees for every gather group.
+    choice = agree_on_kernels(choice, None, dist.get_world_size(), device)
     optimizer.qwz = DropInState(
         plans=plans,
         preserve_numel=requested.preserve_numel,
@@ -227,9 +229,6 @@ def _take_over(
         kernel_fallback=choice.fallback_reason,
         staging=Staging(device),
     )
-    for process_group in {id(g): g for g in optimizer.real_dp_process_group}.values():
-        world_size = dist.get_world_size(group=process_group)
-        check_same_kernels_on_every_rank(choice, process_group, world_size, device)
     optimizer.step = types.MethodType(_step, optimizer)
     optimizer.update_lp_params = types.MethodType(_update_lp_params, optimizer)
     optimizer._restore_from_bit16_weights = types.MethodType(resume.restore_masters, optimizer)

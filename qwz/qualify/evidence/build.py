@@ -372,7 +372,11 @@ def _crash_failure(plan: RunPlan, cause: RankEnd, context: tuple[RankEnd, ...]) 
     last = where.get("last_completed_step")
     step = where.get("step", plan.steps if phase == "timing" else 0)
     after = f" (last completed step {last})" if last is not None else ""
-    on_their_own = {end.rank for end in context if end.how != "timeout" and not end.peer_lost}
+    on_their_own = {
+        end.rank
+        for end in context
+        if end.how not in ("timeout", "unreported") and not end.peer_lost
+    }
     return {
         "step": int(step or 0),
         "rank": cause.rank,

@@ -26,7 +26,7 @@ would have to model. The candidate's one-sided upper confidence bound is::
     upper = mean(d) + t(CONFIDENCE, B - 1) * sd(d) / sqrt(B)       (Student's t)
 
 The margin comes from the calibration arm over the same window: the reference with
-quantization-sized noise after every step (runner._perturb), a candidate whose only
+quantization-sized noise after every step (run/calibration_noise.py), a candidate whose only
 difference from the reference is the size and shape of the quantization error. Its
 paired differences ``c_j`` bound how far such a perturbation moves the held-out loss,
 in either direction: ``calibration = |mean(c)| + t(CONFIDENCE, B - 1) * sd(c) / sqrt(B)``,

@@ -324,22 +324,8 @@ class LocalWorld:
         outcomes: dict[int, tuple[bool, Any, float]],
         within: str,
     ) -> RankFailure:
-        cause = rank_reports.first_failure(ends)
-        context = tuple(end for end in ends if end is not cause)
-        where = ", ".join(f"{key} {value}" for key, value in sorted(cause.where.items()))
-        others = "".join(f"; rank {end.rank} {end.describe()}" for end in context)
-        message = (
-            f"rank {cause.rank} of {self.world_size} {cause.describe()}{within} while running "
-            f"{_name(fn)}{f' ({where})' if where else ''}{others}"
-        )
-        if cause.how == "timeout":
-            message += "; all ranks were killed"
         raised = {rank: value for rank, (ok, value, _) in outcomes.items() if not ok}
-        if cause.traceback and cause.rank not in raised:
-            raised = {cause.rank: "\n".join(cause.traceback), **raised}
-        texts = [f"\n--- rank {rank} ---\n{value}" for rank, value in raised.items()]
-        results = rank_reports.results(self.reports_dir, self.world_size)
-        return RankFailure(message + "".join(texts), cause, context, results)
+        return rank_failure(ends, self.world_size, _name(fn), within, raised, self.reports_dir)
 
     def close(self, kill: bool = False) -> None:
         if not kill and not self.broken:
@@ -362,6 +348,55 @@ class LocalWorld:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         # Leaving with an exception (Interrupted included) must not wait on busy ranks.
         self.close(kill=exc_type is not None)
+
+
+def rank_failure(
+    ends: list[RankEnd],
+    world_size: int,
+    running: str,
+    within: str,
+    raised: dict[int, str],
+    reports_dir: pathlib.Path,
+) -> RankFailure:
+    """The RankFailure of ranks that ended as `ends` (those that did not return) while
+    `running`: the rank that failed first ([Note: the rank that failed first]) and where,
+    the others as context, `raised` the tracebacks known by rank, and every rank's
+    report_result values from `reports_dir`."""
+    cause = rank_reports.first_failure(ends)
+    context = tuple(end for end in ends if end is not cause)
+    where = ", ".join(f"{key} {value}" for key, value in sorted(cause.where.items()))
+    others = "".join(f"; rank {end.rank} {end.describe()}" for end in context)
+    message = (
+        f"rank {cause.rank} of {world_size} {cause.describe()}{within} while running "
+        f"{running}{f' ({where})' if where else ''}{others}"
+    )
+    if cause.how == "timeout":
+        message += "; all ranks were killed"
+    if cause.traceback and cause.rank not in raised:
+        raised = {cause.rank: "\n".join(cause.traceback), **raised}
+    texts = [f"\n--- rank {rank} ---\n{value}" for rank, value in raised.items()]
+    results = rank_reports.results(reports_dir, world_size)
+    return RankFailure(message + "".join(texts), cause, context, results)
+
+
+def torchrun_failure(
+    reports_dir: pathlib.Path, world_size: int, running: str, grace_s: float = GRACE_S
+) -> RankFailure:
+    """[Note: a crash under torchrun] (qualify/cli.py): the RankFailure a local launcher
+    would raise, from the side channel alone, read by a rank that failed: every rank's
+    failure report, waiting up to `grace_s` for all of them; a rank without one is
+    "unreported" (no launcher sees its exit)."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if all(rank_reports.reported_failure(reports_dir, r) for r in range(world_size)):
+            break
+        time.sleep(POLL_S)
+    ends = [
+        rank_reports.reported_failure(reports_dir, rank)
+        or rank_reports.unreported(reports_dir, rank)
+        for rank in range(world_size)
+    ]
+    return rank_failure(ends, world_size, running, "", {}, reports_dir)
 
 
 def launch(

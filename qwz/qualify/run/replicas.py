@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from qwz import shards as seam
-from qwz.hashing import tensors_hash
+from qwz.hashing import tensors_hashes
 from qwz.qualify.run.moe import DENSE
 from qwz.qualify.run.observers import digest
 
@@ -138,13 +138,11 @@ def master_digests(shards: Sequence[seam.OwnShard], sets: ReplicaSets) -> dict[s
 
 
 @torch.no_grad()
-def final_hashes(module: torch.nn.Module, keys: dict[str, str]) -> dict[str, str]:
-    """Per key this rank holds, the hash of its parameters with that key (not collective)."""
-    params = dict(module.named_parameters())
-    by_key: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, key in keys.items():
-        by_key.setdefault(key, []).append((name, params[name]))
-    return {key: tensors_hash(named) for key, named in sorted(by_key.items())}
+def final_hashes(module: torch.nn.Module, keys: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The hash of all of this rank's parameters (qwz.param_hash), and per key this rank
+    holds the hash of its parameters with that key, from one read of each parameter (not
+    collective)."""
+    return tensors_hashes(module.named_parameters(), keys)
 
 
 def wire_kind(slot_names: Sequence[str], keys: dict[str, str]) -> str:

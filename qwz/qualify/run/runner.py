@@ -73,7 +73,6 @@ import torch
 import torch.distributed as dist
 
 from qwz import devices
-from qwz.hashing import param_hash
 from qwz.integrations.deepspeed import structure
 from qwz.integrations.probe import WireProbe
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
@@ -81,7 +80,14 @@ from qwz.qualify import rank_reports
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import determinism, gather_timing, next_use, replicas, timing
+from qwz.qualify.run import (
+    calibration_noise,
+    determinism,
+    gather_timing,
+    next_use,
+    replicas,
+    timing,
+)
 from qwz.qualify.run.observers import engine_report, overflow, own_shard, update
 from qwz.qualify.run.subjects import (
     ArmEngine,
@@ -287,7 +293,9 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
         plan.arm_config(arm),
         model_parameters=plan.workload.optimizer_parameters(model),
         quantized=arm.quantized,
-        fused_kernels=plan.kernels == "fused",
+        # "fused": where they pass their self-test on every rank, else eager with the reason
+        # in the record's kernels (qwz.kernels.choose_kernels, collectives.agree_on_kernels).
+        fused_kernels=None if plan.kernels == "fused" else False,
         qwz_gather=plan.qwz_gather,
         shard_alignment=plan.shard_alignment,
     )
@@ -315,24 +323,6 @@ def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int, step: int) -> li
     if plan.learning_rule == "non-inferiority":
         entry.append([loss for per_rank in _agree(stacked.cpu().tolist()) for loss in per_rank])
     return entry
-
-
-@torch.no_grad()
-def _perturb(engine: ArmEngine, group_size: int, seed: int, step: int) -> None:
-    """[Note: learning margin]: add noise of the quantization error's size to the working
-    copy of every quantized parameter -- uniform in [-scale/2, scale/2] per group of
-    `group_size` elements of the parameter, drawn from one seed on every rank, so the
-    replicas stay identical and the masters are untouched (the next gather overwrites it)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_033 + step)
-    for param in engine.module.parameters():
-        if spec.travels_exactly(param.numel()):
-            continue
-        flat = param.detach().reshape(-1)
-        padded = -(-flat.numel() // group_size) * group_size
-        values = torch.nn.functional.pad(flat.float().cpu(), (0, padded - flat.numel()))
-        scales = spec.scales(values, group_size).repeat_interleave(group_size)
-        noise = (torch.rand(padded, generator=generator) - 0.5) * scales
-        flat.add_(noise[: flat.numel()].to(flat.device, flat.dtype))
 
 
 def _non_finite(step: int, loss_value: float, grad_norm: float) -> NonFiniteStep:
@@ -491,8 +481,9 @@ class _ArmRun:
         self.next_use.settle(self._final_forward)
         if self.check_own:
             self.observed["own_shard"] = dataclasses.asdict(self.own_result)
-        self.observed["final_hash"] = param_hash(self.engine.module)
-        self.observed["final_hashes"] = replicas.final_hashes(self.engine.module, self.replica_keys)
+        self.observed["final_hash"], self.observed["final_hashes"] = replicas.final_hashes(
+            self.engine.module, self.replica_keys
+        )
 
     def train_step(self, step: int) -> tuple[float, float] | None:
         """One step: its loss and gradient norm, its wire window left open and suspended
@@ -575,7 +566,7 @@ class _ArmRun:
         observed["losses"].append(loss_value)
         observed["grad_norms"].append(grad_norm)
         if arm.noise_group_size is not None:
-            _perturb(engine, arm.noise_group_size, plan.seed, step)
+            calibration_noise.perturb(engine.module, arm.noise_group_size, plan.seed, step)
         if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
             # The first optimizer step (step 1 unless fp16 overflows skipped the first):
             # until then no gather ran, so every arm held the same weights.

@@ -87,7 +87,7 @@ class QwzArm(ArmEngine):
         self,
         model: torch.nn.Module,
         config: dict[str, Any],
-        fused_kernels: bool,
+        fused_kernels: bool | None,
         shard_alignment: int | None = None,
     ):
         self.engine = qwz.initialize(
@@ -97,12 +97,14 @@ class QwzArm(ArmEngine):
         self.optimizer = self.engine.optimizer
         self.group_size = self.optimizer.quantization_group_size
         self.reported_by = "optimizer.quantization_group_size"
-        self.grad_norm = None
+
+    @property
+    def grad_norm(self) -> float | None:  # read when asked: the timed steps never ask
+        return self.engine.global_grad_norm
 
     def train_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
         self.engine.step()
-        self.grad_norm = self.engine.global_grad_norm
 
 
 class DeepSpeedArm(ArmEngine):
@@ -113,7 +115,7 @@ class DeepSpeedArm(ArmEngine):
         model: torch.nn.Module,
         config: dict[str, Any],
         qwz_gather: bool,
-        fused_kernels: bool,
+        fused_kernels: bool | None,
         model_parameters: list[Any] | None = None,
     ):
         from qwz.integrations import deepspeed as integration
@@ -211,12 +213,14 @@ def make_arm(
     config: dict[str, Any],
     *,
     quantized: bool,
-    fused_kernels: bool = False,
+    fused_kernels: bool | None = False,
     qwz_gather: bool = True,
     shard_alignment: int | None = None,
     model_parameters: list[Any] | None = None,
 ) -> ArmEngine:
-    """`shard_alignment`: qwz only ([Note: padding rule], qwz/layout.py); DeepSpeed
+    """`fused_kernels`: as ``qwz.initialize``'s (None: fused where they work on every rank,
+    else eager, the reason in the engine's ``kernel_fallback``).
+    `shard_alignment`: qwz only ([Note: padding rule], qwz/layout.py); DeepSpeed
     partitions its own buffers and refuses the argument. `model_parameters`: DeepSpeed's
     (param groups, as the MoE workload needs); qwz's engine takes the model's parameters."""
     if subject == "qwz":

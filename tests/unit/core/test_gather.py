@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given
@@ -92,3 +93,35 @@ def test_quantized_gather_is_dequantize_of_quantize_whatever_the_chunking(case):
     q = qwz.quantize(case.local_shard, case.group_size)
     expected = qwz.dequantize(q, case.dtype)
     check_gather(case, quantize=True, group_size=case.group_size, expected=expected)
+
+
+@pytest.mark.parametrize("budget_bytes", [48, 2**20], ids=["four-chunks", "one-chunk"])
+def test_the_check_before_the_first_write_runs_once_and_can_stop_every_write(budget_bytes):
+    """``before_first_write`` ([Note: host reads in a step], qwz/optimizer.py) runs once,
+    after packing and before any decode writes the destination; when it raises, the
+    destination is untouched."""
+    source = torch.linspace(-3.0, 5.0, 64)
+    plan = plan_gather(
+        world_size=1,
+        source_numel=64,
+        quantize=True,
+        group_size=8,
+        element_size=2,
+        budget_bytes=budget_bytes,
+    )
+    dest = torch.full((1, 64), math.nan, dtype=torch.bfloat16)
+    untouched = []
+
+    def check() -> None:
+        untouched.append(bool(dest.isnan().all()))
+
+    gather(plan, source, dest, rank=0, staging=Staging(), before_first_write=check)
+    assert untouched == [True] and not dest.isnan().any()
+
+    def refuse() -> None:
+        raise FloatingPointError("refused")
+
+    dest.fill_(math.nan)
+    with pytest.raises(FloatingPointError, match="refused"):
+        gather(plan, source, dest, rank=0, staging=Staging(), before_first_write=refuse)
+    assert dest.isnan().all()

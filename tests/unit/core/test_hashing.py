@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -9,7 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qwz
+from qwz.hashing import tensors_hash, tensors_hashes
 
+from .host_reads import HostReads
 from .single_rank import named_shapes
 
 # --------------------------------------------------------------------------- #
@@ -70,3 +73,39 @@ def test_param_hash_tells_bf16_from_fp32_copies(named):
     bf16 = [(name, tensor.to(torch.bfloat16)) for name, tensor in named]
     assert all(torch.equal(a.float(), b) for (_, a), (_, b) in zip(bf16, named, strict=True))
     assert qwz.param_hash(Holder(named)) != qwz.param_hash(Holder(bf16))
+
+
+def _reference_hash(named: list[tuple[str, torch.Tensor]]) -> str:
+    """The documented format, spelt out: sha256 over (name, |dtype|shape|, raw bytes) of each
+    tensor in name order -- the values in the ledger and the fixtures."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@given(named=named_tensors(), data=st.data())
+def test_one_pass_gives_the_whole_hash_and_each_subset_s(named, data):
+    """tensors_hashes: the whole set's hash and each subset's are the documented format's,
+    the same as hashing each apart, in bf16 too."""
+    dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+    named = [(name, tensor.to(data.draw(dtypes))) for name, tensor in named]
+    subsets = {name: data.draw(st.sampled_from(["dense", "expert0"])) for name, _ in named}
+    whole, by_subset = tensors_hashes(named, subsets)
+    assert whole == _reference_hash(named) == qwz.param_hash(Holder(named))
+    assert set(by_subset) == set(subsets.values())
+    for subset, value in by_subset.items():
+        members = [(name, t) for name, t in named if subsets[name] == subset]
+        assert value == _reference_hash(members) == tensors_hash(members), subset
+
+
+def test_one_pass_reads_each_tensor_to_the_host_once():
+    """Two digests (the whole set and a subset) take every tensor, from one host copy each:
+    the counter of host reads (tests/unit/core/host_reads.py) sees one copy to the CPU per
+    tensor, none more."""
+    named = [(f"p{index}", torch.randn(5, 3)) for index in range(4)]
+    with HostReads() as counter:
+        tensors_hashes(named, {name: "dense" for name, _ in named})
+    copies = [read for read in counter.reads if read.what == "to"]
+    assert [read.where for read in copies] == ["qwz/hashing.py:_update"] * len(named)

@@ -277,6 +277,29 @@ def test_compile_cache_keeps_the_user_s_tag_and_directory(monkeypatch, tmp_path)
 
 
 # --------------------------------------------------------------------------- #
+# A failing self-test on the device: eager, recorded ([Note: fused kernels checked
+# before a run], qualify/kernel_check.py)
+# --------------------------------------------------------------------------- #
+
+FORCED_FAILURE = "torch.compile on cuda:0: forced failure"
+
+
+def test_a_failing_self_test_means_eager_kernels_and_the_reason_not_an_error(monkeypatch):
+    """Fused kernels by default (None) fall back where their self-test fails -- on a GPU, a
+    failed compile or other bytes (forced here on the CPU) -- and the engine keeps the
+    reason; only an explicit ``fused_kernels=True`` makes the failure an error."""
+    from qwz.kernels import choice
+
+    monkeypatch.setattr(choice, "self_test", lambda device=None, dtype=None: FORCED_FAILURE)
+    engine = _norm_engine()
+    assert engine.optimizer.kernels.name == "eager"
+    assert engine.optimizer.kernel_fallback == FORCED_FAILURE
+    assert qwz.param_hash(engine.module) == qwz.param_hash(_norm_engine(fused_kernels=False).module)
+    with pytest.raises(RuntimeError, match="fused_kernels=True but the fused kernels fail here"):
+        _norm_engine(fused_kernels=True)
+
+
+# --------------------------------------------------------------------------- #
 # [Note: the norm's kernel] (optimizer.py)
 # --------------------------------------------------------------------------- #
 

@@ -60,3 +60,41 @@ def test_a_result_key_must_be_a_plain_name(tmp_path, monkeypatch):
         rank_reports.report_result("../escape", 1)
     rank_reports.report_result("candidate-g64", {"losses": [1.0]})
     assert rank_reports.results(tmp_path, 2) == {0: {"candidate-g64": {"losses": [1.0]}}, 1: {}}
+
+
+def _report(directory, rank: int, error: str, at_s: float) -> None:
+    report = {"error": error, "traceback": [error], "where": WHERE, "at_s": at_s}
+    (directory / f"rank{rank:05d}.failure.json").write_text(json.dumps(report))
+
+
+def test_under_torchrun_a_silent_rank_is_unreported_and_an_own_error_still_wins(tmp_path):
+    """[Note: a crash under torchrun] (qwz/qualify/cli.py): from the reports alone, a rank
+    with none is "unreported" -- the cause of its peers' lost connections, never of an own
+    error -- and it is not counted among the ranks that failed on their own."""
+    from qwz.qualify.evidence.build import _crash_failure
+    from qwz.qualify.plan import RunPlan
+    from qwz.qualify.run.launch import torchrun_failure
+    from qwz.qualify.run.workloads import get_workload
+
+    _report(tmp_path, 1, "torch.OutOfMemoryError: CUDA out of memory", 2.0)
+    failure = torchrun_failure(tmp_path, 3, "qualify_rank", grace_s=0)
+    assert failure.cause.rank == 1 and failure.cause.how == "raised"
+    assert [(end.rank, end.how) for end in failure.context] == [
+        (0, "unreported"),
+        (2, "unreported"),
+    ]
+    assert "rank 0 ended without a report" in str(failure)
+    crash = _crash_failure(RunPlan(workload=get_workload("mlp")), failure.cause, failure.context)
+    assert crash["ranks"] == [1]
+    (tmp_path / "rank00001.failure.json").unlink()
+    _report(tmp_path, 0, "RuntimeError: Connection closed by peer [127.0.0.1]:1", 1.0)
+    failure = torchrun_failure(tmp_path, 2, "qualify_rank", grace_s=0)
+    assert (failure.cause.rank, failure.cause.how) == (1, "unreported")
+
+
+def test_one_claim_of_the_record_per_run(tmp_path, monkeypatch):
+    monkeypatch.delenv(rank_reports.REPORTS_ENV, raising=False)
+    assert not rank_reports.claim("record")  # no reports directory: nobody writes
+    monkeypatch.setenv(rank_reports.REPORTS_ENV, str(tmp_path))
+    assert rank_reports.claim("record")
+    assert not rank_reports.claim("record")

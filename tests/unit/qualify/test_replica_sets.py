@@ -59,18 +59,19 @@ def test_without_experts_the_sets_are_every_rank_and_the_hashes_are_the_model_s(
     sets = replicas.ReplicaSets.agree(keys)  # one process: no collective
     assert sets.names == tuple(keys) and sets.keys == (tuple(keys.values()),)
     assert replicas.divergence(model, sets) == []
-    assert replicas.final_hashes(model, keys) == {"dense": param_hash(model)}
+    assert replicas.final_hashes(model, keys) == (param_hash(model), {"dense": param_hash(model)})
 
 
 def test_final_hashes_split_by_key_change_with_their_own_parameters_only():
     model = _model()
     keys = {"0.weight": "dense", "0.bias": "dense", "1.weight": "expert3", "1.bias": "expert3"}
-    before = replicas.final_hashes(model, keys)
+    whole_before, before = replicas.final_hashes(model, keys)
     with torch.no_grad():
         model[1].bias[0] += 1
-    after = replicas.final_hashes(model, keys)
+    whole_after, after = replicas.final_hashes(model, keys)
     assert set(before) == {"dense", "expert3"}
     assert after["dense"] == before["dense"] and after["expert3"] != before["expert3"]
+    assert whole_before == param_hash(_model()) != whole_after == param_hash(model)
 
 
 def test_step_one_digests_are_per_parameter_and_key_and_match_the_all_rank_digest():
