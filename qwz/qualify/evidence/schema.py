@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from qwz.qualify.evidence.signing import Signature
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The one place the record's schema version is written ([Note: schema versions], upgrade.py)."""
 OLDEST_SCHEMA_VERSION = 2
 """The oldest schema this qwz reads (upgrade.py upgrades it in memory)."""
@@ -319,6 +319,19 @@ class StepOneMasters(_Model):
         1,
         description="The training step after which they were taken: the arm's first "
         "optimizer step (later than 1 where fp16 overflows skipped the first steps)",
+    )
+
+
+class StepMasters(_Model):
+    """After every completed step, a short layout-independent digest of every parameter's fp32
+    master ([Note: short digests], qualify/run/observers/digest.py): what the review of a pull
+    request compares between its base's and its head's reference arm
+    (qualify/evidence/default_path.py)."""
+
+    arm: str
+    digests: list[dict[str, str]] = Field(
+        description="Per completed step (index 0: after step 1), parameter -> the low 32 bits "
+        "of its digest, 8 hex digits"
     )
 
 
@@ -644,6 +657,11 @@ class Record(_Model):
     trajectories: list[Trajectory]
     learning: Learning
     step_one: list[StepOneMasters]
+    step_masters: list[StepMasters] = Field(
+        default_factory=list,
+        description="Every arm's short master digests after every step; empty in records of "
+        "schema 4 and older (which did not observe them)",
+    )
     updates: list[Updates]
     own_shards: list[OwnShards]
     drift: list[Drift]
@@ -679,7 +697,8 @@ class Record(_Model):
             listed = [item.arm for item in getattr(self, section)]
             if sorted(listed) != sorted(names):
                 raise ValueError(f"{section} names arms {listed}, the record has {names}")
-        for section in ("own_shards", "drift", "probes", "loss_scaling", "memory", "performance"):
+        optional = ("own_shards", "drift", "probes", "loss_scaling", "memory", "performance")
+        for section in (*optional, "step_masters"):
             unknown = {item.arm for item in getattr(self, section)} - set(names)
             if unknown:
                 raise ValueError(f"{section} names arms the record does not have: {unknown}")

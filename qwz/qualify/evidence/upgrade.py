@@ -18,6 +18,10 @@ plan's renamed keys, ``_plan_from_3``; each arm's ``integration_enabled`` is ``q
 the fused kernels are called by what they are: ``"compiled"`` (the native C kernels on
 CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
 ``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
+
+4 -> 5: every arm's short master digests after every step (``step_masters``) are new; an
+older record has none (empty: not observed), and what compares them (the review of a pull
+request, qualify/evidence/default_path.py) says it could not.
 """
 
 from __future__ import annotations
@@ -93,7 +97,15 @@ def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
-UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}
+def _from_4(payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload, schema_version=5)
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    2: _from_2,
+    3: _from_3,
+    4: _from_4,
+}
 """Version N -> the step from N to N + 1."""
 
 

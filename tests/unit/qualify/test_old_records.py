@@ -33,6 +33,9 @@ CURRENT = FIXTURES / "current" / "record.json"
 SCHEMA_3 = FIXTURES / "schema3" / "record.json"
 """The current fixture as today's judge sealed it in schema 3, before the fused kernels were
 called "fused": its arms ran eager kernels, so its bytes hold no "compiled"."""
+SCHEMA_4 = FIXTURES / "schema4" / "record.json"
+"""The current fixture as today's judge sealed it in schema 4, before the short master
+digests after every step (``step_masters``)."""
 
 
 def ids(paths):
@@ -326,7 +329,7 @@ def test_a_schema_3_record_of_compiled_kernels_loads_as_fused(tmp_path):
     path = rewritten(SCHEMA_3, tmp_path / "record.json", _compiled, redigest=True)
     assert '"compiled"' in path.read_text()
     loaded = record.load(path)
-    assert loaded.upgraded_from == 3 and loaded.schema_version == schema.SCHEMA_VERSION == 4
+    assert loaded.upgraded_from == 3 and loaded.schema_version == schema.SCHEMA_VERSION == 5
     assert [arm.kernels for arm in loaded.arms] == ["eager", "eager", "fused"]
     assert {use.kernels for own in loaded.own_shards for use in own.kernels} == {"fused"}
     # The digest is checked on the bytes as written ("compiled"), before the upgrade:
@@ -334,6 +337,15 @@ def test_a_schema_3_record_of_compiled_kernels_loads_as_fused(tmp_path):
     edited = rewritten(SCHEMA_3, tmp_path / "edited.json", _compiled, redigest=False)
     with pytest.raises(schema.RecordError, match="digest mismatch"):
         record.load(edited)
+
+
+def test_a_schema_4_record_loads_without_step_masters():
+    """Schema 4 did not observe the masters after every step: loaded, it has none (what reads
+    them says so, qualify/evidence/default_path.py), and its checks stand as judged."""
+    assert json.loads(SCHEMA_4.read_text())["schema_version"] == 4
+    loaded = record.load(SCHEMA_4)
+    assert loaded.upgraded_from == 4 and loaded.step_masters == []
+    assert loaded.verdict == record.load(CURRENT).verdict
 
 
 def test_a_schema_4_record_says_fused_not_compiled():
