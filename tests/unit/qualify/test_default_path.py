@@ -8,21 +8,16 @@ import copy
 from qwz.qualify.evidence import seal
 from qwz.qualify.evidence.default_path import FAIL, INCONCLUSIVE, PASS, compare_default_path
 
-from ..records import ARMS, PARAMETER_NAMES, STEPS, fake_hash, make_payload
+from ..records import PARAMETER_NAMES, make_payload, make_step_masters
 
 
 def _digests(arm: str, step: int) -> dict[str, str]:
-    return {name: fake_hash(f"{arm}/{name}/{step}")[:8] for name in PARAMETER_NAMES}
+    return make_step_masters((arm,), step)[0]["digests"][-1]
 
 
 def payload(edit=None) -> dict:
     """A record's payload with every arm's masters after every step; `edit` changes it."""
-    data = make_payload(
-        step_masters=[
-            {"arm": name, "digests": [_digests(name, step) for step in range(1, STEPS + 1)]}
-            for name, _, _ in ARMS
-        ]
-    )
+    data = make_payload(step_masters=make_step_masters())
     if edit is not None:
         edit(data)
     return data
