@@ -11,12 +11,16 @@ them (a harness that predates the check, or a run without the arm it needs). Two
 the review's own: "default path unchanged" compares the base's and the head's reference arm
 ([Note: default path unchanged], qualify/evidence/default_path.py), and the speed-up is
 reported with its interval, a verdict only where the run was given ``--min-speedup``. The
-conformance rows (the config rules, run through the subject's own parser and engine) are
-read at the head; the base's conformance is shown beside them as context.
+config rules are the ``conformance`` table's rows (each config run through the subject's own
+parser and engine, each row naming the PR claim it tests: [Note: the PR's config rules] in
+qualify/evidence/conformance.py): a claim reads the rows of its PR claims at the head, and the
+base's verdict of the same rows is shown beside them as context (stock DeepSpeed refuses the
+group size key, so its rows differ by design).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,8 +58,8 @@ class Decider:
     family: str
     arms: str = "candidates"
     rows: tuple[str, ...] = ()
-    """conformance: the words of the table's rows this claim reads (its row ids or a phrase
-    of their text); empty: every row."""
+    """conformance: the PR claims (the ``claim`` of the table's rows, [Note: the PR's config
+    rules] in qualify/evidence/conformance.py) whose rows decide this claim."""
 
 
 @dataclass(frozen=True)
@@ -65,23 +69,30 @@ class Claim:
     deciders: tuple[Decider, ...]
 
 
+def _conformance(*claims: str) -> Decider:
+    return Decider("conformance", "run", claims)
+
+
 CLAIMS: tuple[Claim, ...] = (
     Claim("ZeRO-1/2 honour zero_quantized_weights", (Decider("in-effect"),)),
     Claim(
         "64-element symmetric int8 groups; default 64",
-        (Decider("probe", "key-omitted"), Decider("conformance", "run", ("omitted",))),
+        (Decider("probe", "key-omitted"), _conformance("8513-default")),
     ),
     Claim("bounded staging", (Decider("bounded"),)),
     Claim("small parameters exact", (Decider("own-shard"),)),
     Claim("replicas identical", (Decider("replicas", "every arm"),)),
-    Claim("group sizes: positive multiples of 8", (Decider("conformance", "run", ("multiple",)),)),
-    Claim("non-default group size rejected with ZeRO-3", (Decider("conformance", "run", ("3",)),)),
+    Claim("group sizes: positive multiples of 8", (_conformance("8513-multiple-of-8"),)),
+    Claim("non-default group size rejected with ZeRO-3", (_conformance("8513-zero-3"),)),
     Claim(
         "FP32 and ZenFlow rejected with quantized weights",
-        (Decider("conformance", "run", ("fp32", "zenflow")),),
+        (_conformance("8511-fp32", "8511-zenflow"),),
     ),
     Claim("group size forwarded through engine and optimizer", (Decider("probe", "non-default"),)),
-    Claim("default path unchanged", (Decider(DEFAULT_PATH, "run"),)),
+    Claim(
+        "default path unchanged",
+        (Decider(DEFAULT_PATH, "run"), _conformance("8511-default-path")),
+    ),
     Claim("speed-up [interval]", (Decider(SPEEDUP),)),
 )
 """[Note: claims and their checks]."""
@@ -147,26 +158,23 @@ def _status(check: Check) -> str:
     return {"pass": PASS, "fail": FAIL, "inconclusive": INCONCLUSIVE}.get(check.status, "n/a")
 
 
-def _rows_of(check: Check, words: tuple[str, ...]) -> list[dict]:
-    """The conformance table's rows (``numbers["rows"]``) any of `words` names."""
+ROW_VERDICTS = {"pass": PASS, "fail": FAIL, "not observed": INCONCLUSIVE}
+ROW_VERDICTS["other config"] = INCONCLUSIVE
+"""A conformance row's verdict as a claim's; the others (open, unattributable, a row unknown
+to today's table) are context, deciding nothing ([Note: the PR's config rules])."""
+
+
+def _rows_of(check: Check, claims: tuple[str, ...]) -> list[dict]:
+    """The conformance table's rows (``numbers["rows"]``) of the PR claims `claims`."""
     rows = check.numbers.get("rows")
     if not isinstance(rows, list):
         return []
-    return [
-        row
-        for row in rows
-        if isinstance(row, dict)
-        and any(word.lower() in " ".join(map(str, row.values())).lower() for word in words)
-    ]
+    return [row for row in rows if isinstance(row, dict) and row.get("claim") in claims]
 
 
-def _row_status(row: dict) -> str:
-    """A conformance row's own verdict: its ``status``, else whether it ``agrees``."""
-    status = str(row.get("status", "")).upper()
-    if status in (PASS, FAIL, INCONCLUSIVE):
-        return status
-    agrees = row.get("agrees")
-    return "n/a" if agrees is None else (PASS if agrees else FAIL)
+def _row_text(row: dict) -> str:
+    said = f"{row.get('expected')}, {row.get('observed') or 'not observed'}"
+    return f"{row.get('row')} ({said}): {row.get('verdict')}"
 
 
 class _Found(NamedTuple):
@@ -177,13 +185,13 @@ class _Found(NamedTuple):
     lines: list[str]
 
 
-def _found(record: Record, decider: Decider) -> _Found:
+def _found_checks(record: Record, decider: Decider) -> _Found:
     found = _Found([], [], [])
     for check in selected(record, decider):
         found.names.append(check.name)
         rows = _rows_of(check, decider.rows) if decider.rows else []
         if rows:
-            found.statuses.extend(_row_status(row) for row in rows)
+            found.statuses.extend(ROW_VERDICTS.get(str(row.get("verdict")), "n/a") for row in rows)
             found.lines.extend(f"{check.name} row {_row_text(row)}" for row in rows)
         else:
             found.statuses.append(_status(check))
@@ -191,8 +199,11 @@ def _found(record: Record, decider: Decider) -> _Found:
     return found
 
 
-def _row_text(row: dict) -> str:
-    return ", ".join(f"{key} {value}" for key, value in row.items())[:160]
+def _found_default_path(default_path: DefaultPath | None) -> _Found:
+    if default_path is None:
+        return _Found([], [], [])
+    verdict = {"pass": PASS, "fail": FAIL}.get(default_path.status, INCONCLUSIVE)
+    return _Found([DEFAULT_PATH], [verdict], [f"{DEFAULT_PATH}: {default_path.detail}"])
 
 
 def _wanted(decider: Decider) -> str:
@@ -207,104 +218,93 @@ def _detail(verdict: str, lines: list[str], statuses: list[str]) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def _checked_row(claim: Claim, head: Record, base: Record | None) -> ClaimRow:
-    """A claim decided by judge rules: the head's checks, and the base's as context for a
-    check of the run (conformance)."""
-    names, statuses, lines, missing = [], [], [], []
-    context = []
+def _decided_row(
+    claim: Claim, head: Record, base: Record | None, default_path: DefaultPath | None
+) -> ClaimRow:
+    """A claim decided by its checks at the head (the review's default-path comparison among
+    them); for a check of the run (conformance), the base's beside it as context."""
+    found, missing, context = _Found([], [], []), [], []
     for decider in claim.deciders:
-        found = _found(head, decider)
-        if not found.names:
+        if decider.family == DEFAULT_PATH:
+            this = _found_default_path(default_path)
+        else:
+            this = _found_checks(head, decider)
+        if not this.names:
             missing.append(_wanted(decider))
-        names += found.names
-        statuses += found.statuses
-        lines += found.lines
-        if base is not None and decider.arms == "run":
-            at_base = _found(base, decider)
+        for kept, more in zip(found, this, strict=True):
+            kept.extend(more)
+        if base is not None and decider.arms == "run" and decider.family != DEFAULT_PATH:
+            at_base = _found_checks(base, decider)
             if at_base.names:
                 context.append(f"base: {worst(at_base.statuses)}")
-    if not names:
+    if not found.names:
         detail = f"{', '.join(missing)}: no such check in the head's record"
         return ClaimRow(claim.claim, tuple(missing), NOT_IN_RECORD, detail)
-    verdict = worst(statuses)
-    detail = _detail(verdict, lines, statuses)
+    verdict = worst(found.statuses)
+    detail = _detail(verdict, found.lines, found.statuses)
     if missing:
         detail += f" ({', '.join(missing)}: not in this record)"
     if context:
-        detail += f" [{'; '.join(context)}, context]"
-    return ClaimRow(claim.claim, tuple(names), verdict, detail)
+        detail += f" [{'; '.join(context)}: context]"
+    return ClaimRow(claim.claim, tuple(found.names), verdict, detail)
 
 
-def _median(values: list[float]) -> float | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+def _median_ms(times: list[float]) -> str:
+    return f"{format_sig(statistics.median(times) * 1e3)} ms/step"
 
 
 def _step_context(head: Record, base: Record | None) -> str:
     """The reference's median step time at the head (its blocks against the candidates) and
-    at the base (A/A blocks of its own run, another process): context only."""
-    head_times = [t for p in head.performance for b in p.blocks for t in b.reference_times_s]
+    at the base (the A/A blocks of its own run, another process): context only."""
     parts = []
+    head_times = [t for p in head.performance for b in p.blocks for t in b.reference_times_s]
     if head_times:
-        parts.append(f"head reference {format_sig(_median(head_times) * 1e3)} ms/step")
+        parts.append(f"head reference {_median_ms(head_times)}")
+    reference = "reference"
     base_times = [
         t
         for p in (base.performance if base is not None else [])
-        if p.arm == next(arm.name for arm in base.arms if arm.role == "reference")
+        if p.arm == reference
         for b in p.blocks
         for t in b.reference_times_s
     ]
     if base_times:
         parts.append(
-            f"base reference {format_sig(_median(base_times) * 1e3)} ms/step "
-            "(its own run, another process: context only)"
+            f"base reference {_median_ms(base_times)} (its own run, another process: context only)"
         )
     return "; ".join(parts)
 
 
+def _interval(performance) -> str:
+    if performance.median_speedup is None or performance.ci_low is None:
+        return f"{performance.arm}: {performance.ci_method}"
+    interval = format_interval(performance.ci_low, performance.ci_high)
+    return f"{performance.arm} {format_speedup(performance.median_speedup)} {interval}"
+
+
 def _speed_row(claim: Claim, head: Record, base: Record | None) -> ClaimRow:
+    """The head's candidates' speed-up intervals; a verdict only with ``--min-speedup``."""
     candidates = {arm.name for arm in head.arms if arm.role == "candidate"}
     performance = [p for p in rejudged(head).performance if p.arm in candidates]
     if not performance:
         detail = "no speed blocks of a candidate in the head's record (--blocks 0?)"
         return ClaimRow(claim.claim, (SPEEDUP,), NOT_IN_RECORD, detail)
-    intervals = [
-        f"{p.arm} {format_speedup(p.median_speedup)} {format_interval(p.ci_low, p.ci_high)}"
-        if p.median_speedup is not None and p.ci_low is not None and p.ci_high is not None
-        else f"{p.arm}: {p.ci_method}"
-        for p in performance
-    ]
-    detail = "; ".join(intervals)
+    detail = "; ".join(_interval(item) for item in performance)
     context = _step_context(head, base)
     detail += f" [{context}]" if context else ""
     if head.plan.min_speedup is None:
         return ClaimRow(claim.claim, (SPEEDUP,), NOT_JUDGED, f"{detail} (no --min-speedup)")
-    row = _checked_row(claim, head, None)
+    row = _decided_row(claim, head, None, None)
     return row._replace(detail=f"{row.detail} [{detail}]")
-
-
-def _default_path_row(claim: Claim, default_path: DefaultPath | None) -> ClaimRow:
-    if default_path is None:
-        detail = "no base record to compare the head's reference arm with"
-        return ClaimRow(claim.claim, (DEFAULT_PATH,), NOT_IN_RECORD, detail)
-    verdict = {"pass": PASS, "fail": FAIL}.get(default_path.status, INCONCLUSIVE)
-    return ClaimRow(claim.claim, (DEFAULT_PATH,), verdict, default_path.detail)
 
 
 def claims_table(
     head: Record, base: Record | None, default_path: DefaultPath | None
 ) -> list[ClaimRow]:
     """A row per claim of ``CLAIMS`` ([Note: claims and their checks])."""
-    rows = []
-    for claim in CLAIMS:
-        families = {decider.family for decider in claim.deciders}
-        if DEFAULT_PATH in families:
-            rows.append(_default_path_row(claim, default_path))
-        elif SPEEDUP in families:
-            rows.append(_speed_row(claim, head, base))
-        else:
-            rows.append(_checked_row(claim, head, base))
-    return rows
+    return [
+        _speed_row(claim, head, base)
+        if any(decider.family == SPEEDUP for decider in claim.deciders)
+        else _decided_row(claim, head, base, default_path)
+        for claim in CLAIMS
+    ]

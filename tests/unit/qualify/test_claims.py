@@ -158,7 +158,7 @@ def test_a_changed_default_path_fails_its_claim():
     data = head_payload()
     next(t for t in data["trajectories"] if t["arm"] == "reference")["losses"][2] += 1e-9
     row = table(head=data)["default path unchanged"]
-    assert row.verdict == FAIL and row.detail.startswith("differs first at step 3")
+    assert row.verdict == FAIL and row.detail.startswith("default-path: differs first at step 3")
 
 
 def test_without_a_base_the_default_path_is_not_in_this_record():
@@ -180,18 +180,30 @@ def test_a_head_without_a_non_default_candidate_cannot_show_the_forwarding():
 
 
 @pytest.mark.parametrize(
-    ("row", "words", "status"),
-    [
-        ({"row": "G = 12", "expected": "refused", "observed": "refused"}, ("12",), "n/a"),
-        ({"row": "G = 12", "status": "fail"}, ("12",), FAIL),
-        ({"row": "ZeRO-3, G = 8192", "agrees": True}, ("zero-3",), PASS),
-        ({"row": "ZeRO-3, G = 8192", "agrees": False}, ("8192",), FAIL),
-    ],
+    ("verdict", "status"),
+    [("pass", PASS), ("fail", FAIL), ("not observed", INCONCLUSIVE), ("open", "n/a")],
 )
-def test_a_conformance_row_is_read_by_its_words(row, words, status):
-    check = Check(name="conformance", status="fail", detail="", numbers={"rows": [row]})
-    assert [claims._row_status(found) for found in claims._rows_of(check, words)] == [status]
-    assert claims._rows_of(check, ("fp32",)) == []
+def test_a_conformance_row_decides_the_claims_of_its_pr_claim(monkeypatch, verdict, status):
+    """The conformance check (issue 28) keeps its table's rows in ``numbers["rows"]``, each
+    with the PR claim it tests and its verdict; a claim reads the rows of its PR claims."""
+    rows = [
+        {"row": "stage2-g12", "claim": "8513-multiple-of-8", "expected": "refuse",
+         "observed": "accepted" if verdict == "fail" else "refused", "verdict": verdict},
+        {"row": "stage3-g128", "claim": "8513-zero-3", "expected": "refuse",
+         "observed": "refused", "verdict": "pass"},
+    ]  # fmt: skip
+    check = Check(name="conformance", status="pass", detail="", numbers={"rows": rows})
+    record = seal.seal(head_payload())
+    monkeypatch.setattr(claims, "selected", lambda record, decider: [check])
+    found = claims._found_checks(record, claims._conformance("8513-multiple-of-8"))
+    assert found.statuses == [status]
+    assert found.lines == [f"conformance row stage2-g12 (refuse, {rows[0]['observed']}): {verdict}"]
+    row = next(
+        row
+        for row in claims_table(record, None, None)
+        if row.claim == "group sizes: positive multiples of 8"
+    )
+    assert row.verdict == (status if status != "n/a" else INCONCLUSIVE)
 
 
 def test_every_check_family_the_claims_name_is_a_judge_rule():
