@@ -28,7 +28,7 @@ from qwz.qualify.evidence.default_path import DefaultPath
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Arm, Check, Record
-from qwz.qualify.plan import PROPOSAL_GROUP_SIZE
+from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, REFERENCE
 from qwz.qualify.review.formatting import format_interval, format_sig, format_speedup
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -260,11 +260,11 @@ def _step_context(head: Record, base: Record | None) -> str:
     head_times = [t for p in head.performance for b in p.blocks for t in b.reference_times_s]
     if head_times:
         parts.append(f"head reference {_median_ms(head_times)}")
-    reference = "reference"
+    # The A/A blocks of the reference alone ([Note: the base runs the reference alone]).
     base_times = [
         t
         for p in (base.performance if base is not None else [])
-        if p.arm == reference
+        if p.arm == REFERENCE
         for b in p.blocks
         for t in b.reference_times_s
     ]

@@ -734,6 +734,15 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
     return timings
 
 
+def _timed(plan: RunPlan, arms: dict[str, ArmObservation]) -> list[ArmSpec]:
+    """The arms timed against the reference: the candidates that did not fail, or, where the
+    reference trains alone (arm_set "reference"), the reference itself: its step times, and
+    their noise."""
+    if plan.arm_set == "reference":
+        return [plan.arms[0]]
+    return [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
+
+
 def _same_deepspeed_everywhere(gathered: list[dict[str, Any]]) -> None:
     """[Note: subject identity]: every rank judged the same DeepSpeed (version, commit, path);
     ranks that imported different ones observed no one subject: a harness error."""
@@ -795,14 +804,9 @@ def _qualify(
         arms[arm.name] = obs
         rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
 
-    # Arms that failed are not timed; without a working reference nothing is. The reference
-    # alone (arm_set "reference") is timed against itself: its step times, and their noise.
-    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
-    if plan.arm_set == "reference":
-        timed = [plan.arms[0]]
     timings = {}
     if arms[REFERENCE].failure is None and plan.blocks > 0:
-        timings = _timing(plan, timed, rank, progress)
+        timings = _timing(plan, _timed(plan, arms), rank, progress)
 
     observation: dict[str, Any] = {
         "rank": rank,
