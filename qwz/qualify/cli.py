@@ -25,7 +25,9 @@ be trusted; ``compare`` 0 no regression, 1 regression, 2 not comparable or inval
 ``promote`` 0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every
 cell that ran passed, 1 a cell FAILed or crashed, 4 a HARNESS-ERROR cell (and none FAILed
 or crashed), 3 INCONCLUSIVE cells (or no verdict at all), 2 a refused spec or ``--out``,
-130/143 stopped (qualify/matrix/command.py); 2 for usage errors everywhere.
+130/143 stopped (qualify/matrix/command.py); ``review`` the worst of its claims and runs: 0 PASS,
+1 FAIL, 3 INCONCLUSIVE, 4 HARNESS-ERROR, 2 refused, 130/143 stopped (qualify/pr_review/command.py);
+2 for usage errors everywhere.
 """
 
 from __future__ import annotations
