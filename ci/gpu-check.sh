@@ -6,7 +6,10 @@
 #   3. a 2-buffer gather pipeline whose copies a side stream delays (pipeline);
 #   4. a one-rank engine step, bitwise repeatable (engine-repeat);
 #   5. the kernels' bandwidth against an HBM copy (benchmarks/gather.py);
-#   6. `pytest -m multigpu` with the GPUs there are (NCCL where a test's world size fits).
+#   6. `qwz-qualify review` of the proposal patch as a pull request against the installed
+#      DeepSpeed, at world size = the number of GPUs (ci/gpu-review.sh; skipped, with the
+#      reason, on one GPU), its claims table copied into the summary;
+#   7. `pytest -m multigpu` with the GPUs there are (NCCL where a test's world size fits).
 # It writes one summary, $QWZ_GPU_CHECK_OUT/summary.md (default runs/gpu-check).
 #
 # Exit codes: 0 every check held; 1 a check failed, crashed or ran out of time; 3 no NVIDIA
@@ -110,8 +113,13 @@ step engine-repeatable 60 "0" python ci/gpu_checks.py engine-repeat --device cud
 bench_args=(--numels 16777216 67108864 --group-sizes 64 8192 --repeats 3)
 if [ "$gpus" -ge 2 ]; then bench_args+=(--world-sizes "$gpus"); else bench_args+=(--skip-gather); fi
 step bandwidth-vs-hbm-copy 90 "0" python benchmarks/gather.py "${bench_args[@]}"
+step "review-w${gpus}" 300 "0" bash ci/gpu-review.sh "$out/review" "$gpus"
 step "multigpu-suite-${gpus}gpu" 600 "0" python -m pytest -m multigpu tests/multigpu -x -q
 
+if [ -f "$out/review/claims.md" ]; then
+  { echo; echo "### Review of the proposal patch against the installed DeepSpeed (W=$gpus)"
+    echo; sed 's/^## Claims$//' "$out/review/claims.md"; } >> "$summary"
+fi
 {
   echo
   echo "Logs: $out/*.log. Benchmark tables: $out/bandwidth-vs-hbm-copy.log."

@@ -25,7 +25,9 @@ be trusted; ``compare`` 0 no regression, 1 regression, 2 not comparable or inval
 ``promote`` 0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every
 cell that ran passed, 1 a cell FAILed or crashed, 4 a HARNESS-ERROR cell (and none FAILed
 or crashed), 3 INCONCLUSIVE cells (or no verdict at all), 2 a refused spec or ``--out``,
-130/143 stopped (qualify/matrix/command.py); 2 for usage errors everywhere.
+130/143 stopped (qualify/matrix/command.py); ``review`` the worst of its claims and runs: 0 PASS,
+1 FAIL, 3 INCONCLUSIVE, 4 HARNESS-ERROR, 2 refused, 130/143 stopped (qualify/pr_review/command.py);
+2 for usage errors everywhere.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_matrix_command(commands)
     _add_review_commands(commands)
     _add_bisect_commands(commands)
+    _add_pr_review_command(commands)
     return parser
 
 
@@ -171,6 +174,72 @@ def _add_review_commands(commands) -> None:
     )
     promote.add_argument("record", type=_path)
     promote.add_argument("baseline_dir", type=_path)
+
+
+class _ReviewSets(argparse.Action):
+    """A run setting ``review`` sets itself (qualify/pr_review/request.py), refused as a flag."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is the review's to set, not a run option")
+
+
+def _add_pr_review_command(commands) -> None:
+    """``review``: a DeepSpeed pull request against its base (qualify/pr_review/); the run
+    options are ``run``'s own flags, generated from the same declarations, or follow ``--``."""
+    from qwz.qualify import settings
+    from qwz.qualify.pr_review import request
+
+    review = commands.add_parser(
+        "review",
+        help="review a DeepSpeed pull request: its base's reference arm and its head's every "
+        "arm, one claims table (exit 0 PASS, 1 FAIL, 2 refused, 3 INCONCLUSIVE, "
+        "4 HARNESS-ERROR)",
+        formatter_class=_DefaultsFormatter,
+    )
+    review.add_argument("--repo", type=_path, required=True, help="the DeepSpeed repository")
+    review.add_argument("--base", required=True, help="the PR's base: a branch, tag or commit")
+    review.add_argument("--head", required=True, help="the PR's head (pull/N/head, fetched)")
+    review.add_argument("--out", type=_path, required=True, help="the review's directory")
+    review.add_argument(
+        "--worktree",
+        type=_path,
+        default=None,
+        help="the worktree both refs are checked out in (default: OUT/worktree); one path "
+        "for several reviews of a repository builds DeepSpeed's ops once",
+    )
+    review.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard the runs a previous review left in --out (of this or another request)",
+    )
+    owned = request.REVIEW_SETTINGS
+    run_settings = settings.run_settings()
+    settings.add_flags(review, {k: v for k, v in run_settings.items() if k not in owned})
+    for name in owned:
+        hidden = {"dest": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+        review.add_argument(run_settings[name].flag, action=_ReviewSets, **hidden)
+    review.add_argument(
+        "run_args",
+        nargs="*",
+        metavar="-- RUN-ARGUMENTS",
+        help="more `qwz-qualify run` arguments for both runs",
+    )
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    from qwz.qualify.pr_review import command
+    from qwz.qualify.run.launch import Interrupted, signals_interrupt
+
+    try:
+        with signals_interrupt():  # between the runs too, not only while one runs
+            return command.run_review(args, build_parser())
+    except Interrupted as interrupted:
+        print(f"qwz-qualify review: {interrupted}; every finished run is kept in {args.out}",
+              file=sys.stderr)  # fmt: skip
+        return interrupted.exit_code
 
 
 def _add_bisect_commands(commands) -> None:
@@ -611,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "promote": cmd_promote,
         "bisect": cmd_bisect,
         "bisect-step": cmd_bisect,
+        "review": cmd_review,
     }
     try:
         return handlers[args.command](args)

@@ -52,6 +52,10 @@ LEARNING_RULES = ("max-gap", "non-inferiority")
 """How ``learning`` judges a candidate (qualify/evidence/checks.py): the worst gap at any
 evaluation ([Note: learning margin]) or the long horizon's statistical rule ([Note:
 non-inferiority over the horizon], qualify/evidence/horizon.py)."""
+ARM_SETS = ("all", "reference")
+"""Which arms a run trains (``arm_set``): every arm, or the reference alone -- the default
+path, as ``review`` runs it at a pull request's base ([Note: the base runs the reference
+alone], qualify/pr_review/__init__.py)."""
 DTYPES = ("bf16", "fp16", "fp32")
 KERNELS = ("fused", "eager")
 """The quantize/dequantize kernels a run asks for: fused (qwz's native C kernels on CPU, else
@@ -121,6 +125,13 @@ class RunPlan:
         repeated=True,
     )
     steps: int = setting(20, POSITIVE, "lockstep steps")
+    arm_set: str = setting(
+        "all",
+        OneOf(ARM_SETS),
+        "the arms trained: all (the reference, the calibration arm, a candidate per group "
+        "size) or reference (the reference alone, timed against itself in the speed blocks: "
+        "the default path, as review runs it at a pull request's base)",
+    )
     blocks: int = setting(4, NON_NEGATIVE, "order-balanced speed blocks (0: no speed blocks)")
     block_steps: int = setting(5, POSITIVE, "timed steps per arm and block")
     warmup_steps: int = setting(2, NON_NEGATIVE, "untimed steps per arm and block")
@@ -215,6 +226,8 @@ class RunPlan:
     @property
     def arms(self) -> list[ArmSpec]:
         arms = [ArmSpec(REFERENCE, False, None)]
+        if self.arm_set == "reference":
+            return arms
         if self.calibration:
             size = max(self.group_sizes)
             arms.append(ArmSpec(f"{CALIBRATION}-g{size}", False, None, size))

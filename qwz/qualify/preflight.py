@@ -44,6 +44,10 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
         return problems
     if not args.qwz_gather and args.subject != "deepspeed":
         problems.append("--no-qwz-gather applies to --subject deepspeed only")
+    if args.arm_set == "reference" and args.min_speedup is not None:
+        problems.append(
+            "--min-speedup gates the candidates' speed-up: --arm-set reference trains none"
+        )
     if args.one_arm_at_a_time and args.warmup_steps < 1:
         problems.append("--one-arm-at-a-time needs --warmup-steps >= 1 (arms are rebuilt then)")
     if under_torchrun() and "world_size" in args.given:

@@ -305,6 +305,21 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
     return payload
 
 
+def make_step_masters(arms=tuple(name for name, _, _ in ARMS), steps: int = STEPS) -> list:
+    """``step_masters`` for `arms`: each parameter's short digest after every step (made up,
+    the same for the same arm, parameter and step)."""
+    return [
+        {
+            "arm": arm,
+            "digests": [
+                {name: fake_hash(f"{arm}/{name}/{step}")[:8] for name in PARAMETER_NAMES}
+                for step in range(1, steps + 1)
+            ],
+        }
+        for arm in arms
+    ]
+
+
 def violation(step: int, rank: int, ratio: float, what: str = "expected 0.1, got 0.2"):
     """A first violation of lm_head.weight[12], as the update and own-shard checks record."""
     return {

@@ -268,7 +268,7 @@ def _sections(
     code = _code_identity(observations[0])
     names = ("trajectories", "step_one", "updates", "own_shards", "drift", "hashes", "probes")
     sections: dict[str, list[dict[str, Any]]] = {
-        key: [] for key in (*names, "loss_scaling", "memory")
+        key: [] for key in (*names, "step_masters", "loss_scaling", "memory")
     }
     for arm in arms:
         name, ranks = arm["name"], per_arm[arm["name"]]
@@ -277,6 +277,7 @@ def _sections(
         sections["step_one"].append(
             {"arm": name, "digests": lead.step1_digests, "step": lead.first_update_step}
         )
+        sections["step_masters"].append({"arm": name, "digests": lead.step_digests})
         if lead.overflowed is not None:
             sections["loss_scaling"].append(
                 {
@@ -354,10 +355,13 @@ def build_record(
             "calibration_arm": next(
                 (arm.name for arm in plan.arms if arm.noise_group_size is not None), None
             ),
-            "calibration_group_size": max(plan.group_sizes) if plan.calibration else None,
+            "calibration_group_size": next(
+                (arm.noise_group_size for arm in plan.arms if arm.noise_group_size), None
+            ),
             "rule": plan.learning_rule,
         },
-        **{key: sections[key] for key in ("step_one", "updates", "own_shards", "drift")},
+        **{key: sections[key] for key in ("step_one", "step_masters", "updates", "own_shards")},
+        "drift": sections["drift"],
         **{key: sections[key] for key in ("hashes", "probes", "loss_scaling", "memory")},
         "performance": performance,
         "conformance": conformance,

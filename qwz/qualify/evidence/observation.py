@@ -30,6 +30,9 @@ class ArmObservation:
     the non-inferiority rule (every held-out batch's loss, rank by rank)."""
     step1_digests: dict[str, str] | None = None
     """Master digests after the arm's first optimizer step, ``first_update_step``."""
+    step_digests: list[dict[str, str]] = field(default_factory=list)
+    """After every completed step, the short master digests ([Note: short digests],
+    run/observers/digest.py)."""
     first_update_step: int | None = None
     """The first step the optimizer took: 1, unless fp16 overflows skipped the first."""
     loss_scales: list[float | None] | None = None

@@ -322,6 +322,19 @@ class StepOneMasters(_Model):
     )
 
 
+class StepMasters(_Model):
+    """After every completed step, a short layout-independent digest of every parameter's fp32
+    master ([Note: short digests], qualify/run/observers/digest.py): what the review of a pull
+    request compares between its base's and its head's reference arm
+    (qualify/evidence/default_path.py)."""
+
+    arm: str
+    digests: list[dict[str, str]] = Field(
+        description="Per completed step (index 0: after step 1), parameter -> the low 32 bits "
+        "of its digest, 8 hex digits"
+    )
+
+
 class LossScaling(_Model):
     """fp16: per training step, what the harness observed of the arm's dynamic loss scaling
     ([Note: overflow observation], qualify/run/observers/overflow.py); judged by [Note: overflow
@@ -685,6 +698,11 @@ class Record(_Model):
     trajectories: list[Trajectory]
     learning: Learning
     step_one: list[StepOneMasters]
+    step_masters: list[StepMasters] = Field(
+        default_factory=list,
+        description="Every arm's short master digests after every step; empty in records of "
+        "schema 4 and older (which did not observe them)",
+    )
     updates: list[Updates]
     own_shards: list[OwnShards]
     drift: list[Drift]
@@ -725,7 +743,8 @@ class Record(_Model):
             listed = [item.arm for item in getattr(self, section)]
             if sorted(listed) != sorted(names):
                 raise ValueError(f"{section} names arms {listed}, the record has {names}")
-        for section in ("own_shards", "drift", "probes", "loss_scaling", "memory", "performance"):
+        optional = ("own_shards", "drift", "probes", "loss_scaling", "memory", "performance")
+        for section in (*optional, "step_masters"):
             unknown = {item.arm for item in getattr(self, section)} - set(names)
             if unknown:
                 raise ValueError(f"{section} names arms the record does not have: {unknown}")

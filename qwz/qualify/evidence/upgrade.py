@@ -19,8 +19,11 @@ the fused kernels are called by what they are: ``"compiled"`` (the native C kern
 CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
 ``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
 
-4 -> 5: ``conformance`` (the PR's config rules run through the subject's parser and engine) is
-new; an older record has none, so ``conformance`` reads "not observed" there (rules.INPUTS).
+4 -> 5: the table of the PR's config rules run through the subject's parser and engine
+(``conformance``) and every arm's short master digests after every step (``step_masters``)
+are new; an older record has neither, so ``conformance`` reads "not observed" there
+(rules.INPUTS), and what compares the digests (the review of a pull request,
+qualify/evidence/default_path.py) says it could not.
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ hold the same thing -- its *replica set* -- never over all ranks:
   per arm: the replica set of (rank, name) is the ranks with the same key for that name;
 * replicas (:func:`divergence`): after every step each rank's per-parameter digests are
   gathered, and a parameter diverges when a rank's digest differs from any rank of its set;
-* step-1 masters (:func:`master_digests`): a parameter's master digest is summed over the
-  ranks of its set only (each holds a shard of it), one digest per (name, key), named
-  ``name`` for dense parameters and ``name@expert<i>`` for experts;
+* masters (:func:`master_digests`, after step 1 and, short, after every step): a
+  parameter's master digest is summed over the ranks of its set only (each holds a shard of
+  it), one digest per (name, key), named ``name`` for dense parameters and
+  ``name@expert<i>`` for experts;
 * final hashes (:func:`final_hashes`): per rank, one hash per key it holds; the record
   keeps each key's hashes over its set, which must agree.
 
@@ -135,6 +136,12 @@ def master_digests(shards: Sequence[seam.OwnShard], sets: ReplicaSets) -> dict[s
         total = int(every_rank[list(ranks), index].sum())
         digests[sets.label(index, key)] = f"{total:016x}"
     return digests
+
+
+def short_digests(digests: dict[str, str]) -> dict[str, str]:
+    """Each of :func:`master_digests` cut to its low 32 bits, 8 hex digits ([Note: short
+    digests], observers/digest.py): what the record keeps after every step."""
+    return {label: value[-digest.SHORT_HEX_DIGITS :] for label, value in digests.items()}
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ Per arm and step, on every rank:
    against the contract's decodes of its master, with the requested group size
    (observers/own_shard.py), the replicas' per-parameter digests across ranks, and the sampled
    values;
-4. at step 1, layout-independent digests of every parameter's master;
+4. layout-independent digests of every parameter's master: short ones after every step,
+   full ones after step 1 (observers/digest.py);
 5. at the evaluation steps, the held-out loss.
 A non-finite loss or gradient norm ends the arm and the run goes on with the next
 one; any other exception ends the run at once, without a collective, naming the
@@ -413,6 +414,7 @@ class _ArmRun:
         self.plan, self.arm, self.rank, self.progress = plan, arm, rank, progress
         self.samples, self.reference_samples = samples, reference_samples
         self.observed: dict[str, Any] = {"losses": [], "grad_norms": [], "held_out": []}
+        self.observed["step_digests"] = []
         self.observed["drift_max_abs"] = []
         self.sampled: dict[str, list[torch.Tensor]] = {}
         self.peak = _StepPeak()
@@ -567,10 +569,12 @@ class _ArmRun:
         observed["grad_norms"].append(grad_norm)
         if arm.noise_group_size is not None:
             calibration_noise.perturb(engine.module, arm.noise_group_size, plan.seed, step)
+        digests = replicas.master_digests(self.shards, self.replica_sets)
+        observed["step_digests"].append(replicas.short_digests(digests))
         if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
             # The first optimizer step (step 1 unless fp16 overflows skipped the first):
             # until then no gather ran, so every arm held the same weights.
-            observed["step1_digests"] = replicas.master_digests(self.shards, self.replica_sets)
+            observed["step1_digests"] = digests
         first_update, gathered = observed.get("first_update_step"), self.gathered
         self.next_use.defer(
             f"the weights after step {step}",
@@ -721,6 +725,15 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
     return timings
 
 
+def _timed(plan: RunPlan, arms: dict[str, ArmObservation]) -> list[ArmSpec]:
+    """The arms timed against the reference: the candidates that did not fail, or, where the
+    reference trains alone (arm_set "reference"), the reference itself: its step times, and
+    their noise."""
+    if plan.arm_set == "reference":
+        return [plan.arms[0]]
+    return [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
+
+
 def _same_deepspeed_everywhere(gathered: list[dict[str, Any]]) -> None:
     """[Note: subject identity]: every rank judged the same DeepSpeed (version, commit, path);
     ranks that imported different ones observed no one subject: a harness error."""
@@ -782,11 +795,9 @@ def _qualify(
         arms[arm.name] = obs
         rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
 
-    # Arms that failed are not timed; without a working reference nothing is.
-    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
     timings = {}
     if arms[REFERENCE].failure is None and plan.blocks > 0:
-        timings = _timing(plan, timed, rank, progress)
+        timings = _timing(plan, _timed(plan, arms), rank, progress)
 
     observation: dict[str, Any] = {
         "rank": rank,

@@ -33,6 +33,9 @@ CURRENT = FIXTURES / "current" / "record.json"
 SCHEMA_3 = FIXTURES / "schema3" / "record.json"
 """The current fixture as today's judge sealed it in schema 3, before the fused kernels were
 called "fused": its arms ran eager kernels, so its bytes hold no "compiled"."""
+SCHEMA_4 = FIXTURES / "schema4" / "record.json"
+"""The current fixture as today's judge sealed it in schema 4, before the short master
+digests after every step (``step_masters``)."""
 
 
 def ids(paths):
@@ -345,6 +348,16 @@ def test_a_schema_3_record_of_compiled_kernels_loads_as_fused(tmp_path):
     edited = rewritten(SCHEMA_3, tmp_path / "edited.json", _compiled, redigest=False)
     with pytest.raises(schema.RecordError, match="digest mismatch"):
         record.load(edited)
+
+
+def test_a_schema_4_record_loads_without_step_masters():
+    """Schema 4 did not observe the masters after every step: loaded, it has none (what reads
+    them says so, qualify/evidence/default_path.py), and its checks stand as judged."""
+    assert json.loads(SCHEMA_4.read_text())["schema_version"] == 4
+    loaded = record.load(SCHEMA_4)
+    assert loaded.upgraded_from == 4 and loaded.step_masters == []
+    current = record.load(CURRENT).verdict
+    assert (loaded.verdict.status, loaded.verdict.failed) == (current.status, current.failed)
 
 
 def test_a_schema_4_record_says_fused_not_compiled():

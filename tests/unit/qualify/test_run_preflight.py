@@ -90,6 +90,18 @@ def test_a_fresh_request_passes(tmp_path):
     assert problems(tmp_path, "--ledger", str(tmp_path / "ledger")) == []
 
 
+def test_the_reference_alone_trains_one_arm_and_has_no_speed_up_to_gate(tmp_path):
+    """``--arm-set reference`` (what review runs at a PR's base) trains the reference alone;
+    ``--min-speedup`` gates candidates, so with it the request is refused, naming both."""
+    plan = preflight.plan_of(parse("--out", str(tmp_path), "--arm-set", "reference"))
+    assert [arm.name for arm in plan.arms] == ["reference"]
+    assert problems(tmp_path, "--arm-set", "reference") == []
+    found = problems(tmp_path, "--arm-set", "reference", "--min-speedup", "1.02")
+    assert found == [
+        "--min-speedup gates the candidates' speed-up: --arm-set reference trains none"
+    ]
+
+
 def test_out_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     assert problems(tmp_path, "--out", str(tmp_path / "file")) == [

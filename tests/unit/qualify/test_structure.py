@@ -23,12 +23,15 @@ LAYERS = {
     "qualify.preflight": 5,
     "qualify.matrix": 6,
     "qualify.bisect": 6,
-    "qualify.cli": 7,
+    "qualify.pr_review": 7,
+    "qualify.cli": 8,
 }
 """A module may import its own group and any group of a lower layer: run and review are
 siblings (neither imports the other), the matrix runs ``run`` cells (it is handed the CLI's
 parser, never imports it), bisect drives whole runs (as subprocesses) and judges their
-records, matrix and bisect are siblings, the CLI sits on top."""
+records, matrix and bisect are siblings, the review of a pull request runs two ``run``s as a
+matrix runs its cells and checks out commits as bisect does (it reuses both), the CLI sits on
+top."""
 QUALIFY_TOP = {
     "qwz.qualify": "qualify.base",
     "qwz.qualify.files": "qualify.base",
@@ -38,6 +41,7 @@ QUALIFY_TOP = {
     "qwz.qualify.supervise": "qualify.base",
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
+    "qwz.qualify.kernel_check": "qualify.preflight",
     "qwz.qualify.requirements": "qualify.preflight",
     "qwz.qualify.presets": "qualify.preflight",
     "qwz.qualify.settings": "qualify.preflight",
