@@ -13,6 +13,8 @@ import math
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Protocol
 
+from qwz.qualify.ds_config import DeepSpeedConfigFile
+from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
 from qwz.qualify.values import (
     BOOLEAN,
     FINITE,
@@ -35,16 +37,6 @@ SUBJECTS = ("qwz", "deepspeed", "deepspeed-native")
 DEEPSPEED_SUBJECTS = ("deepspeed", "deepspeed-native")
 
 
-@dataclass(frozen=True)
-class AdamWSettings:
-    """The hyperparameters the run was configured with (the plan's, per arm identical)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-
-
 REFERENCE = "reference"
 CALIBRATION = "calibration"
 """Role and name prefix of the calibration arm: ``calibration-g<G>`` imitates group size G."""
@@ -53,6 +45,8 @@ LEARNING_RULES = ("max-gap", "non-inferiority")
 evaluation ([Note: learning margin]) or the long horizon's statistical rule ([Note:
 non-inferiority over the horizon], qualify/evidence/horizon.py)."""
 DTYPES = ("bf16", "fp16", "fp32")
+ATTENTION = ("eager", "sdpa")
+"""How the Qwen3 workloads compute attention (qualify/run/workloads.py)."""
 KERNELS = ("fused", "eager")
 """The quantize/dequantize kernels a run asks for: fused (qwz's native C kernels on CPU, else
 torch.compile) or eager (plain torch operations); the record names what each arm ran."""
@@ -140,6 +134,20 @@ class RunPlan:
     reduce_bucket_size: int = setting(
         500_000_000, POSITIVE, "DeepSpeed's reduce_bucket_size, in elements"
     )
+    torch_adam: bool = setting(
+        True,
+        BOOLEAN,
+        "DeepSpeed subjects: the AdamW is torch's (--no-torch-adam: DeepSpeed's FusedAdam, its "
+        "op built on first use; qwz's engine runs torch's either way)",
+    )
+    ds_config: DeepSpeedConfigFile | None = setting(
+        None,
+        Optional(PATH),
+        "a DeepSpeed config JSON file, the base of every arm's config: the harness sets the "
+        "quantization keys per arm, the stage, the dtype and the micro-batch over it; the "
+        "optimizer, buckets, clipping and loss scaling are the file's; a file that contradicts "
+        "an arm or a flag is refused ([Note: the user's DeepSpeed config], qualify/ds_config.py)",
+    )
     samples_per_param: int = 64
     """Drift context: sampled elements per parameter compared with the reference."""
     update_samples: int = 512
@@ -176,6 +184,13 @@ class RunPlan:
         OneOf(KERNELS),
         "quantize/dequantize kernels: fused (native C on CPU, else torch.compile; eager where "
         "they are not usable, and the record says so) or eager",
+    )
+    attention: str = setting(
+        "eager",
+        OneOf(ATTENTION),
+        "Qwen3 workloads: eager (transformers' eager attention, which saves the attention "
+        "probabilities for the backward) or sdpa (torch's scaled_dot_product_attention, as "
+        "models train)",
     )
     qwz_gather: bool = setting(
         True,
@@ -225,9 +240,14 @@ class RunPlan:
         every = max(1, self.eval_every)
         return sorted({0, self.steps, *range(every, self.steps + 1, every)})
 
-    @property
-    def adamw(self) -> AdamWSettings:
-        return AdamWSettings(self.lr, BETAS, EPS, self.weight_decay)
+    def arm_adamw(self, arm: ArmSpec) -> AdamWSettings | str:
+        """The AdamW of the arm's config, or why the update check cannot re-derive its
+        optimizer ([Note: the optimizer the update check re-derives])."""
+        return adamw_of(self.arm_config(arm))
+
+    def arm_clipping(self, arm: ArmSpec) -> float:
+        """The arm's global-norm clipping threshold, from its config (0: none)."""
+        return clipping_of(self.arm_config(arm))
 
     @property
     def shard_alignment(self) -> int | None:
@@ -248,7 +268,9 @@ class RunPlan:
         group size key is left out at the proposal's default, G = 64 -- what a user who
         wants the default writes, and what DeepSpeed 0.19's strict config accepts (so stock
         0.19 trains and FAILs ``in-effect``); any other G is written, and a DeepSpeed whose
-        config refuses the key is refused before training."""
+        config refuses the key is refused before training. With ``--ds-config`` this config
+        supplies only what the harness sets over the user's file ([Note: the user's
+        DeepSpeed config], qualify/ds_config.py)."""
         zero: dict[str, Any] = {
             "stage": self.stage,
             "zero_quantized_weights": arm.quantized,
@@ -267,9 +289,9 @@ class RunPlan:
             "weight_decay": self.weight_decay,
         }
         if self.subject in DEEPSPEED_SUBJECTS:
-            # torch's AdamW in both subjects: the same update rule, and no fused-op build.
-            optimizer_params["torch_adam"] = True
-        return {
+            # torch's AdamW by default: the same update rule as qwz's, and no fused-op build.
+            optimizer_params["torch_adam"] = self.torch_adam
+        config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": self.workload.params["micro_batch"],
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.gradient_clipping,
@@ -278,6 +300,9 @@ class RunPlan:
             "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": optimizer_params},
         }
+        if self.ds_config is not None:  # [Note: the user's DeepSpeed config]
+            return self.ds_config.arm_config(config)
+        return config
 
     def fp16_section(self) -> dict[str, Any]:
         """The ``fp16`` section of every arm's config: DeepSpeed's dynamic loss scaling,

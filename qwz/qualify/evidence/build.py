@@ -20,6 +20,7 @@ import torch
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
+from qwz.qualify.evidence.optimizer import AdamWSettings
 from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.evidence.tolerance import master_drift_bound
@@ -193,14 +194,13 @@ def _own_shards(name: str, ranks: list[ArmObservation]) -> dict[str, Any]:
 
 
 def _drift(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
+    adamw = plan.arm_adamw(plan.arms[0])  # the reference's; no bound for another optimizer
+    steps = len(lead.drift_max_abs) if isinstance(adamw, AdamWSettings) else 0
     return {
         "arm": name,
         "samples_per_param": plan.samples_per_param,
         "max_abs_error": [float(value) for value in lead.drift_max_abs],
-        "bound": [
-            master_drift_bound(step, plan.lr, plan.adamw.betas)
-            for step in range(1, len(lead.drift_max_abs) + 1)
-        ],
+        "bound": [master_drift_bound(step, adamw.lr, adamw.betas) for step in range(1, steps + 1)],
     }
 
 

@@ -93,7 +93,15 @@ def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
-UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}
+def _from_4(payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload, schema_version=5)
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    2: _from_2,
+    3: _from_3,
+    4: _from_4,
+}
 """Version N -> the step from N to N + 1."""
 
 
