@@ -36,16 +36,15 @@ record's plan keeps its path, the sha256 of its bytes and its JSON content (``ds
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import pathlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from qwz import jsonio
 from qwz.qualify.evidence import loss_scaling
 from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of
+from qwz.qualify.plan import DeepSpeedConfigFile
 
 QUANTIZED_WEIGHTS = "zero_optimization.zero_quantized_weights"
 GROUP_SIZE = "zero_optimization.zero_quantized_weights_group_size"
@@ -69,52 +68,6 @@ MAPPED: dict[str, tuple[str, Any]] = {
 it out, None: the default of the file's Adam, [Note: the optimizer the update check
 re-derives]). A key under ``optimizer`` or ``fp16`` is the file's only where the file has
 that section."""
-
-
-@dataclass(frozen=True)
-class DeepSpeedConfigFile:
-    """The user's DeepSpeed config, as read before the run ([Note: the user's DeepSpeed
-    config]); recorded in the plan."""
-
-    path: str
-    sha256: str
-    """Of the file's bytes as read."""
-    content: dict[str, Any]
-    """The file's JSON object."""
-    from_flags: dict[str, Any] = field(default_factory=dict)
-    """Dotted key -> value: settings given on the command line whose keys the file leaves
-    out, set in every arm's config."""
-
-    def arm_config(self, harness: Mapping[str, Any]) -> dict[str, Any]:
-        """The file with what the harness sets over it, from the harness's own config of the
-        arm, `harness` (``RunPlan.arm_config`` without a file)."""
-        config = copy.deepcopy(self.content)
-        for dotted, value in self.from_flags.items():
-            *sections, key = dotted.split(".")
-            _section(config, sections)[key] = value
-        zero = config.setdefault("zero_optimization", {})
-        harness_zero = harness["zero_optimization"]
-        zero.update({key: harness_zero[key] for key in ARM_ZERO_KEYS if key in harness_zero})
-        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-            config[key] = harness[key]
-        config["bf16"] = {**config.get("bf16", {}), **harness["bf16"]}
-        fp16_enabled = "fp16" in harness
-        if "fp16" in config:
-            config["fp16"] = {**config["fp16"], "enabled": fp16_enabled}
-        elif fp16_enabled:
-            config["fp16"] = dict(harness["fp16"])
-        config.setdefault("optimizer", copy.deepcopy(harness["optimizer"]))
-        return config
-
-
-ARM_ZERO_KEYS = ("stage", "zero_quantized_weights", "zero_quantized_weights_group_size")
-"""Keys of ``zero_optimization`` the harness sets in every arm over the file."""
-
-
-def _section(config: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    for name in names:
-        config = config.setdefault(name, {})
-    return config
 
 
 def _lookup(content: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:

@@ -8,13 +8,12 @@ of ``qwz-qualify run`` once ([Note: one declaration per setting], qualify/values
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Protocol
 
-from qwz.qualify.ds_config import DeepSpeedConfigFile
-from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
 from qwz.qualify.values import (
     BOOLEAN,
     FINITE,
@@ -58,6 +57,53 @@ PROPOSAL_GROUP_SIZE = 64
 and the size a DeepSpeed subject gets with the group size key left out. The harness's own
 statement of it, apart from the engine's ``qwz.quant.DEFAULT_GROUP_SIZE`` (the judge never
 takes its numbers from what it judges)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfigFile:
+    """The user's DeepSpeed config, as read before the run ([Note: the user's DeepSpeed
+    config]); recorded in the plan."""
+
+    path: str
+    sha256: str
+    """Of the file's bytes as read."""
+    content: dict[str, Any]
+    """The file's JSON object."""
+    from_flags: dict[str, Any] = field(default_factory=dict)
+    """Dotted key -> value: settings given on the command line whose keys the file leaves
+    out, set in every arm's config."""
+
+    def arm_config(self, harness: dict[str, Any]) -> dict[str, Any]:
+        """The file with what the harness sets over it ([Note: the user's DeepSpeed config],
+        qualify/ds_config.py), from the harness's own config of the arm, `harness`
+        (``RunPlan.arm_config`` without a file)."""
+        config = copy.deepcopy(self.content)
+        for dotted, value in self.from_flags.items():
+            *sections, key = dotted.split(".")
+            _section(config, sections)[key] = value
+        zero = config.setdefault("zero_optimization", {})
+        harness_zero = harness["zero_optimization"]
+        zero.update({key: harness_zero[key] for key in ARM_ZERO_KEYS if key in harness_zero})
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            config[key] = harness[key]
+        config["bf16"] = {**config.get("bf16", {}), **harness["bf16"]}
+        fp16_enabled = "fp16" in harness
+        if "fp16" in config:
+            config["fp16"] = {**config["fp16"], "enabled": fp16_enabled}
+        elif fp16_enabled:
+            config["fp16"] = dict(harness["fp16"])
+        config.setdefault("optimizer", copy.deepcopy(harness["optimizer"]))
+        return config
+
+
+ARM_ZERO_KEYS = ("stage", "zero_quantized_weights", "zero_quantized_weights_group_size")
+"""Keys of ``zero_optimization`` the harness sets in every arm over the file."""
+
+
+def _section(config: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    for name in names:
+        config = config.setdefault(name, {})
+    return config
 
 
 class NamedWorkload(Protocol):
@@ -239,15 +285,6 @@ class RunPlan:
     def eval_steps(self) -> list[int]:
         every = max(1, self.eval_every)
         return sorted({0, self.steps, *range(every, self.steps + 1, every)})
-
-    def arm_adamw(self, arm: ArmSpec) -> AdamWSettings | str:
-        """The AdamW of the arm's config, or why the update check cannot re-derive its
-        optimizer ([Note: the optimizer the update check re-derives])."""
-        return adamw_of(self.arm_config(arm))
-
-    def arm_clipping(self, arm: ArmSpec) -> float:
-        """The arm's global-norm clipping threshold, from its config (0: none)."""
-        return clipping_of(self.arm_config(arm))
 
     @property
     def shard_alignment(self) -> int | None:

@@ -30,8 +30,6 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
     resource request costs nothing (exit 2), never a finished run's evidence."""
     from qwz.qualify import requirements
-    from qwz.qualify.evidence import ledger, signing
-    from qwz.qualify.files import writable_directory_problem
 
     apply_preset(args)
     wanted = requirements.needed(
@@ -56,20 +54,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
             problems.append(f"--world-size {args.world_size} contradicts torchrun's {launched}")
     problems += _deepspeed_problems(args)
     problems += _qwz_config_problems(args)
-    out_problem = writable_directory_problem(args.out, "--out")
-    if out_problem:
-        problems.append(out_problem)
-    elif (args.out / "record.json").exists() and not args.force:
-        problems.append(
-            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
-            "or choose another directory"
-        )
-    if args.ledger is not None:
-        problems += ledger.validate_directory(args.ledger)
-    try:
-        signing.configured_key()
-    except signing.SigningKeyError as error:
-        problems.append(str(error))
+    problems += _output_problems(args)
     world_size = run_world_size(args)
     from qwz.qualify.run.workloads import get_workload
 
@@ -90,6 +75,29 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     if not under_torchrun():
         problems += _local_resource_problems(world_size, numel)
     problems += _gpu_memory_problems(args, world_size, numel)
+    return problems
+
+
+def _output_problems(args: argparse.Namespace) -> list[str]:
+    """``--out``, the ledger and the signing key: what the run writes and signs with."""
+    from qwz.qualify.evidence import ledger, signing
+    from qwz.qualify.files import writable_directory_problem
+
+    problems = []
+    out_problem = writable_directory_problem(args.out, "--out")
+    if out_problem:
+        problems.append(out_problem)
+    elif (args.out / "record.json").exists() and not args.force:
+        problems.append(
+            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
+            "or choose another directory"
+        )
+    if args.ledger is not None:
+        problems += ledger.validate_directory(args.ledger)
+    try:
+        signing.configured_key()
+    except signing.SigningKeyError as error:
+        problems.append(str(error))
     return problems
 
 

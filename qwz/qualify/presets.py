@@ -16,20 +16,20 @@ steps. Where every rank has a GPU (the launcher would pick NCCL) it trains
 ``qwen3-0.6b`` for as many steps instead; ``--workload`` chooses explicitly either way.
 
 [Note: the PR's evidence]
-``pr-evidence`` re-runs what upstream PR #8511's evidence ran (DESIGN.md, Background): the
-Qwen3-4B shape (``qwen3-4b``: 36 layers, hidden 2560, sequence 2048, micro-batch 1), bf16,
-ZeRO-2, every local GPU a data-parallel rank (``every_local_gpu``; a world size given
-wins), 20 steps, four order-balanced speed blocks, the candidates the PR's probe saw (64 and
-8192), its 100M-element reduce bucket, DeepSpeed's fused AdamW (``torch_adam`` false: the
-DeepSpeed subjects build FusedAdam; qwz's engine runs torch's AdamW either way) and SDPA
-attention, as the model trains (the eager attention of the other presets keeps 27 GiB of
-probabilities at this shape, [Note: activation estimate] in qualify/gpu_memory.py). The
-subject is DeepSpeed's own code (``deepspeed-native``; ``--deepspeed-src`` names the PR's
-checkout). Its GPU memory preflight counts the activations and holds one arm at a time
-where two do not fit. The speed blocks run under the rank's deterministic settings
-([Note: deterministic ranks], qualify/run/determinism.py), which the record's
-``environment.determinism`` states; the PR's own timing did not, so a speed-up measured
-here is this harness's number, not a re-run of 1.037x to its last digit.
+``pr-evidence`` re-runs what upstream PRs #8511/#8513's evidence ran (DESIGN.md,
+Background): the Qwen3-4B shape (``qwen3-4b``: 36 layers, hidden 2560, sequence 2048,
+micro-batch 1), bf16, ZeRO-2, every local GPU a data-parallel rank (``every_local_gpu``; a
+world size given wins), 20 steps, four order-balanced speed blocks, the candidates the PR's
+probe saw (64 and 8192), its 100M-element reduce bucket, DeepSpeed's fused AdamW
+(``torch_adam`` false: the DeepSpeed subjects build FusedAdam; qwz's engine runs torch's
+AdamW either way) and SDPA attention, as the model trains (the eager attention of the other
+presets keeps 27 GiB of probabilities at this shape, [Note: activation estimate] in
+qualify/gpu_memory.py). The subject is DeepSpeed's own code (``deepspeed-native``;
+``--deepspeed-src`` names the PR's checkout). Its GPU memory preflight counts the
+activations and holds one arm at a time where two do not fit. The speed blocks run under the
+rank's deterministic settings ([Note: deterministic ranks], qualify/run/determinism.py),
+which the record's ``environment.determinism`` states: a speed-up measured under them is
+this harness's number, which need not equal the PR's 1.037x to its last digit.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ PRESETS = {
             "attention": "sdpa",
         },
         every_local_gpu=True,
-        description="upstream PR #8511's evidence: qwen3-4b at sequence 2048, bf16, ZeRO-2, a "
-        "rank per local GPU, 20 steps, four speed blocks, G 64 and 8192, a 100M reduce "
+        description="upstream PR #8511/#8513's evidence: qwen3-4b at sequence 2048, bf16, "
+        "ZeRO-2, a rank per local GPU, 20 steps, four speed blocks, G 64 and 8192, a 100M reduce "
         "bucket, DeepSpeed's fused AdamW, SDPA attention ([Note: the PR's evidence])",
     ),
 }

@@ -380,13 +380,8 @@ def _update(updates, skips: loss_scaling.Skips | None = None, config=None) -> Ch
     )
     not_derived = optimizer.adamw_of(config or {})
     if isinstance(not_derived, str) and not (updates.missing_steps or updates.norm_violations):
-        return _check(
-            name,
-            "n/a",
-            f"{not_derived}: the update is not re-derived (AdamW only)"
-            + (norm if updates.norm_checked else ""),
-            norm_checked=updates.norm_checked,
-        )
+        detail = f"{not_derived}: the update is not re-derived (AdamW only)"
+        return _check(name, "n/a", detail + (norm if updates.norm_checked else ""))
     if updates.checked == 0 and not (updates.missing_steps or updates.norm_violations):
         return _check(name, "n/a", "no optimizer step was observed")
     if updates.violations or updates.missing_steps or updates.norm_violations:
@@ -410,7 +405,9 @@ def _update(updates, skips: loss_scaling.Skips | None = None, config=None) -> Ch
     return _check(
         name,
         "pass",
-        f"{updates.checked} sampled master updates equal AdamW's on the arm's own "
+        f"{updates.checked} sampled master updates"
+        + (f" of {updates.optimizer}" if updates.optimizer else "")
+        + " equal AdamW's on the arm's own "
         f"gradient and state within rounding (worst {updates.max_ratio:.3g} of "
         f"the bound){norm if updates.norm_checked else ''}; "
         + (

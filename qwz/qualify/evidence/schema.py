@@ -307,6 +307,11 @@ class Updates(_Model):
         description="fp16: [step, rank] where the rank's optimizer did not step (legitimate "
         "only where the step overflowed: [Note: overflow pattern])",
     )
+    optimizer: str | None = Field(
+        None,
+        description="The class of the torch optimizer that stepped the masters, on rank 0 "
+        "(module.qualname: DeepSpeed's FusedAdam or torch's AdamW ran); null before schema 5",
+    )
 
 
 class StepOneMasters(_Model):

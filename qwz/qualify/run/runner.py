@@ -80,7 +80,7 @@ from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.qualify import rank_reports
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
-from qwz.qualify.evidence.optimizer import AdamWSettings
+from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import determinism, gather_timing, next_use, replicas, timing
 from qwz.qualify.run.observers import engine_report, overflow, own_shard, update
@@ -434,7 +434,7 @@ class _ArmRun:
         self.own_result = own_shard.OwnShardResult()
         self.check_own = arm.noise_group_size is None
         self.fp16 = plan.dtype == "fp16"
-        self.clipping = plan.arm_clipping(arm)
+        self.clipping = clipping_of(plan.arm_config(arm))
         """[Note: global norm check]'s threshold, read from the arm's config."""
         self.gathered = True
         """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
@@ -462,7 +462,9 @@ class _ArmRun:
         # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
         gather_ranks = [len(ranks) for ranks in group_ranks]
         self.exact_masks = own_shard.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
-        adamw = plan.arm_adamw(arm)  # a reason instead: not re-derived, only counted
+        # [Note: the optimizer the update check re-derives]: read from the arm's config; a
+        # reason instead of settings: not re-derived, only counted.
+        adamw = adamw_of(plan.arm_config(arm))
         self.update_check = update.UpdateCheck(
             self.shards,
             engine.shard_optimizer,

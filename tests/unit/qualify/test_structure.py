@@ -38,6 +38,7 @@ QUALIFY_TOP = {
     "qwz.qualify.supervise": "qualify.base",
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
+    "qwz.qualify.ds_config": "qualify.preflight",
     "qwz.qualify.requirements": "qualify.preflight",
     "qwz.qualify.presets": "qualify.preflight",
     "qwz.qualify.settings": "qualify.preflight",

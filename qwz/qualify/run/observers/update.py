@@ -102,6 +102,8 @@ class UpdateResult:
     skipped_steps: list[int] = field(default_factory=list)
     """fp16: training steps at which this rank's optimizer did not step; whether each was a
     legitimate overflow skip is the evidence's to decide ([Note: overflow pattern])."""
+    optimizer: str = ""
+    """The optimizer's class, ``module.qualname``: what stepped the masters."""
 
 
 class StepAgreement(NamedTuple):
@@ -146,7 +148,8 @@ class UpdateCheck:
             )
             pick = torch.randperm(covered.numel(), generator=generator)[:samples_per_shard]
             self.samples.append(covered[pick].sort().values.to(shard.master.device))
-        self.result = UpdateResult()
+        kind = type(optimizer)
+        self.result = UpdateResult(optimizer=f"{kind.__module__}.{kind.__qualname__}")
         self.step = 0
         self._stepped = [0] * len(self.shards)
         """Per shard, the optimizer steps that included it in this training step."""
