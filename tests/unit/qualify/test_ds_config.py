@@ -15,10 +15,10 @@ import pathlib
 
 import pytest
 
-from qwz.qualify import cli, ds_config, preflight
+from qwz.qualify import cli, preflight
 from qwz.qualify.evidence import schema
 from qwz.qualify.matrix import spec as matrix_spec
-from qwz.qualify.plan import RunPlan, plan_dict
+from qwz.qualify.plan import DeepSpeedConfigFile, RunPlan, plan_dict
 from qwz.qualify.run import launch
 
 PR_CONFIG = {
@@ -311,7 +311,7 @@ def test_a_matrix_cell_passes_the_file_relative_to_its_spec(tmp_path):
 
 def test_the_arm_config_without_the_file_is_unchanged_by_the_merge():
     """The merge reads the harness's config and never changes it (each arm builds its own)."""
-    loaded = ds_config.DeepSpeedConfigFile("f", "0" * 64, {"gradient_clipping": 0})
+    loaded = DeepSpeedConfigFile("f", "0" * 64, {"gradient_clipping": 0})
     harness = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -324,3 +324,23 @@ def test_the_arm_config_without_the_file_is_unchanged_by_the_merge():
     merged["optimizer"]["params"]["lr"] = 5.0
     assert json.dumps(harness, sort_keys=True) == before
     assert loaded.content == {"gradient_clipping": 0}
+
+
+def test_the_report_names_the_file_its_digest_and_the_keys_set_from_flags():
+    from qwz.qualify.review import report
+
+    from ..records import make_payload, make_record
+
+    ds_file = {
+        "path": "/configs/ds.json",
+        "sha256": "ab" * 32,
+        "content": PR_CONFIG,
+        "from_flags": {"zero_optimization.allgather_bucket_size": 65536},
+    }
+    record = make_record(plan=dict(make_payload()["plan"], ds_config=ds_file))
+    markdown = report.render_markdown(record)
+    assert "built on the DeepSpeed config `/configs/ds.json` (sha256 `abababababababab`)" in (
+        markdown
+    )
+    assert "from flags `zero_optimization.allgather_bucket_size`" in markdown
+    assert "DeepSpeed config" not in report.render_markdown(make_record())
