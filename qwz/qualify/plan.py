@@ -8,6 +8,7 @@ of ``qwz-qualify run`` once ([Note: one declaration per setting], qualify/values
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import MISSING, dataclass, field
@@ -35,16 +36,6 @@ SUBJECTS = ("qwz", "deepspeed", "deepspeed-native")
 DEEPSPEED_SUBJECTS = ("deepspeed", "deepspeed-native")
 
 
-@dataclass(frozen=True)
-class AdamWSettings:
-    """The hyperparameters the run was configured with (the plan's, per arm identical)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-
-
 REFERENCE = "reference"
 CALIBRATION = "calibration"
 """Role and name prefix of the calibration arm: ``calibration-g<G>`` imitates group size G."""
@@ -57,6 +48,8 @@ ARM_SETS = ("all", "reference")
 path, as ``review`` runs it at a pull request's base ([Note: the base runs the reference
 alone], qualify/pr_review/__init__.py)."""
 DTYPES = ("bf16", "fp16", "fp32")
+ATTENTION = ("eager", "sdpa")
+"""How the Qwen3 workloads compute attention (qualify/run/workloads.py)."""
 KERNELS = ("fused", "eager")
 """The quantize/dequantize kernels a run asks for: fused (qwz's native C kernels on CPU, else
 torch.compile) or eager (plain torch operations); the record names what each arm ran."""
@@ -68,6 +61,53 @@ PROPOSAL_GROUP_SIZE = 64
 and the size a DeepSpeed subject gets with the group size key left out. The harness's own
 statement of it, apart from the engine's ``qwz.quant.DEFAULT_GROUP_SIZE`` (the judge never
 takes its numbers from what it judges)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfigFile:
+    """The user's DeepSpeed config, as read before the run ([Note: the user's DeepSpeed
+    config]); recorded in the plan."""
+
+    path: str
+    sha256: str
+    """Of the file's bytes as read."""
+    content: dict[str, Any]
+    """The file's JSON object."""
+    from_flags: dict[str, Any] = field(default_factory=dict)
+    """Dotted key -> value: settings given on the command line whose keys the file leaves
+    out, set in every arm's config."""
+
+    def arm_config(self, harness: dict[str, Any]) -> dict[str, Any]:
+        """The file with what the harness sets over it ([Note: the user's DeepSpeed config],
+        qualify/ds_config.py), from the harness's own config of the arm, `harness`
+        (``RunPlan.arm_config`` without a file)."""
+        config = copy.deepcopy(self.content)
+        for dotted, value in self.from_flags.items():
+            *sections, key = dotted.split(".")
+            _section(config, sections)[key] = value
+        zero = config.setdefault("zero_optimization", {})
+        harness_zero = harness["zero_optimization"]
+        zero.update({key: harness_zero[key] for key in ARM_ZERO_KEYS if key in harness_zero})
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            config[key] = harness[key]
+        config["bf16"] = {**config.get("bf16", {}), **harness["bf16"]}
+        fp16_enabled = "fp16" in harness
+        if "fp16" in config:
+            config["fp16"] = {**config["fp16"], "enabled": fp16_enabled}
+        elif fp16_enabled:
+            config["fp16"] = dict(harness["fp16"])
+        config.setdefault("optimizer", copy.deepcopy(harness["optimizer"]))
+        return config
+
+
+ARM_ZERO_KEYS = ("stage", "zero_quantized_weights", "zero_quantized_weights_group_size")
+"""Keys of ``zero_optimization`` the harness sets in every arm over the file."""
+
+
+def _section(config: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    for name in names:
+        config = config.setdefault(name, {})
+    return config
 
 
 class NamedWorkload(Protocol):
@@ -151,6 +191,20 @@ class RunPlan:
     reduce_bucket_size: int = setting(
         500_000_000, POSITIVE, "DeepSpeed's reduce_bucket_size, in elements"
     )
+    torch_adam: bool = setting(
+        True,
+        BOOLEAN,
+        "DeepSpeed subjects: the AdamW is torch's (--no-torch-adam: DeepSpeed's FusedAdam, its "
+        "op built on first use; qwz's engine runs torch's either way)",
+    )
+    ds_config: DeepSpeedConfigFile | None = setting(
+        None,
+        Optional(PATH),
+        "a DeepSpeed config JSON file, the base of every arm's config: the harness sets the "
+        "quantization keys per arm, the stage, the dtype and the micro-batch over it; the "
+        "optimizer, buckets, clipping and loss scaling are the file's; a file that contradicts "
+        "an arm or a flag is refused ([Note: the user's DeepSpeed config], qualify/ds_config.py)",
+    )
     samples_per_param: int = 64
     """Drift context: sampled elements per parameter compared with the reference."""
     update_samples: int = 512
@@ -187,6 +241,13 @@ class RunPlan:
         OneOf(KERNELS),
         "quantize/dequantize kernels: fused (native C on CPU, else torch.compile; eager where "
         "they are not usable, and the record says so) or eager",
+    )
+    attention: str = setting(
+        "eager",
+        OneOf(ATTENTION),
+        "Qwen3 workloads: eager (transformers' eager attention, which saves the attention "
+        "probabilities for the backward) or sdpa (torch's scaled_dot_product_attention, as "
+        "models train)",
     )
     qwz_gather: bool = setting(
         True,
@@ -239,10 +300,6 @@ class RunPlan:
         return sorted({0, self.steps, *range(every, self.steps + 1, every)})
 
     @property
-    def adamw(self) -> AdamWSettings:
-        return AdamWSettings(self.lr, BETAS, EPS, self.weight_decay)
-
-    @property
     def shard_alignment(self) -> int | None:
         """The shard alignment every arm's engine is built with: the least common multiple
         of the run's group sizes, so the reference, the calibration arm and every candidate
@@ -261,7 +318,9 @@ class RunPlan:
         group size key is left out at the proposal's default, G = 64 -- what a user who
         wants the default writes, and what DeepSpeed 0.19's strict config accepts (so stock
         0.19 trains and FAILs ``in-effect``); any other G is written, and a DeepSpeed whose
-        config refuses the key is refused before training."""
+        config refuses the key is refused before training. With ``--ds-config`` this config
+        supplies only what the harness sets over the user's file ([Note: the user's
+        DeepSpeed config], qualify/ds_config.py)."""
         zero: dict[str, Any] = {
             "stage": self.stage,
             "zero_quantized_weights": arm.quantized,
@@ -280,9 +339,9 @@ class RunPlan:
             "weight_decay": self.weight_decay,
         }
         if self.subject in DEEPSPEED_SUBJECTS:
-            # torch's AdamW in both subjects: the same update rule, and no fused-op build.
-            optimizer_params["torch_adam"] = True
-        return {
+            # torch's AdamW by default: the same update rule as qwz's, and no fused-op build.
+            optimizer_params["torch_adam"] = self.torch_adam
+        config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": self.workload.params["micro_batch"],
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.gradient_clipping,
@@ -291,6 +350,9 @@ class RunPlan:
             "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": optimizer_params},
         }
+        if self.ds_config is not None:  # [Note: the user's DeepSpeed config]
+            return self.ds_config.arm_config(config)
+        return config
 
     def fp16_section(self) -> dict[str, Any]:
         """The ``fp16`` section of every arm's config: DeepSpeed's dynamic loss scaling,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from qwz.qualify import settings
 from qwz.qualify.plan import RunPlan
@@ -29,8 +30,6 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
     resource request costs nothing (exit 2), never a finished run's evidence."""
     from qwz.qualify import requirements
-    from qwz.qualify.evidence import ledger, signing
-    from qwz.qualify.files import writable_directory_problem
 
     apply_preset(args)
     wanted = requirements.needed(
@@ -41,6 +40,9 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     )
     problems = requirements.missing_packages(wanted)
     if problems:  # [Note: optional dependencies]: what follows may import them
+        return problems
+    problems = apply_ds_config(args)
+    if problems:  # what follows reads the settings the file holds
         return problems
     if not args.qwz_gather and args.subject != "deepspeed":
         problems.append("--no-qwz-gather applies to --subject deepspeed only")
@@ -55,20 +57,8 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
         if args.world_size != launched:
             problems.append(f"--world-size {args.world_size} contradicts torchrun's {launched}")
     problems += _deepspeed_problems(args)
-    out_problem = writable_directory_problem(args.out, "--out")
-    if out_problem:
-        problems.append(out_problem)
-    elif (args.out / "record.json").exists() and not args.force:
-        problems.append(
-            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
-            "or choose another directory"
-        )
-    if args.ledger is not None:
-        problems += ledger.validate_directory(args.ledger)
-    try:
-        signing.configured_key()
-    except signing.SigningKeyError as error:
-        problems.append(str(error))
+    problems += _qwz_config_problems(args)
+    problems += _output_problems(args)
     world_size = run_world_size(args)
     from qwz.qualify.run.workloads import get_workload
 
@@ -92,17 +82,55 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) -> list[str]:
-    """[Note: GPU memory estimate] (qualify/gpu_memory.py) on every GPU the ranks use."""
-    from qwz.qualify import gpu_memory
+def _output_problems(args: argparse.Namespace) -> list[str]:
+    """``--out``, the ledger and the signing key: what the run writes and signs with."""
+    from qwz.qualify.evidence import ledger, signing
+    from qwz.qualify.files import writable_directory_problem
 
-    return gpu_memory.problems(
+    problems = []
+    out_problem = writable_directory_problem(args.out, "--out")
+    if out_problem:
+        problems.append(out_problem)
+    elif (args.out / "record.json").exists() and not args.force:
+        problems.append(
+            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
+            "or choose another directory"
+        )
+    if args.ledger is not None:
+        problems += ledger.validate_directory(args.ledger)
+    try:
+        signing.configured_key()
+    except signing.SigningKeyError as error:
+        problems.append(str(error))
+    return problems
+
+
+def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) -> list[str]:
+    """[Note: GPU memory estimate] (qualify/gpu_memory.py) on every GPU the ranks use; where
+    two arms do not fit and one does, one arm at a time unless the command line said
+    otherwise (then ``args.one_arm_at_a_time`` is set, and the record's plan says so)."""
+    from qwz.qualify import gpu_memory
+    from qwz.qualify.run.workloads import get_workload
+
+    params = get_workload(args.workload, attention=args.attention).params
+    fit = gpu_memory.fit(
         world_size=world_size,
         numel=numel,
         dtype=args.dtype,
+        activations=gpu_memory.activation_bytes(params, args.dtype),
         one_arm_at_a_time=args.one_arm_at_a_time,
+        may_choose="one_arm_at_a_time" not in args.given and args.warmup_steps >= 1,
         indices=gpu_memory.indices_for_run(world_size, under_torchrun()),
+        eager_attention="model" in params and params.get("attention", "eager") == "eager",
     )
+    if fit.one_arm and not args.one_arm_at_a_time and not fit.problems:
+        print(
+            "qwz-qualify run: two arms do not fit on the GPUs with their activations; "
+            "holding one arm at a time (--one-arm-at-a-time)",
+            file=sys.stderr,
+        )
+        args.one_arm_at_a_time = True
+    return fit.problems
 
 
 def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
@@ -128,11 +156,36 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
         unreadable = seam_problems(args.subject, source)
         if unreadable:
             return unreadable
-    if args.subject != "deepspeed-native":
+    if args.subject not in DEEPSPEED_SUBJECTS:
         return []
+    if args.subject == "deepspeed" and args.ds_config is None:
+        return []  # the harness's own configs, which stock DeepSpeed accepts
     plan = plan_of(args)
     configs = {arm.name: plan.arm_config(arm) for arm in plan.arms}
-    return deepspeed_native_problems(str(source) if source else None, configs)
+    if args.subject == "deepspeed":  # the reference is stock; qwz takes the group size key
+        for config in configs.values():
+            config["zero_optimization"].pop("zero_quantized_weights_group_size", None)
+    return deepspeed_native_problems(str(source) if source else None, configs, args.subject)
+
+
+def _qwz_config_problems(args: argparse.Namespace) -> list[str]:
+    """``--subject qwz`` with ``--ds-config``: qwz's strict config (``qwz.QwzConfig``) accepts
+    every arm's config; its refusal (an unsupported key, named) is the user's, before training."""
+    if args.subject != "qwz" or args.ds_config is None:
+        return []
+    from qwz.config import ConfigError, QwzConfig
+
+    plan = plan_of(args)
+    refusals: dict[str, str] = {}
+    for arm in plan.arms:
+        try:
+            QwzConfig.from_deepspeed(plan.arm_config(arm))
+        except ConfigError as error:
+            refusals.setdefault(str(error), arm.name)
+    return [
+        f"--ds-config {plan.ds_config.path}: qwz's config refuses the {arm} arm's: {message}"
+        for message, arm in refusals.items()
+    ]
 
 
 def _deepspeed_fp16_problems(args: argparse.Namespace) -> list[str]:
@@ -220,16 +273,40 @@ def apply_preset(args: argparse.Namespace) -> Preset:
     default (qualify/settings.py); idempotent."""
     preset = PRESETS[getattr(args, "preset", None) or DEFAULT]
     unset = [name for name in preset.gpu_values if getattr(args, name, None) is None]
-    return settings.resolve(args, bool(unset) and _has_gpu_per_rank(run_world_size(args)))
+    resolved = settings.resolve(args, bool(unset) and _has_gpu_per_rank(run_world_size(args)))
+    if preset.every_local_gpu and "world_size" not in args.given and not under_torchrun():
+        args.world_size = _local_gpu_count() or args.world_size  # [Note: the PR's evidence]
+    return resolved
+
+
+def _local_gpu_count() -> int:
+    """CUDA devices this process sees (counted without creating a context on them)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def apply_ds_config(args: argparse.Namespace) -> list[str]:
+    """``--ds-config``, read and applied to the resolved `args` ([Note: the user's DeepSpeed
+    config], qualify/ds_config.py); idempotent. One line per refusal."""
+    from qwz.qualify import ds_config
+    from qwz.qualify.run.workloads import get_workload
+
+    micro_batch = get_workload(args.workload).params["micro_batch"]
+    return ds_config.resolve(args, micro_batch, run_world_size(args))
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
-    """The run the parsed ``run`` arguments ask for."""
+    """The run the parsed ``run`` arguments ask for (ValueError: a refused ``--ds-config``,
+    which ``check_run_request`` reports first)."""
     from qwz.qualify.run.workloads import get_workload
 
     apply_preset(args)
+    refused = apply_ds_config(args)
+    if refused:
+        raise ValueError("; ".join(refused))
     values = settings.plan_values(args)
-    values["workload"] = get_workload(args.workload)
+    values["workload"] = get_workload(args.workload, attention=args.attention)
     if args.deepspeed_src is not None:
         values["deepspeed_src"] = str(args.deepspeed_src.resolve())
     return RunPlan(**values)

@@ -20,6 +20,7 @@ import torch
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
+from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of
 from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.evidence.tolerance import master_drift_bound
@@ -170,6 +171,7 @@ def _updates(plan: RunPlan, name: str, ranks: list[ArmObservation]) -> dict[str,
         "norm_max_ratio": max(
             (item.get("norm_max_ratio", 0.0) for item in rank_updates), default=0.0
         ),
+        "optimizer": rank_updates[0].get("optimizer") or None if rank_updates else None,
     }
 
 
@@ -193,14 +195,13 @@ def _own_shards(name: str, ranks: list[ArmObservation]) -> dict[str, Any]:
 
 
 def _drift(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
+    adamw = adamw_of(plan.arm_config(plan.arms[0]))  # the reference's; none for another
+    steps = len(lead.drift_max_abs) if isinstance(adamw, AdamWSettings) else 0
     return {
         "arm": name,
         "samples_per_param": plan.samples_per_param,
         "max_abs_error": [float(value) for value in lead.drift_max_abs],
-        "bound": [
-            master_drift_bound(step, plan.lr, plan.adamw.betas)
-            for step in range(1, len(lead.drift_max_abs) + 1)
-        ],
+        "bound": [master_drift_bound(step, adamw.lr, adamw.betas) for step in range(1, steps + 1)],
     }
 
 

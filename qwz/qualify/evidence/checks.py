@@ -84,7 +84,7 @@ import math
 import statistics
 from typing import Any
 
-from qwz.qualify.evidence import conformance, gather_speed, horizon, loss_scaling, stats
+from qwz.qualify.evidence import conformance, gather_speed, horizon, loss_scaling, optimizer, stats
 from qwz.qualify.evidence.rules import SPEED, rule
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
@@ -135,7 +135,10 @@ def derive(record: Record) -> list[Check]:
     skips = _skips(record)
     checks = [_finite(trajectory, skips.get(trajectory.arm)) for trajectory in record.trajectories]
     checks += [_step_one(arm.name, digests, reference) for arm in candidates]
-    checks += [_update(updates, skips.get(updates.arm)) for updates in record.updates]
+    checks += [
+        _update(updates, skips.get(updates.arm), arms[updates.arm].config)
+        for updates in record.updates
+    ]
     checks += _overflow_patterns(record, reference)
     checks += [
         _own_shard(own, arms[own.arm].quantized, failures.get(own.arm)) for own in record.own_shards
@@ -362,10 +365,12 @@ def _skip_problems(skips: loss_scaling.Skips | None) -> str:
     return "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
 
 
-@rule("update", 1)
-def _update(updates, skips: loss_scaling.Skips | None = None) -> Check:
+@rule("update", 2)
+def _update(updates, skips: loss_scaling.Skips | None = None, config=None) -> Check:
     """[Note: exact update check] and [Note: global norm check] (qualify/run/observers/update.py);
-    fp16: the skips against the overflows ([Note: overflow pattern])."""
+    fp16: the skips against the overflows ([Note: overflow pattern]); n/a for an arm whose
+    config's optimizer is not re-derived ([Note: the optimizer the update check re-derives],
+    qualify/evidence/optimizer.py), unless its steps or its handed norm failed."""
     name = f"update[{updates.arm}]"
     wrong_skips = _skip_problems(skips)
     if wrong_skips:
@@ -374,7 +379,11 @@ def _update(updates, skips: loss_scaling.Skips | None = None) -> Check:
         f"; the handed gradient's global norm matched min(norm, clip) on "
         f"{updates.norm_checked} steps (worst {updates.norm_max_ratio:.3g} of the bound)"
     )
-    if updates.checked == 0 and not updates.missing_steps:
+    not_derived = optimizer.adamw_of(config or {})
+    if isinstance(not_derived, str) and not (updates.missing_steps or updates.norm_violations):
+        detail = f"{not_derived}: the update is not re-derived (AdamW only)"
+        return _check(name, "n/a", detail + (norm if updates.norm_checked else ""))
+    if updates.checked == 0 and not (updates.missing_steps or updates.norm_violations):
         return _check(name, "n/a", "no optimizer step was observed")
     if updates.violations or updates.missing_steps or updates.norm_violations:
         first = updates.first_violation
@@ -397,7 +406,9 @@ def _update(updates, skips: loss_scaling.Skips | None = None) -> Check:
     return _check(
         name,
         "pass",
-        f"{updates.checked} sampled master updates equal AdamW's on the arm's own "
+        f"{updates.checked} sampled master updates"
+        + (f" of {updates.optimizer}" if updates.optimizer else "")
+        + " equal AdamW's on the arm's own "
         f"gradient and state within rounding (worst {updates.max_ratio:.3g} of "
         f"the bound){norm if updates.norm_checked else ''}; "
         + (

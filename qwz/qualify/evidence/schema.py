@@ -307,6 +307,11 @@ class Updates(_Model):
         description="fp16: [step, rank] where the rank's optimizer did not step (legitimate "
         "only where the step overflowed: [Note: overflow pattern])",
     )
+    optimizer: str | None = Field(
+        None,
+        description="The class of the torch optimizer that stepped the masters, on rank 0 "
+        "(module.qualname: DeepSpeed's FusedAdam or torch's AdamW ran); null before schema 5",
+    )
 
 
 class StepOneMasters(_Model):
@@ -666,13 +671,34 @@ class Judge(_Model):
     )
 
 
+class DeepSpeedConfigFile(_Model):
+    """``--ds-config``: the user's DeepSpeed config file, the base of every arm's config
+    ([Note: the user's DeepSpeed config], qualify/ds_config.py); each arm's ``config`` is
+    what ran."""
+
+    path: str = Field(description="The file, resolved")
+    sha256: str = Field(description="sha256 of the file's bytes as read")
+    content: dict[str, Any] = Field(description="The file's JSON object")
+    from_flags: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Dotted key -> value: settings given on the command line whose keys the "
+        "file leaves out, set in every arm's config",
+    )
+
+
 class Plan(BaseModel):
-    """The run plan (qwz.qualify.plan.RunPlan) as data; the one key a check reads is typed."""
+    """The run plan (qwz.qualify.plan.RunPlan) as data; the keys a check or a reader relies
+    on are typed."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     min_speedup: float | None = Field(
         None, description="The lower end the speed-up interval must reach; null: not judged"
+    )
+    ds_config: DeepSpeedConfigFile | None = Field(
+        None,
+        description="The user's DeepSpeed config file (schema 5); null: none, every arm's "
+        "config is the harness's own",
     )
 
 

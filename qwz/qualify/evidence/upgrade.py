@@ -19,11 +19,13 @@ the fused kernels are called by what they are: ``"compiled"`` (the native C kern
 CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
 ``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
 
-4 -> 5: the table of the PR's config rules run through the subject's parser and engine
-(``conformance``) and every arm's short master digests after every step (``step_masters``)
-are new; an older record has neither, so ``conformance`` reads "not observed" there
-(rules.INPUTS), and what compares the digests (the review of a pull request,
-qualify/evidence/default_path.py) says it could not.
+4 -> 5: new, each with a default that says an older record lacks it: the table of the PR's
+config rules run through the subject's parser and engine (``conformance``; "not observed" in
+an older record, rules.INPUTS), every arm's short master digests after every step
+(``step_masters``; what compares them, the review of a pull request in
+qualify/evidence/default_path.py, says it could not), the user's DeepSpeed config file
+(``plan.ds_config``, null: none) and the class of the optimizer that stepped the masters
+(``updates[].optimizer``, null: not named; ``update`` then re-derives AdamW from the plan).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ Keys: the axes and the settings are ``run``'s settings by their one name
 ([Note: one declaration per setting], qualify/values.py): an axis (``AXES``) is part of a
 cell's id; every other run setting (``matrix_settings()``: ``steps``, ``kernels``,
 ``allgather_bucket_size``, ...) takes one value per group, passed as its ``run`` flag.
+A path (``ds_config = "pr.json"``) is relative to the spec file.
 Two keys of earlier specs are read as what they meant (``RENAMED_KEYS``): ``bucket_size``
 sets both buckets, ``compile = false`` is ``kernels = "eager"``.
 
@@ -311,7 +312,13 @@ def _settings(raw: Mapping[str, Any], what: str, where: _Where, start: int | Non
             settings.update({name: known[name].check(item) for name, item in meant.items()})
         except ValueError as error:
             raise where.fail(f"{what}: {key}: {error}", start, key) from None
-    return settings
+    # A path (``ds_config``) is the spec's: relative to the spec file, wherever matrix runs.
+    return {
+        name: where.path.parent / value
+        if isinstance(value, pathlib.Path) and not value.is_absolute()
+        else value
+        for name, value in settings.items()
+    }
 
 
 def _axis_values(raw: Mapping[str, Any], axis: str, what: str, where, start) -> list[Any]:

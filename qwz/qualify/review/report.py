@@ -274,6 +274,19 @@ def _arms_section(record: Record) -> list[str]:
             for arm in record.arms
         ],
     )  # fmt: skip
+    ds_config = record.plan.ds_config
+    if ds_config is not None:  # [Note: the user's DeepSpeed config] (qualify/ds_config.py)
+        lines += [
+            "",
+            f"Every arm is built on the DeepSpeed config `{ds_config.path}` (sha256 "
+            f"`{ds_config.sha256[:16]}`): over it the harness set the quantization keys per "
+            "arm, the stage, the dtype, the batch keys, an optimizer or fp16 section only where "
+            "the file has none"
+            + (f", and from flags {', '.join(f'`{key}`' for key in ds_config.from_flags)}"
+               if ds_config.from_flags else "")
+            + ".",
+        ]  # fmt: skip
+    lines.append("")
     for arm in record.arms:
         lines += [
             f"<details><summary>config of <code>{arm.name}</code></summary>",

@@ -80,6 +80,7 @@ from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.qualify import rank_reports
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
+from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
 from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import (
     calibration_noise,
@@ -425,6 +426,8 @@ class _ArmRun:
         self.own_result = own_shard.OwnShardResult()
         self.check_own = arm.noise_group_size is None
         self.fp16 = plan.dtype == "fp16"
+        self.clipping = clipping_of(plan.arm_config(arm))
+        """[Note: global norm check]'s threshold, read from the arm's config."""
         self.gathered = True
         """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
         """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
@@ -451,10 +454,13 @@ class _ArmRun:
         # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
         gather_ranks = [len(ranks) for ranks in group_ranks]
         self.exact_masks = own_shard.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
+        # [Note: the optimizer the update check re-derives]: read from the arm's config; a
+        # reason instead of settings: not re-derived, only counted.
+        adamw = adamw_of(plan.arm_config(arm))
         self.update_check = update.UpdateCheck(
             self.shards,
             engine.shard_optimizer,
-            plan.adamw,
+            adamw if isinstance(adamw, AdamWSettings) else None,
             samples_per_shard=plan.update_samples,
             seed=plan.seed,
             rank=self.rank,
@@ -522,7 +528,7 @@ class _ArmRun:
             return None
         watch = self.overflow_watch
         agreement = update_check.check_norm(
-            grad_norm, plan.gradient_clipping, None if watch is None else watch.local_overflow
+            grad_norm, self.clipping, None if watch is None else watch.local_overflow
         )
         if watch is not None:
             self.observed["loss_scales"].append(watch.applied_scale())

@@ -313,12 +313,16 @@ print("QWZ-PREFLIGHT " + json.dumps(report))
 
 
 def deepspeed_native_problems(
-    source: str | None, configs: dict[str, dict[str, Any]], timeout_s: float = 600.0
+    source: str | None,
+    configs: dict[str, dict[str, Any]],
+    subject: str = "deepspeed-native",
+    timeout_s: float = 600.0,
 ) -> list[str]:
-    """Why ``--subject deepspeed-native`` cannot run, one line each, found before any rank
-    starts: in a subprocess with the ranks' ``PYTHONPATH``, import deepspeed (from under
-    `source` when given) and have DeepSpeed's own config parse every arm's config. A
-    refusal names DeepSpeed's message and the version and commit that refused."""
+    """Why a DeepSpeed `subject` cannot run, one line each, found before any rank starts: in
+    a subprocess with the ranks' ``PYTHONPATH``, import deepspeed (from under `source` when
+    given) and have DeepSpeed's own config parse every arm's config (``deepspeed-native``;
+    ``deepspeed`` with ``--ds-config``). A refusal names DeepSpeed's message and the version
+    and commit that refused."""
     environment = dict(os.environ)
     if source is not None:
         root = pathlib.Path(source)
@@ -330,7 +334,7 @@ def deepspeed_native_problems(
         PREFLIGHT, "QWZ-PREFLIGHT ", environment, timeout_s, json.dumps({"configs": configs})
     )
     if isinstance(report, str):
-        return [f"--subject deepspeed-native: {report}"]
+        return [f"--subject {subject}: {report}"]
     package = pathlib.Path(report["file"]).resolve().parent
     if source is not None and not _under(package, pathlib.Path(source)):
         return [f"--deepspeed-src {source}: deepspeed was imported from {package}, not from it"]
@@ -338,7 +342,7 @@ def deepspeed_native_problems(
         return []
     version = _version_text(package, report["version"])
     return [
-        f"--subject deepspeed-native: {version} refuses the config of arm {arm!r}: "
+        f"--subject {subject}: {version} refuses the config of arm {arm!r}: "
         + " ".join(message.split())
         for arm, message in report["refusals"]
     ]

@@ -25,6 +25,16 @@ Presets:
 * ``moe-tiny``: DeepSpeed's MoE layer (4 experts, expert parallelism 2) between two dense
   Linears, learning the same kind of teacher, for the DeepSpeed subjects
   ([Note: MoE workload], run/moe.py).
+
+[Note: attention implementation]
+The Qwen3 workloads compute attention with transformers' eager implementation unless the
+run's ``attention`` setting says ``sdpa`` (torch's ``scaled_dot_product_attention``, what
+transformers uses in training where the backend has it, and what the upstream evidence's
+model ran). Eager attention saves the softmax probabilities of every layer for the
+backward, ``micro_batch * heads * seq**2`` elements per layer (qualify/gpu_memory.py counts
+them); SDPA recomputes or fuses them. An ``sdpa`` workload says so in its params
+(``"attention": "sdpa"``), so the record, the ledger's key and the hashes it keys tell the
+two apart; an eager one has no such key, as in every record before the setting existed.
 """
 
 from __future__ import annotations
@@ -140,7 +150,7 @@ class Workload:
             from transformers import Qwen3Config, Qwen3ForCausalLM
 
             config = Qwen3Config(**self.params["model"])
-            config._attn_implementation = "eager"
+            config._attn_implementation = self.params.get("attention", "eager")
             if dtype is None:
                 return Qwen3ForCausalLM(config)
             # transformers' own way to create a model in a dtype (its rotary frequencies
@@ -264,11 +274,16 @@ def _mlp(sizes: list[int], dtype: torch.dtype | None = None) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def get_workload(name: str) -> Workload:
+def get_workload(name: str, attention: str = "eager") -> Workload:
+    """The workload `name`; a Qwen3 one computes attention as `attention` says ([Note:
+    attention implementation])."""
     if name in MLP_PRESETS:
         return Workload(name, dict(MLP_PRESETS[name]))
     if name == "moe-tiny":
         return Workload("moe-tiny", dict(MOE_PRESET))
     if name in QWEN3_PRESETS:
-        return Workload(name, dict(QWEN3_PRESETS[name]))
+        params = dict(QWEN3_PRESETS[name])
+        if attention != "eager":
+            params["attention"] = attention
+        return Workload(name, params)
     raise ValueError(f"workload: {name!r} is unknown; choose one of {', '.join(WORKLOAD_NAMES)}")

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qwz.qualify.plan import AdamWSettings
+from qwz.qualify.evidence.optimizer import AdamWSettings
 from qwz.qualify.run.observers import digest, own_shard, piecewise, update
 from qwz.shards import ShardSlot, make_own_shard, slots_in_range
 
@@ -159,6 +159,97 @@ def test_the_update_bound_scales_with_a_huge_weight_decay_product():
     _train(master, optimizer, check, generator, steps=1)
     assert check.result.violations == 0, check.result.first_violation
     assert math.isfinite(check.result.max_ratio)
+
+
+class Float32HyperparameterAdamW(torch.optim.Optimizer):
+    """AdamW as a fused op computes it ([Note: float32 hyperparameters]), written here
+    independently: every hyperparameter a float32 value, ``1 - beta`` formed from it, the
+    bias corrections from a float32 running product of the betas, the decay and the update
+    applied as two additions (DeepSpeed's CPU Adam's order)."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, eps, wd = (f32(group[key]) for key in ("lr", "eps", "weight_decay"))
+            beta1, beta2 = (f32(beta) for beta in group["betas"])
+            for param in group["params"]:
+                state = self.state[param]
+                if not state:
+                    state.update(step=0, powers=(f32(1.0), f32(1.0)))
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                state["step"] += 1
+                state["powers"] = (state["powers"][0] * beta1, state["powers"][1] * beta2)
+                correction1 = 1 - state["powers"][0]
+                correction2 = 1 / torch.sqrt(1 - state["powers"][1])
+                grad = param.grad
+                state["exp_avg"].mul_(beta1).add_(grad * (1 - beta1))
+                state["exp_avg_sq"].mul_(beta2).add_(grad * grad * (1 - beta2))
+                denom = state["exp_avg_sq"].sqrt() * correction2 + eps
+                param.add_(param * (-lr * wd))
+                param.add_(state["exp_avg"] / denom * (-lr / correction1))
+
+
+def f32(value) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _fused_like(settings=SETTINGS, seed=0):
+    master, _, shard, generator = _optimizer_and_shard(seed=seed)
+    optimizer = Float32HyperparameterAdamW(
+        [master], settings.lr, settings.betas, settings.eps, settings.weight_decay
+    )
+    return master, optimizer, shard, generator
+
+
+def test_a_fused_adam_with_float32_hyperparameters_passes(monkeypatch):
+    """Correct AdamW of the float32 values of the hyperparameters: within the float32
+    reading's bound, though the exact reading alone fails it (1 - beta2 is 108 float32 ulps
+    off)."""
+    master, optimizer, shard, generator = _fused_like()
+    check = _check(optimizer, shard)
+    _train(master, optimizer, check, generator, steps=12)
+    assert check.result.violations == 0, check.result.first_violation
+    assert check.result.checked == 12 * 64 and check.result.max_ratio < 1
+
+    monkeypatch.setattr(update, "READINGS", (False,))  # the exact reading alone
+    master, optimizer, shard, generator = _fused_like()
+    check = _check(optimizer, shard)
+    _train(master, optimizer, check, generator, steps=2)
+    assert check.result.violations > 0 and check.result.first_violation["step"] == 1
+
+
+@pytest.mark.parametrize(
+    ("broken", "settings"),
+    [
+        ("a learning rate 0.1% off", AdamWSettings(1.001e-3, (0.9, 0.999), 1e-8, 0.1)),
+        ("a dropped weight decay", AdamWSettings(1e-3, (0.9, 0.999), 1e-8, 0.0)),
+        ("beta2 0.99 for 0.999", AdamWSettings(1e-3, (0.9, 0.99), 1e-8, 0.1)),
+    ],
+)
+def test_the_float32_reading_still_catches_a_wrong_hyperparameter(broken, settings):
+    """The fused-like optimizer runs with `settings`; the check expects the configured
+    SETTINGS: each difference is outside both readings' bounds."""
+    master, optimizer, shard, generator = _fused_like(settings)
+    check = _check(optimizer, shard)
+    _train(master, optimizer, check, generator, steps=3)
+    assert check.result.violations > 0, broken
+
+
+def test_an_optimizer_not_re_derived_is_counted_and_its_norm_checked_only():
+    master, _, shard, generator = _optimizer_and_shard()
+    optimizer = torch.optim.SGD([master], lr=0.1)
+    check = update.UpdateCheck([shard], optimizer, None, samples_per_shard=64, seed=0, rank=0)
+    _train(master, optimizer, check, generator, steps=3)
+    assert check.result.checked == 0 and check.result.violations == 0
+    assert check.result.missing_steps == []
+    check.begin_step(4)
+    check.end_step()  # no optimizer.step(): still a missing step
+    assert check.result.missing_steps == [4]
 
 
 # --------------------------------------------------------------------------- #

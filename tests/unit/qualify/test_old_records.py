@@ -31,6 +31,9 @@ MATRICES = sorted(
 )
 CURRENT = FIXTURES / "current" / "record.json"
 SCHEMA_3 = FIXTURES / "schema3" / "record.json"
+SCHEMA_4 = FIXTURES / "schema4" / "record.json"
+"""The current fixture as the judge of schema 4 sealed it (update rule 1), before the plan
+could keep a ``--ds-config`` file."""
 """The current fixture as today's judge sealed it in schema 3, before the fused kernels were
 called "fused": its arms ran eager kernels, so its bytes hold no "compiled"."""
 SCHEMA_4 = FIXTURES / "schema4" / "record.json"
@@ -465,3 +468,16 @@ def test_a_failure_the_baseline_does_not_share_is_the_code_s(tmp_path, monkeypat
     [(_cell, judge_only, why)] = judge_only_module.classify(baseline, tonight)
     assert not judge_only and "update[candidate-g64]" in why
     assert judge_only_module.main([str(baseline), str(tonight)]) == 1
+
+
+def test_a_schema_4_record_loads_without_a_ds_config_and_keeps_its_update_rule():
+    """4 -> 5 names the version only: a record without ``plan.ds_config`` ran the harness's
+    own config in every arm; its ``update`` checks, judged by rule 1, are kept as judged and
+    today's rule 2 agrees with them (every arm ran AdamW)."""
+    assert json.loads(SCHEMA_4.read_text())["schema_version"] == 4
+    loaded = record.load(SCHEMA_4)
+    assert loaded.upgraded_from == 4 and loaded.plan.ds_config is None
+    updates = [check for check in loaded.checks if check.name.startswith("update[")]
+    assert updates and {check.rule for check in updates} == {1}
+    judged = rejudge.rejudged(loaded)
+    assert judged.verdict.status == loaded.verdict.status

@@ -117,3 +117,64 @@ def test_a_setting_declared_once_reaches_the_flags_the_matrix_and_the_presets(mo
     given.preset = "tuned"
     settings.resolve(given, gpu_per_rank=False)
     assert given.warmup_lr == 2.0 and given.given == {"warmup_lr", "preset"}
+
+
+# --------------------------------------------------------------------------- pr-evidence
+
+
+def test_the_pr_evidence_preset_resolves_to_the_pr_s_settings(monkeypatch):
+    """[Note: the PR's evidence]: Qwen3-4B at 2048, bf16, ZeRO-2, a rank per local GPU, 20
+    steps, four blocks, G 64 and 8192, a 100M reduce bucket, fused AdamW, SDPA."""
+    monkeypatch.setattr(preflight, "_local_gpu_count", lambda: 4)
+    args = cli.build_parser().parse_args(["run", "--out", "x", "--preset", "pr-evidence"])
+    planned = preflight.plan_of(args)
+    model = planned.workload.params["model"]
+    assert planned.workload.name == "qwen3-4b" and planned.workload.params["attention"] == "sdpa"
+    assert (model["num_hidden_layers"], model["hidden_size"]) == (36, 2560)
+    assert (planned.workload.params["seq_len"], planned.workload.params["micro_batch"]) == (
+        2048,
+        1,
+    )
+    assert (planned.subject, planned.stage, planned.dtype) == ("deepspeed-native", 2, "bf16")
+    assert (planned.group_sizes, planned.steps, planned.blocks) == ((64, 8192), 20, 4)
+    assert args.world_size == 4
+    for arm in planned.arms:
+        config = planned.arm_config(arm)
+        assert config["zero_optimization"]["reduce_bucket_size"] == 100_000_000
+        assert config["optimizer"]["params"]["torch_adam"] is False  # DeepSpeed's FusedAdam
+        assert config["bf16"] == {"enabled": True} and config["zero_optimization"]["stage"] == 2
+    # A world size given wins; without GPUs the declared default holds.
+    given = cli.build_parser().parse_args(
+        ["run", "--out", "x", "--preset", "pr-evidence", "--world-size", "2"]
+    )
+    preflight.apply_preset(given)
+    assert given.world_size == 2
+    monkeypatch.setattr(preflight, "_local_gpu_count", lambda: 0)
+    bare = cli.build_parser().parse_args(["run", "--out", "x", "--preset", "pr-evidence"])
+    preflight.apply_preset(bare)
+    assert bare.world_size == 2
+
+
+def test_on_cpu_the_pr_evidence_preset_shape_checks_on_a_scaled_down_qwen3(tmp_path):
+    """The preset on qwen3-tiny with qwz's engine: the preflight accepts it, and one training
+    step of the candidate with G 8192 and SDPA attention runs on the CPU."""
+    import torch
+
+    import qwz
+
+    argv = ["run", "--out", str(tmp_path / "out"), "--preset", "pr-evidence"]
+    args = cli.build_parser().parse_args([*argv, "--workload", "qwen3-tiny", "--subject", "qwz"])
+    assert preflight.check_run_request(args) == []
+    planned = preflight.plan_of(args)
+    assert planned.workload.params["attention"] == "sdpa"
+    candidate = planned.arms[-1]
+    assert candidate.group_size == 8192
+    model = planned.workload.build_model(planned.seed, dtype=torch.bfloat16)
+    assert model.config._attn_implementation == "sdpa"
+    engine = qwz.initialize(
+        model, config=planned.arm_config(candidate), shard_alignment=planned.shard_alignment
+    )
+    loss = planned.workload.loss(engine.module, planned.workload.batch(seed=0, step=1, rank=0))
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss) and torch.isfinite(torch.as_tensor(engine.global_grad_norm))

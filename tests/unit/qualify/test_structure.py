@@ -42,6 +42,7 @@ QUALIFY_TOP = {
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
     "qwz.qualify.kernel_check": "qualify.preflight",
+    "qwz.qualify.ds_config": "qualify.preflight",
     "qwz.qualify.requirements": "qualify.preflight",
     "qwz.qualify.presets": "qualify.preflight",
     "qwz.qualify.settings": "qualify.preflight",

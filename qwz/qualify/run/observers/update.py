@@ -33,6 +33,22 @@ after step ``t - 1``: nothing but the optimizer writes a master) and *one step
 per step* (the optimizer stepped exactly once on every rank for every training
 step; a silent skip is a failure).
 
+[Note: float32 hyperparameters]
+A fused Adam (DeepSpeed's FusedAdam on a GPU, its CPU Adam op on a CPU) takes the
+hyperparameters as float32 arguments: beta2 = 0.999 becomes 0.99900001287, so its
+``1 - beta2`` is 1.3e-5 (about 108 float32 ulps) away from 0.001, and it forms the bias
+corrections ``1 - beta**t`` in float32 (a power rounded once, or a running product
+rounded once per step). That is a correct AdamW -- of the float32 values of the
+configured hyperparameters -- that the float64 formula above fails by an order of
+magnitude in the second moment. So each sampled element is judged against two readings
+of the same formula, and passes within the bound of either: the *exact* reading (the
+hyperparameters as configured, torch's arithmetic) and the *float32* reading (lr, betas,
+eps and weight decay rounded to float32 first, and the bound widened by
+``|u| * (s1 + s2 / 2)``, ``s = ((t + 1) * 2**-24 * beta**t + 2**-24) / (1 - beta**t)``:
+the error of a bias correction formed in float32 with up to t roundings). Both readings
+are AdamW of the configured values to float32 precision: a learning rate off by 0.1%, a
+dropped weight decay or a beta of 0.99 for 0.999 is outside both.
+
 [Note: global norm check]
 The update check takes the gradient the optimizer is handed as given, so an
 engine that computes the global norm wrongly -- and clips with it -- would pass
@@ -65,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from qwz import shards as seam
-from qwz.qualify.plan import AdamWSettings
+from qwz.qualify.evidence.optimizer import AdamWSettings
 from qwz.qualify.run.observers.piecewise import FLOAT32_EPS, FLOAT32_TINY, all_reduce, piece_numel
 
 
@@ -86,6 +102,8 @@ class UpdateResult:
     skipped_steps: list[int] = field(default_factory=list)
     """fp16: training steps at which this rank's optimizer did not step; whether each was a
     legitimate overflow skip is the evidence's to decide ([Note: overflow pattern])."""
+    optimizer: str = ""
+    """The optimizer's class, ``module.qualname``: what stepped the masters."""
 
 
 class StepAgreement(NamedTuple):
@@ -104,7 +122,7 @@ class UpdateCheck:
         self,
         shards: Sequence[seam.OwnShard],
         optimizer: torch.optim.Optimizer,
-        settings: AdamWSettings,
+        settings: AdamWSettings | None,
         *,
         samples_per_shard: int,
         seed: int,
@@ -112,6 +130,9 @@ class UpdateCheck:
         skips_allowed: bool = False,
     ):
         self.settings = settings
+        """None: the arm's optimizer is not re-derived ([Note: the optimizer the update check
+        re-derives], qualify/evidence/optimizer.py); the steps are counted and the handed
+        gradient's norm checked, nothing else."""
         self.rank = rank
         self.skips_allowed = skips_allowed
         """fp16: a step without an optimizer step is recorded (``skipped_steps``), not a
@@ -127,7 +148,8 @@ class UpdateCheck:
             )
             pick = torch.randperm(covered.numel(), generator=generator)[:samples_per_shard]
             self.samples.append(covered[pick].sort().values.to(shard.master.device))
-        self.result = UpdateResult()
+        kind = type(optimizer)
+        self.result = UpdateResult(optimizer=f"{kind.__module__}.{kind.__qualname__}")
         self.step = 0
         self._stepped = [0] * len(self.shards)
         """Per shard, the optimizer steps that included it in this training step."""
@@ -162,7 +184,8 @@ class UpdateCheck:
     def end_step(self) -> None:
         if self.skips_allowed and not any(self._stepped):
             self.result.skipped_steps.append(self.step)
-            self._check_unchanged()
+            if self.settings is not None:
+                self._check_unchanged()
             return
         if any(count != 1 for count in self._stepped):
             self.result.missing_steps.append(self.step)
@@ -230,6 +253,8 @@ class UpdateCheck:
         self._before = {}
         for shard_index in active:
             self._stepped[shard_index] += 1
+            if self.settings is None:
+                continue
             shard, index = self.shards[shard_index], self.samples[shard_index]
             param = shard.master
             grad = param.grad
@@ -257,40 +282,26 @@ class UpdateCheck:
             }
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        lr, (beta1, beta2), eps, wd = (
-            self.settings.lr,
-            self.settings.betas,
-            self.settings.eps,
-            self.settings.weight_decay,
-        )
         for shard_index, before in self._before.items():
             index = self.samples[shard_index]
             param = self.shards[shard_index].master
             actual = param.detach().reshape(-1)[index].double().cpu()
             self._last_after[shard_index] = actual
             self._optimizer_steps[shard_index] += 1
-            m_new = self._state(param, "exp_avg", index)
-            v_new = self._state(param, "exp_avg_sq", index)
-            p0, g, m0, v0 = before["p"], before["g"], before["m"], before["v"]
-            t = int(before["t"])
-            bc1, bc2 = 1 - beta1**t, 1 - beta2**t
-            p1 = p0 * (1 - lr * wd)
-            m1 = beta1 * m0 + (1 - beta1) * g
-            v1 = beta2 * v0 + (1 - beta2) * g * g
-            denom = v1.sqrt() / math.sqrt(bc2) + eps
-            update = lr / bc1 * m1 / denom
-            expected = p1 - update
-            moment_terms = lr / bc1 * (beta1 * m0.abs() + (1 - beta1) * g.abs()) / denom
-            bound = (
-                FLOAT32_EPS * (p1.abs() + expected.abs())
-                + 16 * FLOAT32_EPS * (update.abs() + moment_terms)
-                + FLOAT32_TINY
+            moments = (
+                self._state(param, "exp_avg", index),
+                self._state(param, "exp_avg_sq", index),
             )
-            error = (actual - expected).abs()
-            ratios = [error / bound]
-            ratios.append((m_new - m1).abs() / (8 * FLOAT32_EPS * (m0.abs() + m1.abs()) + 1e-45))
-            ratios.append((v_new - v1).abs() / (8 * FLOAT32_EPS * (v0.abs() + v1.abs()) + 1e-45))
-            ratio = torch.stack(ratios).amax(dim=0)
+            # [Note: float32 hyperparameters]: each element within either reading's bound.
+            readings = [
+                _judged(_adamw(self.settings, before, float32), actual, moments)
+                for float32 in READINGS
+            ]
+            pick = torch.stack([item.ratio for item in readings]).argmin(dim=0, keepdim=True)
+            ratio, expected, bound = (
+                torch.stack([getattr(item, key) for item in readings]).gather(0, pick)[0]
+                for key in ("ratio", "expected", "bound")
+            )
             self.result.checked += int(index.numel())
             if ratio.numel():
                 worst = float(ratio.max())
@@ -402,3 +413,75 @@ def _handed_squares(shards: Sequence[seam.OwnShard]) -> torch.Tensor:
             widened = flat[start : start + piece].double()  # fp32 squares are exact in fp64
             total += torch.dot(widened, widened)
     return total
+
+
+class AdamWStep(NamedTuple):
+    """One reading of the AdamW step on the sampled elements ([Note: exact update check])."""
+
+    expected: torch.Tensor
+    """The master after the step, float64."""
+    bound: torch.Tensor
+    """How far the master may lie from `expected`."""
+    exp_avg: torch.Tensor
+    exp_avg_bound: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    exp_avg_sq_bound: torch.Tensor
+
+
+class Judged(NamedTuple):
+    ratio: torch.Tensor
+    """Per element, the worst of master, first and second moment, each against its bound."""
+    expected: torch.Tensor
+    bound: torch.Tensor
+
+
+FLOAT32_UNIT_ROUNDOFF = FLOAT32_EPS / 2
+READINGS = (False, True)
+"""The readings an element may pass under: exact, float32 ([Note: float32 hyperparameters])."""
+
+
+def _float32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _adamw(settings: AdamWSettings, before: dict[str, torch.Tensor], float32: bool) -> AdamWStep:
+    """[Note: exact update check] of one step from the sampled state `before`, in the exact
+    or the float32 reading ([Note: float32 hyperparameters])."""
+    hyper = [settings.lr, *settings.betas, settings.eps, settings.weight_decay]
+    lr, beta1, beta2, eps, wd = map(_float32, hyper) if float32 else hyper
+    p0, g, m0, v0 = before["p"], before["g"], before["m"], before["v"]
+    t = int(before["t"])
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+    p1 = p0 * (1 - lr * wd)
+    m1 = beta1 * m0 + (1 - beta1) * g
+    v1 = beta2 * v0 + (1 - beta2) * g * g
+    denom = v1.sqrt() / math.sqrt(bc2) + eps
+    update = lr / bc1 * m1 / denom
+    expected = p1 - update
+    moment_terms = lr / bc1 * (beta1 * m0.abs() + (1 - beta1) * g.abs()) / denom
+    bound = (
+        FLOAT32_EPS * (p1.abs() + expected.abs())
+        + 16 * FLOAT32_EPS * (update.abs() + moment_terms)
+        + FLOAT32_TINY
+    )
+    if float32:
+        unit = FLOAT32_UNIT_ROUNDOFF
+        slack1 = ((t + 1) * unit * beta1**t + unit) / bc1
+        slack2 = ((t + 1) * unit * beta2**t + unit) / bc2
+        bound = bound + update.abs() * (slack1 + slack2 / 2)
+    m_bound = 8 * FLOAT32_EPS * (m0.abs() + m1.abs()) + 1e-45
+    v_bound = 8 * FLOAT32_EPS * (v0.abs() + v1.abs()) + 1e-45
+    return AdamWStep(expected, bound, m1, m_bound, v1, v_bound)
+
+
+def _judged(
+    step: AdamWStep, actual: torch.Tensor, moments: tuple[torch.Tensor, torch.Tensor]
+) -> Judged:
+    """Each sampled element's worst ratio to its bound under the reading `step`."""
+    exp_avg, exp_avg_sq = moments
+    ratios = [
+        (actual - step.expected).abs() / step.bound,
+        (exp_avg - step.exp_avg).abs() / step.exp_avg_bound,
+        (exp_avg_sq - step.exp_avg_sq).abs() / step.exp_avg_sq_bound,
+    ]
+    return Judged(torch.stack(ratios).amax(dim=0), step.expected, step.bound)
