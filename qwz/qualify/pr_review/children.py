@@ -21,6 +21,7 @@ from typing import NamedTuple
 from qwz.qualify import supervise
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.rejudge import rejudged
+from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.matrix.runner import VERDICT_EXITS, expected_plan, finished_record, refusal_reason
 from qwz.qualify.pr_review import checkout
@@ -97,15 +98,26 @@ def not_run(run: Run, why: str, status: str = "not run") -> Side:
     return _side(run, status, "-", why)
 
 
-def _verdict(record: Record) -> tuple[str, str]:
-    """The record's verdict under today's rules, and its failed (else inconclusive) checks."""
+BASE_CONTEXT = ("conformance",)
+"""Check families that are context at the base, never its verdict: the base need not
+implement the PR, so stock DeepSpeed FAILs the PR's config rules there by design (the claims
+table shows the base's rows beside the head's)."""
+
+
+def _verdict(record: Record, side: str) -> tuple[str, str]:
+    """The record's verdict under today's rules, and its failed (else inconclusive) checks;
+    at the base, without :data:`BASE_CONTEXT`."""
     verdict = rejudged(record).verdict
-    names = verdict.failed or verdict.inconclusive
-    return verdict.status, ", ".join(names)
+    if side != "base":
+        return verdict.status, ", ".join(verdict.failed or verdict.inconclusive)
+    failed = [name for name in verdict.failed if family_of(name) not in BASE_CONTEXT]
+    undecided = [name for name in verdict.inconclusive if family_of(name) not in BASE_CONTEXT]
+    status = "FAIL" if failed else "INCONCLUSIVE" if undecided else "PASS"
+    return status, ", ".join(failed or undecided)
 
 
 def resumed(run: Run, record: Record) -> Side:
-    status, why = _verdict(record)
+    status, why = _verdict(record, run.side)
     return _side(run, status, "resumed", why, record=record)
 
 
@@ -132,7 +144,7 @@ def ended(
     if code in VERDICT_EXITS:
         record, why = finished(run, parser)
         if record is not None:
-            status, reason = _verdict(record)
+            status, reason = _verdict(record, run.side)
             return _side(run, status, "ran", reason, record=record, wall_s=wall_s), record
         reason = f"run exited {code} ({VERDICT_EXITS[code]}) but {why}"
     elif code < 0:

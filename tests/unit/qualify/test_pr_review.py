@@ -19,7 +19,7 @@ from qwz.qualify.pr_review import command
 from qwz.qualify.review import pr_review
 from tests.deepspeed_checkout import git
 
-from ..records import make_payload, make_step_masters
+from ..records import conformance_table, make_payload, make_step_masters
 
 PARSER = cli.build_parser()
 RUN_OPTIONS = ["--workload", "mlp", "--steps", "4"]
@@ -202,6 +202,26 @@ def test_a_changed_default_path_fails_the_review(tmp_path, repository):
     assert review(tmp_path, repository, FakeRun(edits={"head": nudge}), *RUN_OPTIONS) == 1
     data = summary(tmp_path)
     assert data["status"] == "FAIL" and data["default_path"]["first"]["step"] == 3
+
+
+def test_the_bases_config_rules_are_context_but_its_reference_is_judged(tmp_path, repository):
+    """Stock DeepSpeed at the base FAILs the PR's config rules by design: that is context (the
+    claims table shows it), never the review's FAIL; a base whose reference arm fails is."""
+
+    def stock(payload):
+        payload["conformance"] = conformance_table("deepspeed-native-stock")
+
+    assert review(tmp_path, repository, FakeRun(edits={"base": stock}), *RUN_OPTIONS) == 0
+    assert [run["status"] for run in summary(tmp_path)["runs"]] == ["PASS", "PASS"]
+
+    def not_finite(payload):
+        stock(payload)
+        payload["trajectories"][0]["losses"][1] = None
+
+    fake = FakeRun(edits={"base": not_finite})
+    assert review(tmp_path, repository, fake, *RUN_OPTIONS, out="broken") == 1
+    base = summary(tmp_path, "broken")["runs"][0]
+    assert base["status"] == "FAIL" and "conformance" not in base["reason"]
 
 
 def test_a_harness_error_is_not_a_fail(tmp_path, repository):
