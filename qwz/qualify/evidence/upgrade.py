@@ -18,6 +18,11 @@ plan's renamed keys, ``_plan_from_3``; each arm's ``integration_enabled`` is ``q
 the fused kernels are called by what they are: ``"compiled"`` (the native C kernels on
 CPU, torch.compile elsewhere, never only torch.compile) becomes ``"fused"`` in each arm's
 ``kernels`` and in each rank's kernel use (``own_shards[].kernels[].kernels``).
+
+4 -> 5: each arm's ``allgather_bucket_size`` is recorded with the arm (the chunked arm's is its
+own: [Note: the chunked arm], qualify/run/chunked_arm.py); an older arm's is the one its config
+gave its engine (``_bucket_from_4``). Each wire entry's ``largest_output_bytes`` is new: absent,
+``bounded`` reads "not observed" (rules.py ``inputs``).
 """
 
 from __future__ import annotations
@@ -93,7 +98,33 @@ def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
-UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {2: _from_2, 3: _from_3}
+def _bucket_from_4(arm: Any) -> Any:
+    """A schema-4 arm with the ``allgather_bucket_size`` its config gave its engine."""
+    if not isinstance(arm, dict) or "allgather_bucket_size" in arm:
+        return arm
+    config = arm.get("config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    bucket = zero.get("allgather_bucket_size") if isinstance(zero, dict) else None
+    if isinstance(bucket, float) and bucket.is_integer():  # DeepSpeed configs write 5e8
+        bucket = int(bucket)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        bucket = None
+    return dict(arm, allgather_bucket_size=bucket)
+
+
+def _from_4(payload: dict[str, Any]) -> dict[str, Any]:
+    upgraded = dict(payload, schema_version=5)
+    arms = payload.get("arms")
+    if isinstance(arms, list):
+        upgraded["arms"] = [_bucket_from_4(arm) for arm in arms]
+    return upgraded
+
+
+UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    2: _from_2,
+    3: _from_3,
+    4: _from_4,
+}
 """Version N -> the step from N to N + 1."""
 
 

@@ -400,6 +400,7 @@ def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
                 "calls_per_step": traffic.calls,
                 "received_bytes_per_step": traffic.received_bytes,
                 "rows_per_step": traffic.rows,
+                "largest_output_bytes": traffic.largest_output_bytes,
                 **counts,
             }
         )
@@ -439,6 +440,8 @@ class _ArmRun:
         self.overflow_watch: overflow.OverflowWatch | None = None
         self.next_use: next_use.NextUse | None = None
         self.wire = WireWindow()
+        self.largest_outputs: dict[tuple[int, ...], int] = {}
+        """Per process group, the largest weight-gather collective output of any window."""
         if self.fp16:
             self.observed.update(loss_scales=[], overflowed=[])
 
@@ -621,9 +624,16 @@ class _ArmRun:
         if probe is None:
             return
         observed = self.observed
+        # [Note: the staging bound] (evidence/staging.py): the largest collective of any window.
+        for ranks in self.wire_layout:
+            largest = probe.gather_traffic(ranks).largest_output_bytes
+            self.largest_outputs[ranks] = max(self.largest_outputs.get(ranks, 0), largest)
         if gathered:
             observed["gather_bytes"] = int(probe.bytes["gather"])
-            observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+            observed["wire"] = [
+                entry | {"largest_output_bytes": self.largest_outputs[tuple(entry["group_ranks"])]}
+                for entry in _wire(probe, self.wire_layout, self.rank)
+            ]
         # Any step's unattributed collective makes the wire's account incomplete.
         for name, count in probe.uncounted.items():
             uncounted = observed.setdefault("uncounted", {})
@@ -792,7 +802,7 @@ def _qualify(
         rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
 
     # Arms that failed are not timed; without a working reference nothing is.
-    timed = [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
+    timed = [arm for arm in plan.arms if arm.timed and arms[arm.name].failure is None]
     timings = {}
     if arms[REFERENCE].failure is None and plan.blocks > 0:
         timings = _timing(plan, timed, rank, progress)
