@@ -52,14 +52,14 @@ def _peers(probe: Probe, group: WireGroup) -> list[WireGroup]:
 
 def group_bound(probe: Probe, group: WireGroup, arm: Arm) -> staging.StagingBound:
     """[Note: the staging bound] for `group`'s process group, from the counts of every rank's
-    entry for it in `probe` (the exact and padding elements of all its ranks)."""
-    exact = sum(item.exact_numel + item.padding_numel for item in _peers(probe, group))
+    entry for it in `probe` (the most exact and padding elements of any one rank)."""
+    exact = max(item.exact_numel + item.padding_numel for item in _peers(probe, group))
     return staging.collective_bound(
         bucket=int(arm.allgather_bucket_size or 0),
         world_size=len(group.group_ranks),
         group_size=int(arm.group_size or 0),
         element_bytes=group.element_bytes,
-        exact_numel=exact,
+        rank_exact_numel=exact,
     )
 
 

@@ -59,7 +59,6 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
     ),
     "in-effect": (),
     "bounded": (
-        "spec.CODE_BYTES",
         "spec.SCALE_BYTES",
         "staging.EXACT_VALUE_BYTES",
         "staging.ROW_ALIGNMENT_BYTES",

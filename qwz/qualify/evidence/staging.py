@@ -16,20 +16,23 @@ collective's *output* is what the probe measures (qwz/integrations/probe.py: a g
 tensor holds every rank's row; a broadcast's, one row), so the bound is on the bytes of one
 collective's output:
 
-    bound = E * b                                 the chunk in the working dtype (b bytes)
-          + min(E, X) * (CODE_BYTES + max(b, EXACT_VALUE_BYTES) - b)
+    bound = E * b                                    the chunk in the working dtype (b bytes)
+          + W * min(ceil(E / W), X) * max(b, EXACT_VALUE_BYTES)
           + W * ROW_PADDING(G)
 
 and every term is a freedom of [Note: the contract and its freedoms] (spec.py), derived, not fitted:
 
-- *Quantized elements* cost ``1 + 4/G`` bytes each (an int8 code and a share of an fp32 scale),
-  at most ``b`` for every working dtype the harness runs (b = 2 or 4, G >= 8): within ``E * b``.
-- *Exact elements* (parameters of at most 65,536 elements, and the partition's padding, which
-  a PR may send exactly too) may travel beside a code for their position (the PR's own patch
-  sends a zero code and the value) and as fp32 rather than the working dtype (a freedom
-  ``probe`` allows): at most ``1 + max(b, 4)`` bytes, ``1 + max(b, 4) - b`` beyond their share
-  of ``E * b``. A chunk holds at most ``min(E, X)`` of them, ``X`` the exact and padding
-  elements of all the group's ranks (the record's wire counts).
+- *Codes and scales*: a chunk's positions -- ``ceil(E / W)`` at most per rank, every rank
+  sending its share -- cost ``1 + 4/G`` bytes each (an int8 code, a share of an fp32 scale),
+  at most ``b`` for every working dtype the harness runs (b = 2 or 4, G >= 8): within ``E * b``,
+  a code for every position (exact ones too) included.
+- *Exact elements* (parameters of at most 65,536 elements, and the partition's padding, which a
+  PR may send exactly) may travel beside the code of their position (the PR's own patch sends a
+  zero code and the value) and as fp32 rather than the working dtype (a freedom ``probe``
+  allows): ``max(b, 4)`` bytes each on top. An all-gather's rows have one size, so every row
+  carries as many exact values as the rank with the most in the chunk: at most
+  ``min(ceil(E / W), X)`` per row, ``X`` the most exact and padding elements any one rank of the
+  group holds (the record's wire counts).
 - *A row* (one rank's part of the collective) may pad its codes to whole groups (``G - 1``
   bytes), carry one more scale than ``n/G`` for a partial group (4 bytes) and align each of its
   three parts -- codes, scales, exact values -- to 16 bytes (48): ``ROW_PADDING = G + 51``.
@@ -49,15 +52,18 @@ process group it gathers over (:func:`memory_allowance_bytes`):
   the scaled codes before their cast down): ``WORKSPACE_FP32_COPIES`` copies of its ``E``
   elements, ``2 * 4 * 4 * E`` bytes;
 - what a PR keeps to find its exact elements: an int64 index per exact or padding element of
-  every rank (``8 * X``) and a one-byte mask over the group's gathered buffer (``W * P``).
+  every rank of the group (``8 * X_all``) and a one-byte mask over its gathered buffer
+  (``W * P``).
 
-A gather whose staging grows with the partition rather than the bucket -- one collective for a
-whole partition, decoded in fp32 -- exceeds it once the partition holds a few buckets; a PR
-that issues every chunk at once on async handles stays within it on the harness's workloads
-(its outputs together are about the partition's quantized bytes). Only exact memory decides:
-CUDA's allocated bytes. A CPU arm's memory is the process's peak RSS, page-granular and moved
-by the allocator's caching and the harness's own state between two runs of the same code (the
-README's matrix section: up to a tenth over a long cell), far more than this allowance on a
+What it decides: a gather holding more than a few chunks' staging at once -- every chunk's
+fp32 decode kept, the partition in fp32 several times over. One collective for a whole partition
+is the wire's to fail (on the chunked arm, whose bucket makes a collective a quarter of the
+partition's encoded bytes, [Note: the chunked arm], such a collective fits the in-flight term);
+so is a PR that issues every chunk at once on async handles within it (their staging together is
+the partition's encoded bytes, the in-flight term again). Only exact memory decides: CUDA's
+allocated bytes. A CPU arm's memory is the process's peak RSS, page-granular and moved by the
+allocator's caching and the harness's own state by megabytes between two runs of the same code
+(the README's matrix section: up to a tenth over a long cell), more than this allowance on a
 small workload: there memory is shown as context, never a verdict.
 """
 
@@ -65,7 +71,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from qwz.qualify.evidence.spec import CODE_BYTES, SCALE_BYTES
+from qwz.qualify.evidence.spec import SCALE_BYTES
 
 EXACT_VALUE_BYTES = 4
 """The most bytes an exact element's value may take: fp32 (the least: the working dtype's)."""
@@ -102,11 +108,9 @@ def row_padding_bytes(group_size: int) -> int:
     return _positive("group_size", group_size) - 1 + SCALE_BYTES + ROW_ALIGNMENT_BYTES
 
 
-def exact_extra_bytes(element_bytes: int) -> int:
-    """Bytes an exact element may take beyond its working-dtype share: a code beside its value,
-    and the value in fp32."""
-    _positive("element_bytes", element_bytes)
-    return CODE_BYTES + max(element_bytes, EXACT_VALUE_BYTES) - element_bytes
+def exact_value_bytes(element_bytes: int) -> int:
+    """Bytes an exact element's value may take beside its position's code: fp32 at most."""
+    return max(_positive("element_bytes", element_bytes), EXACT_VALUE_BYTES)
 
 
 class StagingBound(NamedTuple):
@@ -119,17 +123,24 @@ class StagingBound(NamedTuple):
 
 
 def collective_bound(
-    *, bucket: int, world_size: int, group_size: int, element_bytes: int, exact_numel: int
+    *, bucket: int, world_size: int, group_size: int, element_bytes: int, rank_exact_numel: int
 ) -> StagingBound:
     """[Note: the staging bound] for a gather over `world_size` ranks of `element_bytes`-byte
-    working elements in groups of `group_size`, whose ranks hold `exact_numel` exact and
-    padding elements together."""
-    if isinstance(exact_numel, bool) or not isinstance(exact_numel, int) or exact_numel < 0:
-        raise ValueError(f"exact_numel: {exact_numel!r} is invalid: must be an integer >= 0")
+    working elements in groups of `group_size`, none of whose ranks holds more than
+    `rank_exact_numel` exact and padding elements."""
+    if (
+        isinstance(rank_exact_numel, bool)
+        or not isinstance(rank_exact_numel, int)
+        or rank_exact_numel < 0
+    ):
+        raise ValueError(
+            f"rank_exact_numel: {rank_exact_numel!r} is invalid: must be an integer >= 0"
+        )
     elements = chunk_elements(bucket, world_size, group_size)
+    row_exact = min(-(-elements // world_size), rank_exact_numel)
     bound = (
         elements * element_bytes
-        + min(elements, exact_numel) * exact_extra_bytes(element_bytes)
+        + world_size * row_exact * exact_value_bytes(element_bytes)
         + world_size * row_padding_bytes(group_size)
     )
     return StagingBound(elements, bound)

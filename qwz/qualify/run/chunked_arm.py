@@ -106,7 +106,8 @@ def _fits(
             world_size=group.world_size,
             group_size=group_size,
             element_bytes=element_bytes,
-            exact_numel=sum(numel for numel in group.numels if spec.travels_exactly(numel)),
+            # The group's exact elements could all sit on one rank: the most one rank holds.
+            rank_exact_numel=sum(n for n in group.numels if spec.travels_exactly(n)),
         )
         if CHUNK_TARGET * bound.bound_bytes > fewest_wire_bytes(group, group_size, element_bytes):
             return False
