@@ -71,7 +71,9 @@ def test_run_writes_record_report_and_plots(runs):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded = record.load(out / "record.json")
     assert loaded.verdict.passed, loaded.verdict
-    assert [arm.name for arm in loaded.arms] == ["reference", "calibration-g64", "candidate-g64"]
+    assert [arm.name for arm in loaded.arms] == [
+        "reference", "calibration-g64", "candidate-g64", "candidate-g64-chunked"
+    ]  # fmt: skip
     # The backend the launcher picked for 2 local ranks: NCCL on a host with 2 GPUs.
     assert loaded.environment.world_size == 2
     assert loaded.environment.backend == pick_backend(2)

@@ -38,9 +38,9 @@ def bounded_checks(record: Record) -> list[Check]:
     """``bounded[arm]`` for every candidate arm with a probe (module docstring)."""
     arms = {arm.name: arm for arm in record.arms}
     failures = {trajectory.arm: trajectory.failure for trajectory in record.trajectories}
-    world_size = record.environment.world_size
+    reference = next(arm.name for arm in record.arms if arm.role == "reference")
     return [
-        _bounded(probe, arms[probe.arm], record.memory, world_size, failures.get(probe.arm))
+        _bounded(probe, arms[probe.arm], reference, record, failures.get(probe.arm))
         for probe in record.probes
         if arms[probe.arm].role == "candidate"
     ]
@@ -93,9 +93,11 @@ def _unjudgeable(
     return None
 
 
-def _bounded(probe: Probe, arm: Arm, memory: list[Memory], world_size: int, failure: Any) -> Check:
+def _bounded(probe: Probe, arm: Arm, reference: str, record: Record, failure: Any) -> Check:
+    """One candidate's check: the wire against [Note: the staging bound] on every rank and
+    process group, memory against [Note: staging in memory]."""
     groups = [group for group in probe.wire if len(group.group_ranks) > 1]
-    unjudgeable = _unjudgeable(probe, arm, world_size, failure, groups)
+    unjudgeable = _unjudgeable(probe, arm, record.environment.world_size, failure, groups)
     if unjudgeable is not None:
         return unjudgeable
     bounds = [(group, group_bound(probe, group, arm)) for group in groups]
@@ -108,7 +110,7 @@ def _bounded(probe: Probe, arm: Arm, memory: list[Memory], world_size: int, fail
     worst, worst_bound = max(
         bounds, key=lambda item: (item[0].largest_output_bytes or 0) / item[1].bound_bytes
     )
-    memory_text, memory_numbers, memory_over = _memory(probe, arm, memory, bounds)
+    memory_text, memory_numbers, memory_over = _memory(probe, reference, record.memory, bounds)
     largest = worst.largest_output_bytes or 0
     how = (
         f"E = max(allgather_bucket_size {arm.allgather_bucket_size:,}, W x G "
@@ -138,44 +140,44 @@ def _bounded(probe: Probe, arm: Arm, memory: list[Memory], world_size: int, fail
     )
 
 
+def _allowance(probe: Probe, group: WireGroup, bound: staging.StagingBound) -> int:
+    """[Note: staging in memory] for `group`'s process group, from every rank's counts."""
+    peers = _peers(probe, group)
+    return staging.memory_allowance_bytes(
+        bound,
+        exact_numel=sum(item.exact_numel + item.padding_numel for item in peers),
+        gathered_numel=sum(
+            item.quantized_numel + item.exact_numel + item.padding_numel for item in peers
+        ),
+    )
+
+
 def _memory(
-    probe: Probe, arm: Arm, memory: list[Memory], bounds: list[tuple[WireGroup, Any]]
+    probe: Probe, reference: str, memory: list[Memory], bounds: list[tuple[WireGroup, Any]]
 ) -> tuple[str, dict[str, Any], bool]:
     """[Note: staging in memory]: (the detail's memory part, its numbers, whether it fails),
-    over every rank with a peak of this arm and of the reference of the same kind."""
+    over every rank with a peak of this arm and of the `reference` arm of the same kind."""
     peaks = {(item.arm, item.rank): item for item in memory}
     rows = []
     for rank in sorted({group.rank for group, _ in bounds}):
-        ours, theirs = peaks.get((arm.name, rank)), peaks.get(("reference", rank))
+        ours, theirs = peaks.get((probe.arm, rank)), peaks.get((reference, rank))
         if ours is None or theirs is None or ours.kind != theirs.kind:
             continue
+        excess = ours.peak_allocated_bytes - theirs.peak_allocated_bytes
         allowance = sum(
-            staging.memory_allowance_bytes(
-                bound,
-                exact_numel=sum(p.exact_numel + p.padding_numel for p in _peers(probe, group)),
-                gathered_numel=sum(
-                    p.quantized_numel + p.exact_numel + p.padding_numel
-                    for p in _peers(probe, group)
-                ),
-            )
-            for group, bound in bounds
-            if group.rank == rank
+            _allowance(probe, group, bound) for group, bound in bounds if group.rank == rank
         )
-        rows.append(
-            (rank, ours.kind, ours.peak_allocated_bytes - theirs.peak_allocated_bytes, allowance)
-        )
+        rows.append((rank, ours.kind, excess, allowance))
     if not rows:
         return "memory: no peak of the reference on the same rank to compare with", {}, False
     rank, kind, excess, allowance = max(rows, key=lambda row: row[2] - row[3])
-    judged = kind in staging.MEMORY_KINDS_JUDGED
     numbers = {
         "memory_kind": kind,
         "memory_excess_bytes": excess,
         "memory_allowance_bytes": allowance,
     }
-    over = judged and excess > allowance
     said = f"{excess / MIB:+.2f} MiB over the reference's peak on rank {rank}"
-    if not judged:
+    if kind not in staging.MEMORY_KINDS_JUDGED:
         return (
             f"memory: host peak RSS {said}: context only, never judged (RSS is page-granular "
             "and moved by the allocator; only CUDA's allocated bytes decide: [Note: staging in "
@@ -183,9 +185,7 @@ def _memory(
             numbers,
             False,
         )
+    over = excess > allowance
     verdict = "beyond" if over else "within"
-    return (
-        f"memory: {kind} {said}, {verdict} the allowance of {allowance / MIB:.2f} MiB",
-        numbers,
-        over,
-    )
+    text = f"memory: {kind} {said}, {verdict} the allowance of {allowance / MIB:.2f} MiB"
+    return text, numbers, over

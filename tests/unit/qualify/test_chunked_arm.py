@@ -4,14 +4,18 @@ from the workload; the plan and the record carry its bucket."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 
 from qwz.qualify import cli, preflight
 from qwz.qualify.evidence import staging
+from qwz.qualify.plan import CHUNKED_SUFFIX
+from qwz.qualify.review.compare import Status, compare
 from qwz.qualify.run import chunked_arm
 from qwz.qualify.run.workloads import get_workload
+from tests.unit.records import CANDIDATE, make_payload, make_record
 
 DEFAULT_BUCKET = 500_000_000
 
@@ -120,3 +124,35 @@ def test_the_default_plan_has_the_chunked_arm_with_its_own_bucket_untimed():
     assert plan_of("--workload", "mlp", "--allgather-bucket-size", "32768").arms[-1].name == (
         "candidate-g64"
     )
+
+
+def with_chunked_arm(largest_output_bytes: int | None = None, suffix: str = CHUNKED_SUFFIX) -> dict:
+    """The synthetic record with a chunked sibling of its candidate (a copy under the chunked
+    arm's name and its own bucket), its largest collective `largest_output_bytes`."""
+    payload = make_payload()
+    chunked = f"{CANDIDATE}{suffix}"
+    for section in ("arms", "trajectories", "step_one", "updates", "own_shards", "drift",
+                    "hashes", "probes", "memory"):  # fmt: skip
+        for item in [item for item in payload[section] if CANDIDATE in item.values()]:
+            copied = copy.deepcopy(item)
+            copied["name" if section == "arms" else "arm"] = chunked
+            payload[section].append(copied)
+    arm = payload["arms"][-1]
+    arm["allgather_bucket_size"] = 300_000
+    arm["config"]["zero_optimization"]["allgather_bucket_size"] = 300_000
+    for group in payload["probes"][-1]["wire"]:
+        group["largest_output_bytes"] = largest_output_bytes or group["largest_output_bytes"] // 4
+    return payload
+
+
+def test_a_baseline_without_the_chunked_arm_compares_with_a_record_that_has_it():
+    """The gate keeps working across the harness change: the chunked arm's checks are new."""
+    baseline, candidate = make_record(), make_record(**with_chunked_arm())
+    comparison = compare(baseline, candidate)
+    assert comparison.status == Status.NO_REGRESSION, comparison.text()
+    assert "check 'bounded[candidate-g64-chunked]' is new and passes" in comparison.lines
+    assert compare(candidate, baseline).status == Status.NO_REGRESSION
+    broken = make_record(**with_chunked_arm(largest_output_bytes=10**9))
+    assert compare(baseline, broken).status == Status.REGRESSION
+    other = make_record(**with_chunked_arm(suffix="-other"))  # any other arm: incomparable
+    assert "arms differ" in compare(baseline, other).text()
