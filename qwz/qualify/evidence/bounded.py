@@ -88,8 +88,10 @@ def _unjudgeable(
     if arm.allgather_bucket_size is None or arm.group_size is None:
         return _check(name, "n/a", "not observed: the arm's allgather_bucket_size is not recorded")
     if not any(group.largest_output_bytes for group in groups):
-        why = "the arm failed before" if failure is not None else "nothing was gathered:"
-        return _check(name, "n/a", f"{why} no weight-gather collective over two or more ranks")
+        what = "any weight-gather collective over two or more ranks"
+        if failure is not None:
+            return _check(name, "n/a", f"the arm failed before {what} was measured; see finite")
+        return _check(name, "n/a", f"nothing was gathered: not {what}")
     return None
 
 

@@ -15,7 +15,13 @@ import pytest
 from hypothesis import given
 
 from qwz.qualify.evidence import rejudge, staging
-from tests.unit.records import CANDIDATE, REFERENCE, make_payload, make_record
+from tests.unit.records import (
+    CANDIDATE,
+    REFERENCE,
+    make_payload,
+    make_record,
+    non_finite_failure,
+)
 
 MIB = 2**20
 
@@ -189,6 +195,8 @@ def test_memory_of_other_kinds_is_not_compared():
     ],
 )  # fmt: skip
 def test_what_the_wire_cannot_decide(edit, status, detail):
+    """One rank, collectives not attributed, a record before the largest output was kept,
+    nothing gathered (nothing at all, or only over one-rank groups): never a pass or fail."""
     payload = bounded_payload(BOUND)
     edit(payload)
     check = bounded_check(payload)
@@ -221,3 +229,11 @@ def test_a_nested_input_is_absent_where_any_entry_lacks_it():
     assert "probes[].wire[].largest_output_bytes" in rejudge.absent_inputs(payload)
     del payload["probes"][0]["wire"]
     assert "probes[].wire[].largest_output_bytes" in rejudge.absent_inputs(payload)
+
+
+def test_an_arm_that_failed_before_a_gather_is_not_judged():
+    payload = bounded_payload(0)
+    trajectory = next(t for t in payload["trajectories"] if t["arm"] == CANDIDATE)
+    trajectory["failure"] = non_finite_failure(1, 0, "NonFiniteStep: step 1: loss nan")
+    check = bounded_check(payload)
+    assert check.status == "n/a" and check.detail.startswith("the arm failed before"), check
