@@ -196,7 +196,7 @@ def test_one_rank_has_nothing_to_gather_and_says_so(tmp_path):
     loaded = record.load(tmp_path / "one" / "record.json")
     checks = {check.name: check for check in loaded.checks}
     assert loaded.verdict.status == "INCONCLUSIVE" and loaded.verdict.failed == []
-    assert loaded.verdict.inconclusive == ["in-effect[candidate-g64]"]
+    assert loaded.verdict.inconclusive == ["in-effect[candidate-g64]", "bounded[candidate-g64]"]
     assert "--world-size 2 or more" in checks["in-effect[candidate-g64]"].detail
     assert checks["own-shard[candidate-g64]"].status == "pass"
     assert checks["replicas[candidate-g64]"].status == "n/a"
