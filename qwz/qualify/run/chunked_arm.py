@@ -14,8 +14,11 @@ from an implementation's layout, so it holds for qwz's engine and DeepSpeed's fl
   least ``CHUNK_TARGET`` collectives per param group: the bytes its ranks' rows take in the
   spec's encoding, at least ``T = q (1 + 4/G) + x b`` for ``q`` quantized and ``x`` exact
   elements (padding only adds), hold ``CHUNK_TARGET`` bounds. Four, so that three chunks per
-  rank remain whatever the padding (qwz's engine keeps both staging buffers within the bucket:
-  its chunks are smaller still);
+  rank remain whatever the padding, for a gather whose collectives carry every rank's row (an
+  all-gather; one broadcast per source carries one row, so the bound alone would let its chunks
+  be W times larger: the PR's own chunking, ``bucket // (W_g * G)`` groups per rank, keeps the
+  count). qwz's engine keeps both staging buffers within the bucket: its chunks are smaller
+  still;
 - it is a multiple of ``W * G`` (W the world size; an expert group's ranks divide it), so the
   PR's chunks -- ``bucket // (W_g * G)`` groups per rank -- are whole groups;
 - of such buckets it is the largest whose chunk edges under the PR's chunking of DeepSpeed's

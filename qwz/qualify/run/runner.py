@@ -400,7 +400,6 @@ def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
                 "calls_per_step": traffic.calls,
                 "received_bytes_per_step": traffic.received_bytes,
                 "rows_per_step": traffic.rows,
-                "largest_output_bytes": traffic.largest_output_bytes,
                 **counts,
             }
         )
@@ -624,7 +623,8 @@ class _ArmRun:
         if probe is None:
             return
         observed = self.observed
-        # [Note: the staging bound] (evidence/staging.py): the largest collective of any window.
+        # [Note: the staging bound] (evidence/staging.py): the largest collective of any window,
+        # recorded with the last gathering step's wire.
         for ranks in self.wire_layout:
             largest = probe.gather_traffic(ranks).largest_output_bytes
             self.largest_outputs[ranks] = max(self.largest_outputs.get(ranks, 0), largest)
