@@ -117,6 +117,10 @@ class NamedWorkload(Protocol):
     params: dict[str, Any]
 
 
+CHUNKED_SUFFIX = "-chunked"
+"""Name suffix of the chunked candidate arm ([Note: the chunked arm], run/chunked_arm.py)."""
+
+
 @dataclass(frozen=True)
 class ArmSpec:
     name: str
@@ -124,6 +128,15 @@ class ArmSpec:
     group_size: int | None
     noise_group_size: int | None = None
     """Calibration arm only: the group size whose quantization error the noise imitates."""
+    allgather_bucket_size: int | None = None
+    """The chunked arm only: its own bucket, sized from the workload ([Note: the chunked
+    arm]); None: the run's ``allgather_bucket_size``."""
+
+    @property
+    def timed(self) -> bool:
+        """Whether the speed blocks time this arm: every candidate but the chunked arm, whose
+        bucket is the harness's, not the user's (the speed claim is about the user's)."""
+        return self.quantized and self.allgather_bucket_size is None
 
 
 @dataclass(frozen=True)
@@ -205,6 +218,11 @@ class RunPlan:
         "optimizer, buckets, clipping and loss scaling are the file's; a file that contradicts "
         "an arm or a flag is refused ([Note: the user's DeepSpeed config], qualify/ds_config.py)",
     )
+    chunked_allgather_bucket_size: int | None = None
+    """[Note: the chunked arm] (run/chunked_arm.py): the bucket of one more candidate arm,
+    ``candidate-g<G>-chunked`` at the smallest G, sized from the workload so that its gather
+    spans several chunks per rank with edges inside parameters; set by the CLI
+    (preflight.plan_of) where the run's own bucket does not already chunk; None: no such arm."""
     samples_per_param: int = 64
     """Drift context: sampled elements per parameter compared with the reference."""
     update_samples: int = 512
@@ -292,7 +310,12 @@ class RunPlan:
         if self.calibration:
             size = max(self.group_sizes)
             arms.append(ArmSpec(f"{CALIBRATION}-g{size}", False, None, size))
-        return arms + [ArmSpec(f"candidate-g{size}", True, size) for size in self.group_sizes]
+        arms += [ArmSpec(f"candidate-g{size}", True, size) for size in self.group_sizes]
+        if self.chunked_allgather_bucket_size is not None:
+            size = min(self.group_sizes)
+            name = f"candidate-g{size}{CHUNKED_SUFFIX}"
+            arms.append(ArmSpec(name, True, size, None, self.chunked_allgather_bucket_size))
+        return arms
 
     @property
     def eval_steps(self) -> list[int]:
@@ -324,7 +347,7 @@ class RunPlan:
         zero: dict[str, Any] = {
             "stage": self.stage,
             "zero_quantized_weights": arm.quantized,
-            "allgather_bucket_size": self.allgather_bucket_size,
+            "allgather_bucket_size": arm.allgather_bucket_size or self.allgather_bucket_size,
             "reduce_bucket_size": self.reduce_bucket_size,
         }
         native_default = (
@@ -350,8 +373,11 @@ class RunPlan:
             "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": optimizer_params},
         }
-        if self.ds_config is not None:  # [Note: the user's DeepSpeed config]
-            return self.ds_config.arm_config(config)
+        if self.ds_config is None:
+            return config
+        config = self.ds_config.arm_config(config)  # [Note: the user's DeepSpeed config]
+        if arm.allgather_bucket_size is not None:  # the chunked arm's own, over the file's
+            config["zero_optimization"]["allgather_bucket_size"] = arm.allgather_bucket_size
         return config
 
     def fp16_section(self) -> dict[str, Any]:

@@ -297,8 +297,10 @@ def apply_ds_config(args: argparse.Namespace) -> list[str]:
 
 
 def plan_of(args: argparse.Namespace) -> RunPlan:
-    """The run the parsed ``run`` arguments ask for (ValueError: a refused ``--ds-config``,
-    which ``check_run_request`` reports first)."""
+    """The run the parsed ``run`` arguments ask for, with the chunked arm where its bucket does
+    not already chunk ([Note: the chunked arm], run/chunked_arm.py) (ValueError: a refused
+    ``--ds-config``, which ``check_run_request`` reports first)."""
+    from qwz.qualify.run.chunked_arm import chunked_bucket
     from qwz.qualify.run.workloads import get_workload
 
     apply_preset(args)
@@ -309,6 +311,14 @@ def plan_of(args: argparse.Namespace) -> RunPlan:
     values["workload"] = get_workload(args.workload, attention=args.attention)
     if args.deepspeed_src is not None:
         values["deepspeed_src"] = str(args.deepspeed_src.resolve())
+    values["chunked_allgather_bucket_size"] = chunked_bucket(
+        values["workload"],
+        world_size=run_world_size(args),
+        seed=args.seed,
+        group_sizes=args.group_sizes,
+        dtype=args.dtype,
+        allgather_bucket_size=args.allgather_bucket_size,
+    )
     return RunPlan(**values)
 
 

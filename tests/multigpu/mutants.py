@@ -14,6 +14,7 @@ never does.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import weakref
 from typing import Any
@@ -254,6 +255,95 @@ def wire_8192_reports_64(arm, engine, plan):
 def small_parameters_quantized(arm, engine, plan):
     """Parameters of at most 65,536 elements (norms, biases) are quantized too."""
     return _rebuilt(arm, plan, lambda zero: zero.update(zero_quantized_weights_preserve_numel=0))
+
+
+# ------------------------------------------------- the staging bound and the chunk edges
+#
+# Wrong only where a gather chunks: the qualification's chunked arm ([Note: the chunked arm],
+# qwz/qualify/run/chunked_arm.py) is where the default qualification sees them; the candidate
+# with the run's own bucket (one chunk on these workloads) runs the same code and passes.
+
+UNBOUNDED_BUCKET = 1 << 40
+"""bucket_ignored: the bucket the engine is built with instead of the arm's."""
+
+
+def bucket_ignored(arm, engine, plan):
+    """The gather ignores ``allgather_bucket_size``: the arm is built as the runner builds it
+    but for a bucket that holds everything, so each rank's whole partition travels in one
+    collective (the same weights, the same reductions: only the staging differs)."""
+    from qwz.qualify.run import runner
+
+    unbounded = dataclasses.replace(arm, allgather_bucket_size=UNBOUNDED_BUCKET)
+    return runner._build(dataclasses.replace(plan, arm_hook=None), unbounded)
+
+
+def _chunk_edges(engine) -> list[tuple[torch.Tensor, list[int]]]:
+    """Per gather, the (W, P) view of the working buffer it writes and the first element of
+    every chunk after the first: qwz's engine (one plan) or the DeepSpeed drop-in (a plan per
+    flat group, [Note: drop-in state])."""
+    optimizer = engine.optimizer
+    state = getattr(optimizer, "qwz", None)
+    if state is None:  # qwz's engine: the quantized region is the main stream
+        main = optimizer.regions[-1]
+        gathers = [(main.working.view(optimizer.world_size, -1), optimizer.gather_plan)]
+    else:
+        gathers = [
+            (flat.view(plan.world_size, plan.partition_numel), plan.gather_plan)
+            for plan, flat in zip(state.plans, optimizer.bit16_groups_flat, strict=True)
+            if plan.world_size > 1
+        ]
+    return [(dest, [chunk.start for chunk in gather.chunks[1:]]) for dest, gather in gathers]
+
+
+def stale_chunk_edge(arm, engine, plan):
+    """The first element of every chunk after the first is never written: on every rank, every
+    source's element there keeps the previous step's value (the replicas still agree)."""
+    edges = _chunk_edges(engine)
+    original = engine.train_step
+
+    def train_step(loss):
+        before = [dest[:, starts].clone() for dest, starts in edges]
+        original(loss)
+        with torch.no_grad():
+            for (dest, starts), values in zip(edges, before, strict=True):
+                dest[:, starts] = values
+
+    engine.train_step = train_step
+
+
+def groups_restart_at_chunk_edge(arm, engine, plan):
+    """qwz's engine with chunks cut half a group short of whole groups (its bucket counted in
+    elements, not rounded to groups): each chunk's groups restart at its first element, which
+    is no group edge of the partition."""
+    from qwz import layout
+    from qwz.quant import WireRow
+
+    optimizer = engine.optimizer
+    gather = optimizer.gather_plan
+    half = optimizer.group_size // 2
+    starts = [0] + [chunk.start - half for chunk in gather.chunks[1:]]
+    ends = [*starts[1:], gather.chunks[-1].end]
+    chunks = tuple(
+        layout.GatherChunk(
+            start,
+            end,
+            WireRow(-(-(end - start) // chunk.row.group_size), chunk.row.group_size,
+                    chunk.row.exact_numel, chunk.row.element_size),
+            chunk.pieces,
+        )
+        for start, end, chunk in zip(starts, ends, gather.chunks, strict=True)
+    )  # fmt: skip
+    optimizer.gather_plan = dataclasses.replace(gather, chunks=chunks)
+    optimizer.staging.reserve(optimizer.gather_plan)
+
+
+CHUNKED_KILLED_BY = {
+    "bucket_ignored": "bounded",
+    "stale_chunk_edge": "own-shard",
+    "groups_restart_at_chunk_edge": "own-shard",
+}
+"""Mutants wrong only where a gather chunks -> the family of the check that must fail on the
+chunked arm, in the default qualification (the run's own bucket: one chunk)."""
 
 
 # --------------------------------------------------------------------------- the spec itself

@@ -41,6 +41,20 @@ RUN = [
     "--allgather-bucket-size", "65536", "--reduce-bucket-size", "65536",
     "--group-size", "64", "--group-size", "8192",
 ]  # fmt: skip
+DEFAULT_RUN = [
+    "--subject",
+    "deepspeed-native",
+    "--workload",
+    "mlp",
+    "--steps",
+    "4",
+    "--blocks",
+    "0",
+]
+"""The default qualification, CI-sized (the small workload, four steps, no speed blocks) and
+with no bucket flag: the run's bucket (5e8) holds each partition in one chunk, so only the
+chunked arm ([Note: the chunked arm], qwz/qualify/run/chunked_arm.py) chunks."""
+CHUNKED = "candidate-g64-chunked"
 CI_CORRECT = ("broadcast_per_source", "c10d_async_reciprocal")
 CI_BROKEN = ("broken_stale_chunk_edge", "broken_stock_gather")
 BROKEN = (*corpus.BROKEN, *corpus.WHOLE_BROKEN)
@@ -59,12 +73,12 @@ def checkout(deepspeed_variants) -> pathlib.Path:
     return deepspeed_variants
 
 
-def _qualify(root: pathlib.Path, out: pathlib.Path, world_size: int):
+def _qualify(root: pathlib.Path, out: pathlib.Path, world_size: int, run=RUN):
     from qwz.qualify.evidence import record
 
     done = subprocess.run(
         [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out), "--deepspeed-src",
-         str(root), *RUN, "--world-size", str(world_size)],
+         str(root), *run, "--world-size", str(world_size)],
         capture_output=True, text=True, cwd=WORKTREE, timeout=1800, check=False,
         env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
     )  # fmt: skip
@@ -106,3 +120,42 @@ def test_broken_variant_fails_naming_its_check(checkout, tmp_path, variant, worl
     assert code == 1, tail
     failed = {name.partition("[")[0] for name in loaded.verdict.failed}
     assert corpus.expected_failures(variant) & failed, loaded.verdict.failed
+
+
+def _check(loaded, name):
+    return next(check for check in loaded.checks if check.name == name)
+
+
+@pytest.mark.parametrize(
+    ("variant", "world_size"), list(_cases(["master_packed_list"], ["master_packed_list"]))
+)
+def test_the_default_qualification_judges_the_chunked_path(checkout, tmp_path, variant, world_size):
+    """No bucket flag: the chunked arm is in the plan and the record, its gather spans several
+    collectives per rank within the staging bound, and the correct variant PASSes."""
+    use_variant(checkout, variant)
+    code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size, DEFAULT_RUN)
+    assert loaded.verdict.status == "PASS" and code == 0, (loaded.verdict, tail)
+    chunked = next(arm for arm in loaded.arms if arm.name == CHUNKED)
+    assert chunked.allgather_bucket_size == loaded.plan.chunked_allgather_bucket_size
+    assert chunked.allgather_bucket_size < loaded.plan.allgather_bucket_size
+    bounded = _check(loaded, f"bounded[{CHUNKED}]")
+    assert bounded.status == "pass" and bounded.numbers["calls_per_step"] >= 3, bounded
+    assert _check(loaded, f"own-shard[{CHUNKED}]").passed
+
+
+@pytest.mark.parametrize(
+    ("variant", "world_size"), list(_cases(corpus.CHUNKED_ONLY, corpus.CHUNKED_ONLY))
+)
+def test_the_default_qualification_fails_a_variant_wrong_only_where_it_chunks(
+    checkout, tmp_path, variant, world_size
+):
+    """No bucket flag: the chunked arm FAILs the variant naming its check; the arm with the
+    run's own bucket (one chunk) passes that check, so without the chunked arm it would pass."""
+    use_variant(checkout, variant)
+    code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size, DEFAULT_RUN)
+    assert loaded.verdict.status == "FAIL" and code == 1, (loaded.verdict, tail)
+    expected = corpus.expected_failures(variant)
+    failed = {name.partition("[")[0] for name in loaded.verdict.failed if CHUNKED in name}
+    assert expected & failed, loaded.verdict.failed
+    for family in expected:
+        assert _check(loaded, f"{family}[candidate-g64]").status == "pass", family

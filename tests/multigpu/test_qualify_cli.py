@@ -71,7 +71,9 @@ def test_run_writes_record_report_and_plots(runs):
             assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded = record.load(out / "record.json")
     assert loaded.verdict.passed, loaded.verdict
-    assert [arm.name for arm in loaded.arms] == ["reference", "calibration-g64", "candidate-g64"]
+    assert [arm.name for arm in loaded.arms] == [
+        "reference", "calibration-g64", "candidate-g64", "candidate-g64-chunked"
+    ]  # fmt: skip
     # The backend the launcher picked for 2 local ranks: NCCL on a host with 2 GPUs.
     assert loaded.environment.world_size == 2
     assert loaded.environment.backend == pick_backend(2)
@@ -107,7 +109,10 @@ def test_changed_hash_for_the_same_head_fails_naming_both(runs):
     assert not check.passed and "MISMATCH" in check.detail
     this_run = next(h for h in third.hashes if h.arm == "candidate-g64").per_rank[0]
     assert this_run[:16] in check.detail and "0" * 16 in check.detail
-    assert third.verdict.failed == ["reproduced[candidate-g64]"]
+    # Every quantized arm's ledger entry was doctored: the chunked arm's too.
+    assert third.verdict.failed == [
+        "reproduced[candidate-g64]", "reproduced[candidate-g64-chunked]"
+    ]  # fmt: skip
 
 
 def test_changed_group_size_changes_the_hash_and_the_check_says_so(runs, tmp_path):
@@ -194,7 +199,7 @@ def test_one_rank_has_nothing_to_gather_and_says_so(tmp_path):
     loaded = record.load(tmp_path / "one" / "record.json")
     checks = {check.name: check for check in loaded.checks}
     assert loaded.verdict.status == "INCONCLUSIVE" and loaded.verdict.failed == []
-    assert loaded.verdict.inconclusive == ["in-effect[candidate-g64]"]
+    assert loaded.verdict.inconclusive == ["in-effect[candidate-g64]", "bounded[candidate-g64]"]
     assert "--world-size 2 or more" in checks["in-effect[candidate-g64]"].detail
     assert checks["own-shard[candidate-g64]"].status == "pass"
     assert checks["replicas[candidate-g64]"].status == "n/a"

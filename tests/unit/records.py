@@ -172,6 +172,7 @@ def _arm(name: str, role: str, quantized: bool) -> dict[str, Any]:
         "kernels": "fused",
         "qwz_gather": True,
         "config": _arm_config(quantized=quantized),
+        "allgather_bucket_size": 50_000_000,
     }
 
 
@@ -184,7 +185,8 @@ ARMS = (
 
 def wire_group(rank: int, bytes_per_step: int, quantized_numel: int = 579_264) -> dict[str, Any]:
     """One rank's gather over the two-rank world: its half of the parameters, all quantized
-    (the spec's bytes at G = 64 are 579,264 * (1 + 4/64) = 615,468)."""
+    (the spec's bytes at G = 64 are 579,264 * (1 + 4/64) = 615,468), in one collective whose
+    output holds both ranks' rows."""
     return {
         "rank": rank,
         "group_ranks": [0, 1],
@@ -194,6 +196,7 @@ def wire_group(rank: int, bytes_per_step: int, quantized_numel: int = 579_264) -
         "exact_numel": 0,
         "padding_numel": 0,
         "element_bytes": 2,
+        "largest_output_bytes": 2 * bytes_per_step,
     }
 
 

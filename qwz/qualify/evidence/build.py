@@ -27,6 +27,9 @@ from qwz.qualify.evidence.tolerance import master_drift_bound
 from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
 from qwz.qualify.rank_reports import RankEnd
 
+LEDGER_LEAVES_OUT = ("role", "allgather_bucket_size")
+"""Arm fields the ledger's key leaves out: the role, and the bucket its config already holds."""
+
 
 def _json_float(value: float | None) -> float | None:
     """JSON has no NaN or Infinity: non-finite values are recorded as null."""
@@ -51,6 +54,7 @@ def _arms(plan: RunPlan) -> list[dict[str, Any]]:
             "kernels": plan.kernels,
             "qwz_gather": plan.qwz_gather,
             "config": plan.arm_config(arm),
+            "allgather_bucket_size": arm.allgather_bucket_size or plan.allgather_bucket_size,
         }
         for arm in plan.arms
     ]
@@ -106,7 +110,8 @@ def _ledger_fields(
         },
         # The layout is part of the computation: at W >= 3 an arm's hash depends on the
         # run's shard alignment ([Note: padding rule], qwz/layout.py), so it keys the entry.
-        arm={key: value for key, value in arm.items() if key != "role"}
+        # The arm's bucket is in its config already: the key stays what older ledgers hold.
+        arm={key: value for key, value in arm.items() if key not in LEDGER_LEAVES_OUT}
         | {"shard_alignment": plan.shard_alignment},
         final_hash=final_hash,
     )

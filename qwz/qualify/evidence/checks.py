@@ -84,7 +84,15 @@ import math
 import statistics
 from typing import Any
 
-from qwz.qualify.evidence import conformance, gather_speed, horizon, loss_scaling, optimizer, stats
+from qwz.qualify.evidence import (
+    bounded,
+    conformance,
+    gather_speed,
+    horizon,
+    loss_scaling,
+    optimizer,
+    stats,
+)
 from qwz.qualify.evidence.rules import SPEED, rule
 from qwz.qualify.evidence.schema import Check, Probe, Record, WireGroup
 from qwz.qualify.evidence.spec import SCALE_BYTES
@@ -148,6 +156,7 @@ def derive(record: Record) -> list[Check]:
     for probe in record.probes:
         checks.append(_probe(probe, world_size, failures.get(probe.arm)))
         checks.append(_in_effect(probe, world_size, failures.get(probe.arm)))
+    checks += bounded.bounded_checks(record)
     checks += _learning(record, reference, candidates)
     if record.plan.min_speedup is not None:
         checks += [_speedup(item, record.plan.min_speedup) for item in record.performance]

@@ -58,6 +58,16 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "checks.ROW_SLACK_BYTES",
     ),
     "in-effect": (),
+    "bounded": (
+        "spec.SCALE_BYTES",
+        "staging.EXACT_VALUE_BYTES",
+        "staging.ROW_ALIGNMENT_BYTES",
+        "staging.IN_FLIGHT_COLLECTIVES",
+        "staging.WORKSPACE_FP32_COPIES",
+        "staging.INDEX_BYTES",
+        "staging.MASK_BYTES",
+        "staging.MEMORY_KINDS_JUDGED",
+    ),
     "learning": (
         "checks.MIN_REFERENCE_DROP",
         "checks.MARGIN_FACTOR",

@@ -58,7 +58,9 @@ class ArmObservation:
     """The group size the engine reports ([Note: reported group size], run/subjects.py)."""
     reported_by: str | None = None
     wire: list[dict[str, Any]] = field(default_factory=list)
-    """The last step's gather bytes and calls per process group, with the group's counts."""
+    """The last step's gather bytes and calls per process group, with the group's counts, and
+    the largest weight-gather collective output of any step ([Note: the staging bound],
+    evidence/staging.py)."""
     uncounted: dict[str, int] = field(default_factory=dict)
     """Collective calls over all steps the probe could not attribute to a process group,
     by entry point ([Note: wire accounting below every entry point], qwz/integrations/probe.py)."""

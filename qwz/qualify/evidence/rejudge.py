@@ -134,15 +134,28 @@ class Rejudged:
         return bool(self.judge_changes or self.speed_changed)
 
 
+def _lacks(item: Any, path: str) -> bool:
+    """Whether `item` (a dict of the payload) lacks ``field`` or, for ``field[].rest``, any
+    of its list's items lacks ``rest``."""
+    if not isinstance(item, dict):
+        return False
+    field, _, rest = path.partition("[].")
+    if field not in item:
+        return True
+    inner = item[field]
+    return bool(rest) and isinstance(inner, list) and any(_lacks(entry, rest) for entry in inner)
+
+
 def _absent(record_payload: dict[str, Any], path: str) -> bool:
-    """Whether the raw payload lacks the input ``section[].field`` (or ``section``)."""
-    section, _, field = path.partition("[].")
+    """Whether the raw payload lacks the input ``section``, ``section[].field`` or a field
+    deeper down (``probes[].wire[].largest_output_bytes``): absent where any item lacks it."""
+    section, _, rest = path.partition("[].")
     value = record_payload.get(section)
     if value is None:
         return True
-    if not field:
+    if not rest:
         return False
-    return any(isinstance(item, dict) and field not in item for item in value)
+    return any(_lacks(item, rest) for item in value)
 
 
 def absent_inputs(payload: dict[str, Any]) -> frozenset[str]:

@@ -14,7 +14,8 @@ Loading a record (rejudge.py): a stored check whose rule equals today's must be 
 the same status and numbers, else the record is refused (the rule changed without its bump,
 or the record was altered); a check of another rule version is kept *as judged* and today's
 rule is applied to the same observations beside it. ``inputs`` names the record fields a rule
-reads that older schemas lack (``section[].field``): a record without them gets "not observed"
+reads that older schemas lack (``section[].field``, or deeper: ``probes[].wire[].field``): a
+record without them gets "not observed"
 under that rule instead of a verdict on data it never had.
 """
 

@@ -206,6 +206,13 @@ class Arm(_Model):
         description="deepspeed subject: whether qwz's gather was allowed to take over"
     )
     config: dict[str, Any] = Field(description="The DeepSpeed-style config given to the engine")
+    allgather_bucket_size: int | None = Field(
+        None,
+        ge=1,
+        description="The allgather_bucket_size the arm's engine was given (the run's, or the "
+        "chunked arm's own: [Note: the chunked arm], qualify/run/chunked_arm.py); null: its "
+        "config has none",
+    )
 
 
 class Failure(_Model):
@@ -448,8 +455,8 @@ class Hashes(_Model):
 
 class WireGroup(_Model):
     """What one rank sent in the weight gather over one process group in the arm's last
-    step, and the spec's counts of the elements it holds there (qualify/evidence/checks.py,
-    [Note: group size from the wire])."""
+    step (the largest collective: over every step), and the spec's counts of the elements it
+    holds there (qualify/evidence/checks.py, [Note: group size from the wire])."""
 
     rank: int
     group_ranks: list[int] = Field(description="Global ranks of the process group")
@@ -479,6 +486,13 @@ class WireGroup(_Model):
     )
     rows_per_step: int | None = Field(
         None, ge=0, description="Peer rows received: W - 1 per gathered tensor, 1 per broadcast"
+    )
+    largest_output_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="The largest output of one weight-gather collective over the group in any "
+        "step window of the arm (qwz/integrations/probe.py; judged by bounded, [Note: the "
+        "staging bound], qualify/evidence/staging.py); null: recorded before it was kept",
     )
 
 

@@ -25,7 +25,11 @@ an older record, rules.INPUTS), every arm's short master digests after every ste
 (``step_masters``; what compares them, the review of a pull request in
 qualify/evidence/default_path.py, says it could not), the user's DeepSpeed config file
 (``plan.ds_config``, null: none) and the class of the optimizer that stepped the masters
-(``updates[].optimizer``, null: not named; ``update`` then re-derives AdamW from the plan).
+(``updates[].optimizer``, null: not named; ``update`` then re-derives AdamW from the plan);
+each arm's ``allgather_bucket_size`` (the chunked arm's is its own: [Note: the chunked arm],
+qualify/run/chunked_arm.py; an older arm's is the one its config gave its engine,
+``_bucket_from_4``) and each wire entry's ``largest_output_bytes`` (absent: ``bounded``
+reads "not observed", rules.py ``inputs``).
 """
 
 from __future__ import annotations
@@ -101,8 +105,26 @@ def _from_3(payload: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
+def _bucket_from_4(arm: Any) -> Any:
+    """A schema-4 arm with the ``allgather_bucket_size`` its config gave its engine."""
+    if not isinstance(arm, dict) or "allgather_bucket_size" in arm:
+        return arm
+    config = arm.get("config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    bucket = zero.get("allgather_bucket_size") if isinstance(zero, dict) else None
+    if isinstance(bucket, float) and bucket.is_integer():  # DeepSpeed configs write 5e8
+        bucket = int(bucket)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        bucket = None
+    return dict(arm, allgather_bucket_size=bucket)
+
+
 def _from_4(payload: dict[str, Any]) -> dict[str, Any]:
-    return dict(payload, schema_version=5)
+    upgraded = dict(payload, schema_version=5)
+    arms = payload.get("arms")
+    if isinstance(arms, list):
+        upgraded["arms"] = [_bucket_from_4(arm) for arm in arms]
+    return upgraded
 
 
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {

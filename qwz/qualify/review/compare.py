@@ -24,7 +24,9 @@ Not comparable:
   - the subject differs (qwz against DeepSpeed, DeepSpeed's own code against
     DeepSpeed with qwz's gather);
   - the workload differs (name, params, steps, seed) or the arms differ (names,
-    order, quantization, group size, stage, dtype, config).
+    order, quantization, group size, stage, dtype, config) -- but for a chunked arm
+    ([Note: the chunked arm], qualify/run/chunked_arm.py) on one side only: a harness that
+    adds it judges more of the same setup, and its checks are new checks (below).
 
 Regression:
   - a check that passed in the baseline fails or is inconclusive now, or a
@@ -59,6 +61,7 @@ from qwz.qualify.evidence.record import load
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import MACHINE_FIELDS, Check, Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe, verifies
+from qwz.qualify.plan import CHUNKED_SUFFIX
 from qwz.qualify.review.formatting import (
     format_bytes,
     format_interval,
@@ -143,6 +146,15 @@ def _environment(baseline: Record, candidate: Record) -> tuple[list[str], list[F
     return reasons, [_note(f"{line} (context, not part of the fingerprint)") for line in machine]
 
 
+def _shared_arms(baseline: Record, candidate: Record) -> tuple[list[Any], list[Any]]:
+    """Each record's arms but a chunked arm the other lacks ([Note: the chunked arm])."""
+    names = [{arm.name for arm in record.arms} for record in (candidate, baseline)]
+    return tuple(  # type: ignore[return-value]
+        [arm for arm in record.arms if arm.name in other or not arm.name.endswith(CHUNKED_SUFFIX)]
+        for record, other in zip((baseline, candidate), names, strict=True)
+    )
+
+
 def _incomparability(baseline: Record, candidate: Record) -> list[str]:
     reasons = []
     if baseline.schema_version != candidate.schema_version:
@@ -160,12 +172,13 @@ def _incomparability(baseline: Record, candidate: Record) -> list[str]:
     )
     if workload_changes:
         reasons.append(f"workloads differ: {'; '.join(workload_changes)}")
-    baseline_arms = [arm.name for arm in baseline.arms]
-    candidate_arms = [arm.name for arm in candidate.arms]
+    shared = _shared_arms(baseline, candidate)
+    baseline_arms = [arm.name for arm in shared[0]]
+    candidate_arms = [arm.name for arm in shared[1]]
     if baseline_arms != candidate_arms:
         reasons.append(f"arms differ: {baseline_arms} -> {candidate_arms}")
     else:
-        for before, after in zip(baseline.arms, candidate.arms, strict=True):
+        for before, after in zip(*shared, strict=True):
             arm_changes = _differences(
                 before.model_dump(), after.model_dump(), f"arm {before.name!r}"
             )

@@ -267,10 +267,10 @@ def _workload_section(record: Record) -> list[str]:
 def _arms_section(record: Record) -> list[str]:
     lines = ["## Arms", "", f"Subject `{record.subject.name}`: {_mode(record)}.", ""]
     lines += table(
-        ["arm", "quantized", "group size", "ZeRO stage", "dtype"],
+        ["arm", "quantized", "group size", "ZeRO stage", "dtype", "allgather bucket"],
         [
             (f"`{arm.name}`", _quantized(record, arm), group_size_text(arm.group_size), arm.stage,
-             arm.dtype)
+             arm.dtype, _bucket_text(arm.allgather_bucket_size))
             for arm in record.arms
         ],
     )  # fmt: skip
@@ -299,6 +299,12 @@ def _arms_section(record: Record) -> list[str]:
             "",
         ]
     return lines
+
+
+def _bucket_text(bucket: int | None) -> str:
+    """An arm's ``allgather_bucket_size`` (the chunked arm's is its own: [Note: the chunked
+    arm], qualify/run/chunked_arm.py)."""
+    return "-" if bucket is None else f"{bucket:,}"
 
 
 def _mode(record: Record) -> str:

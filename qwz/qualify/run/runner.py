@@ -434,6 +434,8 @@ class _ArmRun:
         self.overflow_watch: overflow.OverflowWatch | None = None
         self.next_use: next_use.NextUse | None = None
         self.wire = WireWindow()
+        self.largest_outputs: dict[tuple[int, ...], int] = {}
+        """Per process group, the largest weight-gather collective output of any window."""
         if self.fp16:
             self.observed.update(loss_scales=[], overflowed=[])
 
@@ -622,9 +624,17 @@ class _ArmRun:
         if probe is None:
             return
         observed = self.observed
+        # [Note: the staging bound] (evidence/staging.py): the largest collective of any window,
+        # recorded with the last gathering step's wire.
+        for ranks in self.wire_layout:
+            largest = probe.gather_traffic(ranks).largest_output_bytes
+            self.largest_outputs[ranks] = max(self.largest_outputs.get(ranks, 0), largest)
         if gathered:
             observed["gather_bytes"] = int(probe.bytes["gather"])
-            observed["wire"] = _wire(probe, self.wire_layout, self.rank)
+            observed["wire"] = [
+                entry | {"largest_output_bytes": self.largest_outputs[tuple(entry["group_ranks"])]}
+                for entry in _wire(probe, self.wire_layout, self.rank)
+            ]
         # Any step's unattributed collective makes the wire's account incomplete.
         for name, count in probe.uncounted.items():
             uncounted = observed.setdefault("uncounted", {})
@@ -737,7 +747,7 @@ def _timed(plan: RunPlan, arms: dict[str, ArmObservation]) -> list[ArmSpec]:
     their noise."""
     if plan.arm_set == "reference":
         return [plan.arms[0]]
-    return [arm for arm in plan.arms if arm.quantized and arms[arm.name].failure is None]
+    return [arm for arm in plan.arms if arm.timed and arms[arm.name].failure is None]
 
 
 def _same_deepspeed_everywhere(gathered: list[dict[str, Any]]) -> None:

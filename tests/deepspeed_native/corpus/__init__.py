@@ -52,8 +52,24 @@ BROKEN: dict[str, tuple[str, str, str, frozenset[str]]] = {
         "                rows[source, chunk.start + skip:chunk.end].copy_(self._decode(chunk, payload, source)[skip:])",
         frozenset({"own-shard", "replicas"}),
     ),
+    "broken_bucket_ignored": (
+        "master_packed_list",
+        "        step = max(group_size, optimizer.allgather_bucket_size // (self.world * group_size) * group_size)",
+        "        step = -(-self.partition // group_size) * group_size  # one chunk: the bucket ignored",
+        frozenset({"bounded"}),
+    ),
+    "broken_groups_restart": (
+        "master_packed_list",
+        "        step = max(group_size, optimizer.allgather_bucket_size // (self.world * group_size) * group_size)",
+        "        step = max(group_size, int(optimizer.allgather_bucket_size / (self.world * (1 + 4 / group_size))))",
+        frozenset({"own-shard"}),
+    ),
 }  # fmt: skip
 """Broken variants derived from a correct one by a one-line edit."""
+
+CHUNKED_ONLY = ("broken_stale_chunk_edge", "broken_bucket_ignored", "broken_groups_restart")
+"""Broken variants wrong only where a gather chunks: the default qualification (no bucket flag)
+catches them through its chunked arm ([Note: the chunked arm], qwz/qualify/run/chunked_arm.py)."""
 
 WHOLE_BROKEN: dict[str, frozenset[str]] = {"broken_stock_gather": frozenset({"in-effect"})}
 """Broken variants written as whole modules."""

@@ -132,7 +132,8 @@ def test_one_rank_has_no_replicas_and_no_wire():
     assert "nothing was quantized or sent" in names[f"in-effect[{CANDIDATE}]"].detail
     assert names[f"replicas[{CANDIDATE}]"].status == "n/a"
     assert record.verdict.status == "INCONCLUSIVE"
-    assert record.verdict.inconclusive == [f"in-effect[{CANDIDATE}]"]
+    assert names[f"bounded[{CANDIDATE}]"].status == "inconclusive"
+    assert record.verdict.inconclusive == [f"in-effect[{CANDIDATE}]", f"bounded[{CANDIDATE}]"]
     assert f"in-effect[{CANDIDATE}]" not in record.verdict.evidence
 
 

@@ -34,9 +34,6 @@ from ..records import (
 
 G8192 = "candidate-g8192"
 NATIVE = {"name": "deepspeed-native", "version": "0.19.8", "sha": "ab" * 20, "dirty": False}
-PENDING = {"bounded"}
-"""Check families the claims name whose rules other branches add (issue 28): the table says
-"not in this record" for them until they are merged; then this set is emptied (strict)."""
 
 
 def _renamed(item: dict) -> dict:
@@ -138,9 +135,6 @@ def test_a_claim_whose_checks_a_record_lacks_is_not_in_this_record(monkeypatch):
     row = table()["a later claim"]
     assert (row.verdict, row.checks) == (NOT_IN_RECORD, ("a-later-check[candidates]",))
     assert row.detail == "a-later-check[candidates]: no such check in the head's record"
-    for name in ("bounded staging", "group sizes: positive multiples of 8"):
-        if not {d.family for c in CLAIMS if c.claim == name for d in c.deciders} & set(RULES):
-            assert table()[name].verdict == NOT_IN_RECORD  # until issue 28 is merged
 
 
 def test_a_failing_check_fails_its_claim_with_its_detail():
@@ -221,8 +215,6 @@ def test_a_conformance_row_decides_the_claims_of_its_pr_claim(monkeypatch, verdi
 
 
 def test_every_check_family_the_claims_name_is_a_judge_rule():
-    """Strict once the bounded and conformance checks are merged (PENDING empty)."""
     assert checks.derive  # the rules register when the checks are imported
     missing = claims.judged_families() - set(RULES)
-    assert not missing - PENDING, f"claims name families no rule derives: {sorted(missing)}"
-    print(f"families the claims name that no rule derives yet: {sorted(missing)}")
+    assert not missing, f"claims name families no rule derives: {sorted(missing)}"

@@ -61,7 +61,16 @@ def refusals(tmp_path: pathlib.Path, content, *argv: str) -> list[str]:
 def test_every_arm_carries_exactly_the_file_s_optimizer_buckets_and_clipping(tmp_path, subject):
     planned = plan(tmp_path, PR_CONFIG, "--subject", subject, "--group-size", "64")
     configs = {arm.name: planned.arm_config(arm) for arm in planned.arms}
-    assert list(configs) == ["reference", "calibration-g64", "candidate-g64"]
+    assert list(configs) == [
+        "reference",
+        "calibration-g64",
+        "candidate-g64",
+        "candidate-g64-chunked",
+    ]
+    # The chunked arm is the candidate with its own bucket ([Note: the chunked arm]).
+    chunked = configs.pop("candidate-g64-chunked")
+    bucket = chunked["zero_optimization"].pop("allgather_bucket_size")
+    assert bucket == planned.chunked_allgather_bucket_size and chunked == configs["candidate-g64"]
     for config in configs.values():
         assert config["optimizer"] == PR_CONFIG["optimizer"]
         assert config["zero_optimization"]["reduce_bucket_size"] == 1e8
@@ -109,7 +118,8 @@ def test_a_flag_the_file_leaves_out_is_set_in_every_arm(tmp_path):
     planned = plan(tmp_path, PR_CONFIG, "--allgather-bucket-size", "65536", "--stage", "1")
     for arm in planned.arms:
         zero = planned.arm_config(arm)["zero_optimization"]
-        assert (zero["allgather_bucket_size"], zero["stage"]) == (65536, 1)
+        bucket = arm.allgather_bucket_size or 65536  # the chunked arm keeps its own
+        assert (zero["allgather_bucket_size"], zero["stage"]) == (bucket, 1)
     assert planned.ds_config.from_flags == {"zero_optimization.allgather_bucket_size": 65536}
 
 

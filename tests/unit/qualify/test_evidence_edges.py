@@ -190,12 +190,12 @@ def test_the_banner_says_correctness_and_speed_apart():
     )
     assert banner.banner(three_block_record()) == "PASS; speed: not measured (3 blocks)"
     assert banner.banner(inconclusive_record()).startswith(
-        f"INCONCLUSIVE (in-effect[{CANDIDATE}]); speed "
+        f"INCONCLUSIVE (in-effect[{CANDIDATE}], bounded[{CANDIDATE}]); speed "
     )
     markdown = report.render_markdown(inconclusive_record())
     assert (
-        f"**Inconclusive:** `in-effect[{CANDIDATE}]`: one rank: nothing was quantized"
-        in (markdown.split("## ")[0])
+        f"**Inconclusive:** `in-effect[{CANDIDATE}]`, `bounded[{CANDIDATE}]`: one rank: nothing "
+        "was quantized" in (markdown.split("## ")[0])
     )
 
 

@@ -167,8 +167,8 @@ def test_on_cpu_the_pr_evidence_preset_shape_checks_on_a_scaled_down_qwen3(tmp_p
     assert preflight.check_run_request(args) == []
     planned = preflight.plan_of(args)
     assert planned.workload.params["attention"] == "sdpa"
-    candidate = planned.arms[-1]
-    assert candidate.group_size == 8192
+    candidate = next(arm for arm in planned.arms if arm.group_size == 8192)
+    assert candidate.allgather_bucket_size is None  # the user's bucket, not the chunked arm's
     model = planned.workload.build_model(planned.seed, dtype=torch.bfloat16)
     assert model.config._attn_implementation == "sdpa"
     engine = qwz.initialize(
