@@ -35,8 +35,38 @@ _STATUS = {"pass": "PASS", "fail": "**FAIL**", "n/a": "n/a", "inconclusive": "*i
 
 def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
     """The record as markdown; ``plots`` (from ``write_plots``) are linked relative to it."""
-    verdict = record.verdict
-    environment = record.environment
+    lines = _verdict_lines(record)
+    for section in (
+        _failures_section,
+        _code_section,
+        _environment_section,
+        _workload_section,
+        _arms_section,
+        _trajectory_section,
+        _learning_section,
+        _exactness_section,
+        _drift_section,
+        _hashes_section,
+        _probe_section,
+        conformance_section,
+        _memory_section,
+        _performance_section,
+        report_sections.reproduce_section,
+    ):
+        lines += section(record)
+    lines += ["## Checks", ""]
+    lines += table(
+        ["check", "result", "detail"],
+        [(f"`{check.name}`", _STATUS[check.status], check.detail) for check in record.checks],
+    )
+    lines += _plot_lines(plots or {})
+    lines += ["---", "", f"*Method.* {METHOD_NOTE}", ""]
+    return "\n".join(lines)
+
+
+def _verdict_lines(record: Record) -> list[str]:
+    """The title, the banner, the verdict and what decided it."""
+    verdict, environment = record.verdict, record.environment
     arm_names = [arm.name for arm in record.arms]
     lines = [
         f"# {title(record)}: {verdict.status}",
@@ -58,9 +88,11 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
         names = ", ".join(f"`{name}`" for name in verdict.inconclusive)
         why = "; ".join(check.detail for check in record.checks if check.status == "inconclusive")
         lines += [f"**Inconclusive:** {names}: {why}.", ""]
-    lines += [
-        f"Checks with evidence: {evidence}; not applicable: {len(verdict.not_applicable)}"
-        + (" (" + "; ".join(verdict.not_applicable) + ")" if verdict.not_applicable else "")
+    not_applicable = verdict.not_applicable
+    return [
+        *lines,
+        f"Checks with evidence: {evidence}; not applicable: {len(not_applicable)}"
+        + (" (" + "; ".join(not_applicable) + ")" if not_applicable else "")
         + ".",
         "",
         f"Record written {record.created_at}, schema version "
@@ -68,38 +100,23 @@ def render_markdown(record: Record, plots: dict[str, str] | None = None) -> str:
         "",
         *_judge_lines(record),
     ]
-    lines += _failures_section(record)
-    lines += _code_section(record)
-    lines += _environment_section(record)
-    lines += _workload_section(record)
-    lines += _arms_section(record)
-    lines += _trajectory_section(record)
-    lines += _learning_section(record)
-    lines += _exactness_section(record)
-    lines += _drift_section(record)
-    lines += _hashes_section(record)
-    lines += _probe_section(record)
-    lines += conformance_section(record)
-    lines += _memory_section(record)
-    lines += _performance_section(record)
-    lines += report_sections.reproduce_section(record)
-    lines += ["## Checks", ""]
-    lines += table(
-        ["check", "result", "detail"],
-        [(f"`{check.name}`", _STATUS[check.status], check.detail) for check in record.checks],
-    )
-    if plots:
-        titles = {
-            "loss": "Loss per step",
-            "held_out": "Held-out loss per evaluation, with the margin",
-            "speedup": "Speed-up per block",
-            "step_times": "ms per step and per gather, per block",
-        }
-        lines += ["## Plots", ""]
-        for name, file_name in plots.items():
-            lines += [f"![{titles.get(name, name)}]({file_name})", ""]
-    lines += ["---", "", f"*Method.* {METHOD_NOTE}", ""]
-    return "\n".join(lines)
+
+
+PLOT_TITLES = {
+    "loss": "Loss per step",
+    "held_out": "Held-out loss per evaluation, with the margin",
+    "speedup": "Speed-up per block",
+    "step_times": "ms per step and per gather, per block",
+}
+
+
+def _plot_lines(plots: dict[str, str]) -> list[str]:
+    if not plots:
+        return []
+    lines = ["## Plots", ""]
+    for name, file_name in plots.items():
+        lines += [f"![{PLOT_TITLES.get(name, name)}]({file_name})", ""]
+    return lines
 
 
 SUBJECT_TITLES = {

@@ -778,6 +778,23 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
         rank_reports.crash(error, **progress.where)
 
 
+def _train_arms(
+    plan: RunPlan, rank: int, samples: dict[str, torch.Tensor], progress: _Progress
+) -> dict[str, ArmObservation]:
+    """Every arm, one after another ([Note: arms one at a time]); each arm's observation is
+    reported as it ends, so the launcher keeps it if the run crashes later."""
+    arms: dict[str, ArmObservation] = {}
+    reference_samples: dict[str, list[torch.Tensor]] | None = None
+    for arm in plan.arms:
+        against = None if arm.name == REFERENCE else reference_samples
+        obs, sampled = _train_arm(plan, arm, rank, against, samples, progress)
+        if arm.name == REFERENCE:
+            reference_samples = sampled if obs.failure is None else None
+        arms[arm.name] = obs
+        rank_reports.report_result(arm.name, obs)
+    return arms
+
+
 def _qualify(
     plan: RunPlan, rank: int, world_size: int, progress: _Progress, settings: Any
 ) -> list[dict[str, Any]] | None:
@@ -795,22 +812,7 @@ def _qualify(
     samples = _sample_indices(probe_model, plan.samples_per_param, plan.seed)
     num_parameters = sum(p.numel() for p in probe_model.parameters())
     del probe_model
-    arms: dict[str, ArmObservation] = {}
-    reference_samples: dict[str, list[torch.Tensor]] | None = None
-    for arm in plan.arms:
-        obs, sampled = _train_arm(
-            plan,
-            arm,
-            rank,
-            None if arm.name == REFERENCE else reference_samples,
-            samples,
-            progress,
-        )
-        if arm.name == REFERENCE:
-            reference_samples = sampled if obs.failure is None else None
-        arms[arm.name] = obs
-        rank_reports.report_result(arm.name, obs)  # kept by the launcher if the run crashes
-
+    arms = _train_arms(plan, rank, samples, progress)
     timings = {}
     if arms[REFERENCE].failure is None and plan.blocks > 0:
         timings = _timing(plan, _timed(plan, arms), rank, progress)
