@@ -10,10 +10,9 @@ prints one line per run, the rate per world size and overall, and which checks f
 often. DESIGN.md asks for at most 1 false failure in 20 runs: the exit status is 1 when
 the overall rate exceeds ``--max-rate`` (default 0.05), else 0.
 
-The speed check is not what this measures: the qualification refuses ``--blocks 0``, so the
-default is the minimal speed measurement (1 block of 1 timed step after 1 warm-up step) and
-no ``--min-speedup``, which leaves the speed-up unjudged. Pass ``--blocks`` and friends to
-measure with more.
+The speed check is not what this measures: the default is ``--blocks 0`` (no speed blocks)
+and no ``--min-speedup``, which leaves the speed-up unjudged. Pass ``--blocks`` and friends
+to measure it too.
 
 Arguments after ``--`` go to every run unchanged, e.g. a DeepSpeed subject (a correct
 implementation in a checkout) and its chunking::
@@ -50,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", default="mlp")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--blocks", type=int, default=1)
+    parser.add_argument("--blocks", type=int, default=0)
     parser.add_argument("--block-steps", type=int, default=1)
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--max-rate", type=float, default=0.05)
