@@ -36,11 +36,12 @@ import copy
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from qwz.qualify.run import child
 
 MARKER = "QWZ-CONFORMANCE "
 MESSAGE_CHARS = 300
@@ -136,28 +137,22 @@ def _child_environment() -> dict[str, str]:
 
 def _ask(request: dict[str, Any], environment: dict[str, str], timeout_s: float):
     """The rows the subprocess observed, or why there are none (a harness error)."""
+    answer = child.ask(
+        CHILD,
+        marker=MARKER,
+        environment=environment,
+        timeout_s=timeout_s,
+        stdin_text=json.dumps(request),
+    )
+    if isinstance(answer, child.NoAnswer):
+        if answer.kind == "timeout":
+            return f"the table took {answer.message}"
+        if answer.kind == "start":
+            return f"could not start the table's process: {answer.message}"
+        return f"the table's process ended without its rows ({answer.message})"
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD],
-            input=json.dumps(request),
-            capture_output=True,
-            text=True,
-            env=environment,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return f"the table took over {timeout_s:.0f} s"
-    except OSError as error:
-        return f"could not start the table's process: {error}"
-    lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return f"the table's process exited {done.returncode} without its rows: {last[:500]}"
-    try:
-        answer = json.loads(lines[-1].removeprefix(MARKER))
         return answer["error"] if answer["error"] is not None else answer["rows"]
-    except (ValueError, KeyError, TypeError) as error:
+    except (KeyError, TypeError) as error:
         return f"the table's process reported no readable rows: {error!r}"[:500]
 
 

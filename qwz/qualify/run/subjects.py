@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import pathlib
-import subprocess
 import sys
 from typing import Any
 
@@ -47,6 +46,7 @@ import torch.distributed as dist
 
 import qwz
 from qwz.qualify.plan import SUBJECTS
+from qwz.qualify.run import child
 from qwz.shards import OwnShard
 
 
@@ -395,26 +395,17 @@ def _ask_deepspeed(
     timeout_s: float,
     stdin_text: str | None = None,
 ) -> dict[str, Any] | str:
-    """Run `script` (which imports deepspeed) in a subprocess with `environment` and return
-    the JSON it printed after `marker`, or why there is none: the import took too long, or
-    it failed (the last line of its stderr)."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            input=stdin_text,
-            capture_output=True,
-            text=True,
-            env=environment,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return f"importing deepspeed took over {timeout_s:.0f} s"
-    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return f"cannot import deepspeed: {last}"
-    return json.loads(lines[-1].removeprefix(marker))
+    """Run `script` (which imports deepspeed) in a child (run/child.py) and return the JSON it
+    printed after `marker`, or why there is none: the import took too long, or it failed (the
+    last line of its stderr)."""
+    answer = child.ask(
+        script, marker=marker, environment=environment, timeout_s=timeout_s, stdin_text=stdin_text
+    )
+    if isinstance(answer, child.NoAnswer):
+        if answer.kind == "timeout":
+            return f"importing deepspeed took {answer.message}"
+        return f"cannot import deepspeed: {answer.message}"
+    return answer
 
 
 def _version_text(package: pathlib.Path, version: str) -> str:

@@ -158,7 +158,7 @@ def test_a_table_the_harness_could_not_run_is_inconclusive_never_a_fail():
 def test_a_table_process_that_dies_is_the_table_s_error(monkeypatch):
     monkeypatch.setattr(runner, "CHILD", "import sys; sys.exit('no table here')")
     table = runner.run_table("qwz")
-    assert table["rows"] == [] and "exited 1 without its rows: no table here" in table["error"]
+    assert table["rows"] == [] and "without its rows (exited 1: no table here)" in table["error"]
     garbled = "print(" + repr(runner.MARKER + '{"rows": [{"row": 1}], "error": null}') + ")"
     monkeypatch.setattr(runner, "CHILD", garbled)
     table = runner.run_table("qwz")
