@@ -126,6 +126,9 @@ def test_the_proposal_passes_every_claim_and_resumes(repository, worktree, tmp_p
     assert resumed["claims"] == summary["claims"]
 
 
+# Nightly: three to seven minutes on 2 cores. In CI, tests/unit/qualify/test_default_path.py
+# judges two records that differ at one step and parameter, test_pr_review.py the claim row.
+@pytest.mark.nightly
 def test_a_head_that_changes_the_default_path_fails_that_claim(repository, worktree, tmp_path):
     """Gradients rescaled when the key is off, from step 2 on: the head's own run passes every
     check (the update, the norm and the replicas are consistent within it, and step 1, which
