@@ -4,18 +4,14 @@ on request, recorded in the workload's params, computing the same loss."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from qwz.qualify import cli, preflight
 from qwz.qualify.run.workloads import get_workload
+from tests.extras import NEEDS_TRANSFORMERS
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="the qwen3 workloads need transformers (the qualify extra: pip install 'qwz[qualify]')",
-)
+pytestmark = NEEDS_TRANSFORMERS
 
 
 def test_eager_is_the_default_and_leaves_the_workload_s_params_as_they_were():

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qwz.qualify import cli, preflight
+from tests.extras import NEEDS_TRANSFORMERS
 from tests.unit.qualify.test_run_preflight import parse, problems
 
 NEEDS_DEEPSPEED = pytest.mark.skipif(
@@ -80,6 +81,7 @@ def test_bf16_never_asks(tmp_path):
     assert fp16_problems(tmp_path, *argv) == []
 
 
+@NEEDS_TRANSFORMERS
 def test_the_qwz_subject_runs_fp16(tmp_path):
     assert problems(tmp_path, "--dtype", "fp16") == []
     assert preflight.plan_of(parse("--out", "x", "--dtype", "fp16")).fp16_initial_scale_power == 20

@@ -4,19 +4,14 @@ No GPU here: the GPUs the run would use and their free memory are faked."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from qwz.qualify import cli, gpu_memory, preflight
 from qwz.qualify.run.workloads import get_workload
+from tests.extras import NEEDS_TRANSFORMERS
 
 GIB = 2**30
 QWEN3_4B_NUMEL = 4_022_468_096
-NEEDS_TRANSFORMERS = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="the qwen3 workloads need transformers (the qualify extra: pip install 'qwz[qualify]')",
-)
 
 
 def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str, args_out=None) -> list[str]:

@@ -18,6 +18,7 @@ from qwz.qualify.matrix import runner
 from qwz.qualify.pr_review import command
 from qwz.qualify.review import pr_review
 from tests.deepspeed_checkout import git
+from tests.extras import NEEDS_TRANSFORMERS
 
 from ..records import conformance_table, make_payload, make_step_masters
 
@@ -126,6 +127,7 @@ def test_a_run_without_a_finished_record_of_its_commit_runs_again(tmp_path, repo
     assert [pathlib.Path(argv[argv.index("--out") + 1]).name for argv in again.launched] == ["head"]
 
 
+@NEEDS_TRANSFORMERS
 def test_a_changed_request_is_refused_unless_restarted(tmp_path, repository, capsys):
     assert review(tmp_path, repository, FakeRun(), *RUN_OPTIONS) == 0
     changed = FakeRun()

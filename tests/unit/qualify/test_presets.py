@@ -12,12 +12,14 @@ from qwz.qualify.matrix import spec as matrix_spec
 from qwz.qualify.plan import Launch, RunPlan
 from qwz.qualify.run.workloads import get_workload
 from qwz.qualify.values import POSITIVE_FINITE, setting
+from tests.extras import NEEDS_TRANSFORMERS
 
 
 def plan(*argv: str) -> RunPlan:
     return preflight.plan_of(cli.build_parser().parse_args(["run", "--out", "x", *argv]))
 
 
+@NEEDS_TRANSFORMERS
 def test_the_default_preset_is_the_twenty_step_qualification_unchanged():
     planned = plan()
     assert (planned.workload, planned.steps, planned.eval_every) == (
@@ -48,6 +50,7 @@ def test_the_long_preset_fills_the_flags_left_unset(monkeypatch):
     assert short.learning_rule == "non-inferiority"
 
 
+@NEEDS_TRANSFORMERS
 def test_the_long_preset_trains_qwen3_0_6b_where_every_rank_has_a_gpu(monkeypatch):
     monkeypatch.setattr(preflight, "_has_gpu_per_rank", lambda world_size: True)
     assert plan("--preset", "long").workload.name == "qwen3-0.6b"
@@ -122,6 +125,7 @@ def test_a_setting_declared_once_reaches_the_flags_the_matrix_and_the_presets(mo
 # --------------------------------------------------------------------------- pr-evidence
 
 
+@NEEDS_TRANSFORMERS
 def test_the_pr_evidence_preset_resolves_to_the_pr_s_settings(monkeypatch):
     """[Note: the PR's evidence]: Qwen3-4B at 2048, bf16, ZeRO-2, a rank per local GPU, 20
     steps, four blocks, G 64 and 8192, a 100M reduce bucket, fused AdamW, SDPA."""
@@ -155,6 +159,7 @@ def test_the_pr_evidence_preset_resolves_to_the_pr_s_settings(monkeypatch):
     assert bare.world_size == 2
 
 
+@NEEDS_TRANSFORMERS
 def test_on_cpu_the_pr_evidence_preset_shape_checks_on_a_scaled_down_qwen3(tmp_path):
     """The preset on qwen3-tiny with qwz's engine: the preflight accepts it, and one training
     step of the candidate with G 8192 and SDPA attention runs on the CPU."""

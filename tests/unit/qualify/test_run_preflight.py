@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from qwz.qualify import cli, files, preflight
 from qwz.qualify.evidence import ledger
 from qwz.qualify.run import launch
+from tests.extras import NEEDS_TRANSFORMERS
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -90,6 +91,7 @@ def test_a_fresh_request_passes(tmp_path):
     assert problems(tmp_path, "--ledger", str(tmp_path / "ledger")) == []
 
 
+@NEEDS_TRANSFORMERS
 def test_the_reference_alone_trains_one_arm_and_has_no_speed_up_to_gate(tmp_path):
     """``--arm-set reference`` (what review runs at a PR's base) trains the reference alone;
     ``--min-speedup`` gates candidates, so with it the request is refused, naming both."""
@@ -320,6 +322,7 @@ def test_a_renamed_flag_is_refused_naming_its_replacement(capsys, argv, replacem
     assert f"{argv[0]} was renamed: use {replacement}" in last
 
 
+@NEEDS_TRANSFORMERS
 def test_each_bucket_is_its_own_setting():
     """``--allgather-bucket-size`` no longer sets the reduce bucket too."""
     plan = preflight.plan_of(parse("--out", "x", "--allgather-bucket-size", "65536"))

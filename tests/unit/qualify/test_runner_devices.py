@@ -8,8 +8,6 @@ holds no values to reduce)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +17,7 @@ from qwz.qualify.plan import RunPlan
 from qwz.qualify.run import runner, subjects
 from qwz.qualify.run.observers import own_shard
 from qwz.qualify.run.workloads import get_workload
+from tests.extras import NEEDS_TRANSFORMERS
 
 FAKE_GROUP_DEVICE = torch.device("meta")
 
@@ -61,12 +60,6 @@ def test_the_held_out_loss_is_reduced_on_the_group_s_device(meta_group):
     with pytest.raises(ReachedCollective):
         runner._held_out_loss(plan, engine, rank=0, step=0)
     assert meta_group == [FAKE_GROUP_DEVICE]
-
-
-NEEDS_TRANSFORMERS = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="the qwen3 workloads need transformers (the qualify extra: pip install 'qwz[qualify]')",
-)
 
 
 @pytest.mark.parametrize("name", ["mlp", pytest.param("qwen3-tiny", marks=NEEDS_TRANSFORMERS)])
