@@ -1,4 +1,4 @@
-"""Hypothesis profiles for the whole suite; nothing else belongs here.
+"""Hypothesis profiles for the whole suite, and the compiler its JIT builds use.
 
 ``dev`` is the default, ``ci`` loads when the ``CI`` environment variable is set, and
 ``--hypothesis-profile NAME`` (the hypothesis pytest plugin) overrides both. Every
@@ -6,9 +6,13 @@ profile has ``deadline=None``: the first call into torch (and ``torch.compile``)
 up for seconds, which is not a property failure. Each starts from hypothesis's own
 ``default`` profile, not from whatever hypothesis loaded on import (its built-in ``ci``
 when ``CI`` is set), so ``nightly`` stays randomized on a CI machine.
+
+``CXX`` (unless set) is tests/cxx_cache/g++: the suite's several DeepSpeed checkouts build
+the same C++ op once ([Note: one op build per test run] there).
 """
 
 import os
+import pathlib
 
 from hypothesis import HealthCheck, settings
 
@@ -33,3 +37,5 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+os.environ.setdefault("CXX", str(pathlib.Path(__file__).resolve().parent / "cxx_cache" / "g++"))
