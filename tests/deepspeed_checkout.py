@@ -242,11 +242,21 @@ def sdist_checkout(version: str) -> pathlib.Path:
     (so, like a clone, it reports "0.0.0" unless imported from its root), committed as
     "stock". Built once under ``~/.cache/qwz/checkouts/`` (a fixed path, so DeepSpeed's JIT
     ops are built once, [Note: ops of a checkout]) and rebuilt when it is not clean; the
-    fixed author and dates give the same commit SHA on every machine."""
+    fixed author and dates give the same commit SHA on every machine. Two test processes
+    asking at once (pytest-xdist's workers) take turns: the second finds the first's."""
+    import fcntl
+
+    root = _cache_dir() / "checkouts" / f"DeepSpeed-{version}"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"DeepSpeed-{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _sdist_checkout(version, root)
+
+
+def _sdist_checkout(version: str, root: pathlib.Path) -> pathlib.Path:
     import tarfile
     import tempfile
 
-    root = _cache_dir() / "checkouts" / f"DeepSpeed-{version}"
     if root.is_dir():
         status = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain"],
@@ -256,7 +266,6 @@ def sdist_checkout(version: str) -> pathlib.Path:
             return root
         shutil.rmtree(root)
     archive = fetch_sdist(version)
-    root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
         with tarfile.open(archive) as tar:
             tar.extractall(scratch, filter="data")

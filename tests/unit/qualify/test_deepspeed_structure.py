@@ -9,8 +9,11 @@ DeepSpeed's source distributions hold (tests/deepspeed_checkout.py ``sdist_check
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -19,7 +22,7 @@ import torch
 from qwz.integrations.deepspeed import shards, structure
 from qwz.integrations.deepspeed.structure import SeamError, parameter_offsets
 from qwz.qualify.run import seam_check
-from tests.deepspeed_checkout import SdistUnavailable, sdist_checkout
+from tests.deepspeed_checkout import SdistUnavailable, fetch_sdist, sdist_checkout
 
 
 def _optimizer(layout: list[tuple[int, int]], flat_numel: int, listed: bool = False):
@@ -178,3 +181,36 @@ def test_an_attribute_a_deepspeed_base_class_sets_counts(checkout, tmp_path):
 def test_a_deepspeed_that_is_not_there_is_named(tmp_path):
     [problem] = seam_check.seam_problems("deepspeed-native", tmp_path)
     assert "cannot read DeepSpeed" in problem and "stage_1_and_2.py" in problem
+
+
+RACE = """
+import sys
+from tests.deepspeed_checkout import sdist_checkout, head
+print(head(sdist_checkout(sys.argv[1])))
+"""
+
+
+def test_two_processes_asking_for_one_checkout_at_once_get_the_same_one(tmp_path):
+    """pytest-xdist's two workers build the cached checkout at the same moment on a fresh
+    machine (this unit module and tests/multigpu/test_qualify_checkouts.py): the second waits
+    for the first and takes its checkout, instead of failing to rename over it."""
+    try:
+        archive = fetch_sdist("0.19.8")
+    except SdistUnavailable as why:
+        pytest.skip(f"no DeepSpeed 0.19.8 source: {why}")
+    cache = tmp_path / "cache"
+    (cache / "qwz" / "sdists" / "0.19.8").mkdir(parents=True)
+    shutil.copy(archive, cache / "qwz" / "sdists" / "0.19.8" / archive.name)
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+    root = pathlib.Path(__file__).resolve().parents[3]
+    racers = [
+        subprocess.Popen([sys.executable, "-c", RACE, "0.19.8"], cwd=root, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    results = [racer.communicate(timeout=600) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], [err for _, err in results]
+    assert results[0][0] == results[1][0] and len(results[0][0].strip()) == 40
+    assert [p.name for p in (cache / "qwz" / "checkouts").iterdir() if p.is_dir()] == [
+        "DeepSpeed-0.19.8"
+    ]
