@@ -119,6 +119,9 @@ def _bisect_args(root: pathlib.Path, shas: list[str], *flags: str) -> list[str]:
     ]
 
 
+# Nightly: three to four minutes on 2 cores. In CI, tests/unit/qualify/test_bisect.py kills,
+# resumes and skips over fake trials, and the `git bisect run` test below qualifies real commits.
+@pytest.mark.nightly
 def test_a_killed_check_bisect_resumes_skips_the_broken_import_and_names_the_commit(history):
     root, shas = history
     setups = root / "setups.txt"
@@ -174,8 +177,9 @@ def test_a_killed_check_bisect_resumes_skips_the_broken_import_and_names_the_com
 
 
 def test_git_bisect_run_with_the_hash_oracle_names_the_commit(history):
-    """``git bisect run qwz-qualify bisect-step --hash``: git walks, the step judges (records
-    of the check bisect are reused: they do not depend on the oracle)."""
+    """``git bisect run qwz-qualify bisect-step --hash``: git walks, the step judges, each step
+    a real qualification of the commit (in the nightly, after the check bisect above, whose
+    records it reuses: they do not depend on the oracle)."""
     root, shas = history
     repository = root / "repo"
     bisect_history.git(repository, "bisect", "start", shas[-1], shas[0])

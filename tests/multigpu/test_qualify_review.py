@@ -147,6 +147,10 @@ def test_a_head_that_changes_the_default_path_fails_that_claim(repository, workt
     assert all(r["verdict"] != FAIL for r in others), others
 
 
+# Nightly: one to three minutes on 2 cores. In CI the corpus's broken_bucket_ignored fails
+# `bounded` in the default qualification (test_deepspeed_native_corpus.py) and
+# tests/unit/qualify/test_claims.py fails a claim whose check fails.
+@pytest.mark.nightly
 def test_a_head_that_gathers_a_whole_partition_at_once_fails_bounded(
     repository, worktree, tmp_path
 ):
