@@ -111,7 +111,7 @@ if [ "${QWZ_NIGHTLY_TESTS:-1}" != "0" ]; then
   python -m pytest -n 2 -m "not multigpu" tests/unit --hypothesis-profile nightly || failed=1
   # The multigpu tests marked nightly (every corpus variant at world sizes 2 and 4, ...),
   # which the test command deselects.
-  QWZ_NIGHTLY_TESTS=1 python -m pytest -n 2 --dist loadgroup -m nightly tests/multigpu || failed=1
+  QWZ_NIGHTLY_TESTS=1 python -m pytest -n 2 --dist loadfile -m nightly tests/multigpu || failed=1
 fi
 out="$root/history/$today/${subject_dir}$spec_name"
 echo "$out/matrix.md" >> "$root/tonight.txt"

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/env.sh
 status=0
-python -m pytest -n 2 --dist loadgroup --durations=15 tests "$@" || status=$?
+python -m pytest -n 2 --dist loadfile --durations=15 tests "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "ci/test.sh: pytest collected no tests; that is a failure" >&2
   exit 1

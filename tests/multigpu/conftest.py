@@ -83,13 +83,11 @@ and variants than a pull request's CI has time for."""
 
 
 def pytest_collection_modifyitems(config, items):
+    # The test command runs `pytest -n 2 --dist loadfile`: each file on one xdist worker, so a
+    # file's ranks and module fixtures are made once (pytest 9 ignores the nodeid suffix that
+    # `--dist loadgroup` groups by: each file's fixtures were made on both workers).
     if not NIGHTLY:
         nightly = [item for item in items if item.get_closest_marker("nightly") is not None]
         if nightly:
             config.hook.pytest_deselected(items=nightly)
             items[:] = [item for item in items if item.get_closest_marker("nightly") is None]
-    # Under `pytest -n N --dist loadgroup`, keep each multigpu file on one xdist worker so its
-    # ranks are spawned once, while different files (and the unit suite) run in parallel.
-    for item in items:
-        if item.get_closest_marker("multigpu") is not None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
