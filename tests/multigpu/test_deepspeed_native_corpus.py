@@ -10,8 +10,9 @@ PASS and every broken one FAIL naming one of its checks. The bucket is small
 spans several chunks whose edges fall inside parameters, at G = 64 and G = 8192 in one run.
 
 CI runs the variants whose freedoms the old judge refused (bf16 input with broadcast per
-source, a c10d call with async handles) and two broken ones at world size 2; the nightly
-(``QWZ_NIGHTLY_TESTS=1``) runs every variant at world sizes 2 and 4.
+source, a c10d call with async handles) and the stock gather at world size 2, and, with the
+default flags, the variants wrong only where a gather chunks (the chunked arm catches them);
+the nightly (``QWZ_NIGHTLY_TESTS=1``) runs every variant in every test at world sizes 2 and 4.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ with no bucket flag: the run's bucket (5e8) holds each partition in one chunk, s
 chunked arm ([Note: the chunked arm], qwz/qualify/run/chunked_arm.py) chunks."""
 CHUNKED = "candidate-g64-chunked"
 CI_CORRECT = ("broadcast_per_source", "c10d_async_reciprocal")
-CI_BROKEN = ("broken_stale_chunk_edge", "broken_stock_gather")
+CI_BROKEN = ("broken_stock_gather",)
+"""broken_stale_chunk_edge FAILs in CI under the default flags (the chunked-only test)."""
 BROKEN = (*corpus.BROKEN, *corpus.WHOLE_BROKEN)
 
 
