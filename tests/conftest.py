@@ -7,12 +7,13 @@ up for seconds, which is not a property failure. Each starts from hypothesis's o
 ``default`` profile, not from whatever hypothesis loaded on import (its built-in ``ci``
 when ``CI`` is set), so ``nightly`` stays randomized on a CI machine.
 
-``CXX`` (unless set) is tests/cxx_cache/g++: the suite's several DeepSpeed checkouts build
-the same C++ op once ([Note: one op build per test run] there).
+``CXX`` (unless set, and where g++ is installed) is tests/cxx_cache/g++: the suite's several
+DeepSpeed checkouts build the same C++ op once ([Note: one op build per test run] there).
 """
 
 import os
 import pathlib
+import shutil
 
 from hypothesis import HealthCheck, settings
 
@@ -38,4 +39,5 @@ settings.register_profile(
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-os.environ.setdefault("CXX", str(pathlib.Path(__file__).resolve().parent / "cxx_cache" / "g++"))
+if shutil.which("g++") is not None:
+    os.environ.setdefault("CXX", str(pathlib.Path(__file__).resolve().parent / "cxx_cache" / "g++"))
