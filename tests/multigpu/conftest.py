@@ -85,7 +85,8 @@ and variants than a pull request's CI has time for."""
 def pytest_collection_modifyitems(config, items):
     # The test command runs `pytest -n 2 --dist loadfile`: each file on one xdist worker, so a
     # file's ranks and module fixtures are made once (pytest 9 ignores the nodeid suffix that
-    # `--dist loadgroup` groups by: each file's fixtures were made on both workers).
+    # `--dist loadgroup` groups by, pytest-xdist#1386: each file's fixtures were made on both
+    # workers). tests/unit/test_workflows.py checks the test command keeps a file together.
     if not NIGHTLY:
         nightly = [item for item in items if item.get_closest_marker("nightly") is not None]
         if nightly:

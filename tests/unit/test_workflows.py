@@ -20,6 +20,7 @@ import pathlib
 import re
 import shlex
 import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -530,3 +531,37 @@ def test_the_pull_request_job_runs_the_unit_tests_the_fast_tier_leaves_out():
     ci = load(ROOT / ".github" / "workflows" / "ci.yml")
     step = next(s for s in ci["jobs"]["unit"]["steps"] if "ci/unit.sh" in s.get("run", ""))
     assert step.get("env", {}).get("QWZ_SLOW_TESTS") == "1", step
+
+
+KEEPS_ITS_WORKER = """
+import os, pathlib
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_one(i):
+    with open(pathlib.Path(__file__).with_suffix(".workers"), "a") as out:
+        out.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_the_test_command_runs_each_file_on_one_worker(tmp_path):
+    """A multigpu file's ranks, checkouts and module fixtures are made once only if all its
+    tests run on one xdist worker: the test command's own distribution flags, on two files of
+    four tests, keep each file's tests together (under pytest 9, ``--dist loadgroup`` did not:
+    pytest-xdist#1386)."""
+    command = (ROOT / "ci" / "test.sh").read_text()
+    line = next(line for line in command.splitlines() if "-m pytest" in line)
+    words = shlex.split(line.split("-m pytest", 1)[1].split("||")[0])
+    flags = [word for i, word in enumerate(words) if word in ("-n", "--dist") or (
+        i > 0 and words[i - 1] in ("-n", "--dist"))]  # fmt: skip
+    assert "--dist" in flags, f"the test command names no --dist mode: {line}"
+    for name in ("test_a.py", "test_b.py"):
+        (tmp_path / name).write_text(KEEPS_ITS_WORKER)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *flags, "-p", "no:cacheprovider", "-q", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for name in ("test_a", "test_b"):
+        workers = (tmp_path / f"{name}.workers").read_text().split()
+        assert len(workers) == 4 and len(set(workers)) == 1, (name, workers)
