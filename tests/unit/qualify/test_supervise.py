@@ -67,10 +67,15 @@ def test_a_child_that_ignores_the_signal_is_killed_after_the_grace(tmp_path, mon
 def test_a_signal_before_the_child_exists_reaches_it(tmp_path):
     stop = supervise.Stop()
     stop.handle(signal.SIGINT, None)  # between two cells: no child yet
+    started = time.monotonic()
     code = supervise.run(
         [sys.executable, "-c", SLEEPER], stop, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    assert code == -signal.SIGINT
+    # The child stopped long before its 60 s sleep ended. Its status is -SIGINT, or 1 where the
+    # signal came while its interpreter was still starting (seen on loaded machines): a
+    # KeyboardInterrupt before Python's own handler could end it by the signal. Callers read
+    # `stop.signum`, never the status.
+    assert time.monotonic() - started < 30 and code in (-signal.SIGINT, 1)
 
 
 def test_the_child_runs_in_its_own_session(tmp_path):
