@@ -9,11 +9,18 @@ when ``CI`` is set), so ``nightly`` stays randomized on a CI machine.
 
 ``CXX`` (unless set, and where g++ is installed) is tests/cxx_cache/g++: the suite's several
 DeepSpeed checkouts build the same C++ op once ([Note: one op build per test run] there).
+
+``QWZ_CONFORMANCE_CACHE`` (unless set) is a directory of this test run, made before the xdist
+workers start and removed after them: the suite's sixty qualifications of a few subjects run
+each subject's conformance table once ([Note: reused conformance tables] in
+qwz/qualify/run/conformance_cache.py). tests/multigpu/test_conformance.py calls the table
+itself (``run_table``), which never reuses.
 """
 
 import os
 import pathlib
 import shutil
+import tempfile
 
 from hypothesis import HealthCheck, settings
 
@@ -41,3 +48,20 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 if shutil.which("g++") is not None:
     os.environ.setdefault("CXX", str(pathlib.Path(__file__).resolve().parent / "cxx_cache" / "g++"))
+
+
+_MADE_CONFORMANCE_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    # The controller runs first; its workers inherit the variable (they then make none).
+    if "QWZ_CONFORMANCE_CACHE" not in os.environ:
+        directory = tempfile.mkdtemp(prefix="qwz-conformance-")
+        os.environ["QWZ_CONFORMANCE_CACHE"] = directory
+        _MADE_CONFORMANCE_CACHE.append(directory)
+
+
+def pytest_unconfigure(config):
+    for directory in _MADE_CONFORMANCE_CACHE:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop("QWZ_CONFORMANCE_CACHE", None)

@@ -457,13 +457,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _conformance_table(plan) -> dict | None:
     """The PR's config rules through the subject's own parser and engine, before any rank
     trains ([Note: conformance run] in qualify/run/conformance.py); only where the record is
-    written (under torchrun: rank 0)."""
-    from qwz.qualify.run.conformance import run_table
+    written (under torchrun: rank 0). Where ``QWZ_CONFORMANCE_CACHE`` is set, a table of the
+    same code may be reused ([Note: reused conformance tables] in run/conformance_cache.py)."""
+    from qwz.qualify.run import conformance_cache
 
     if preflight.under_torchrun() and os.environ.get("RANK") != "0":
         return None
-    table = run_table(plan.subject, qwz_gather=plan.qwz_gather, deepspeed_src=plan.deepspeed_src)
+    table, reused = conformance_cache.table(
+        plan.subject, qwz_gather=plan.qwz_gather, deepspeed_src=plan.deepspeed_src
+    )
     said = table["error"] or f"{len(table['rows'])} configs in {table['seconds']:.1f} s"
+    if reused is not None:
+        said += f", reused from {reused} ({conformance_cache.CACHE_ENV})"
     print(f"qwz-qualify: the PR's config rules through the subject's parser: {said}",
           file=sys.stderr)  # fmt: skip
     return table
