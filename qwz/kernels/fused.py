@@ -4,6 +4,7 @@ one-pass C kernels on CPU (native.py) where they serve the call, else the eager 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -54,11 +55,17 @@ class FusedKernel:
         device_dtype: Callable[..., tuple[torch.device, torch.dtype]] | None = None,
     ):
         self.eager = eager
-        self.fused = torch_compile(eager, dynamic=False)
         self.fallback: str | None = None
         self.check = check
         self.device_dtype = device_dtype or (lambda first, *_: (first.device, first.dtype))
         self._compiled: set[tuple] = set()
+
+    @functools.cached_property
+    def fused(self) -> Callable[..., None]:
+        """The eager kernel under ``torch.compile``, wrapped at its first call: the wrapper
+        imports dynamo's and inductor's compiler (about 1.5 s of CPU per process), which a
+        process whose calls the native kernels serve never needs."""
+        return torch_compile(self.eager, dynamic=False)
 
     def __call__(self, *args: torch.Tensor) -> None:
         if self.fallback is not None:

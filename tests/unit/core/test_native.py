@@ -252,6 +252,9 @@ def test_fused_kernels_call_the_native_ones_with_the_callers_tensors(kernels, to
     _assert_same_decode(decoded, eager)
     assert [call[0] for call in calls] == ["encode", "decode"]
     assert calls[0][1] is values
+    # Nor was the torch.compile wrapper made: it costs a process dynamo's compiler imports.
+    torch_paths = (fused.encode.scales, fused.encode.codes, fused.decode.kernel)
+    assert all("fused" not in vars(kernel) for kernel in torch_paths)
 
 
 def test_shapes_the_native_kernels_cannot_serve_take_the_torch_path(kernels, torch_threads):
