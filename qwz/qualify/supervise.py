@@ -5,10 +5,11 @@ matrix (a cell's ``run``) and bisect (a trial's ``run``).
   The child starts in its own session, so a Ctrl-C in the terminal reaches the parent
   alone, and asks the kernel for SIGTERM when the parent dies (Linux), so even a SIGKILLed
   parent leaves no run behind. SIGINT or SIGTERM to the parent, while :meth:`Stop.installed`,
-  is recorded once and passed on to the running child once (``run`` then stops every rank
-  and writes nothing: [Note: no orphaned ranks] in qualify/run/launch.py); a child still
-  running ``STOP_GRACE_S`` after the signal is SIGKILLed with its whole session. The parent
-  decides what a stop means (the matrix marks the cells not reached; bisect ends).
+  is recorded once and passed on to the running child once, or keeps the next child from
+  starting (``run`` then stops every rank and writes nothing: [Note: no orphaned ranks] in
+  qualify/run/launch.py); a child still running ``STOP_GRACE_S`` after the signal is
+  SIGKILLed with its whole session. The parent decides what a stop means (the matrix marks
+  the cells not reached; bisect ends).
 """
 
 from __future__ import annotations
@@ -72,14 +73,18 @@ def run(
     cwd: pathlib.Path | None = None,
     env: dict[str, str] | None = None,
 ) -> int:
-    """Exit status of `command`, supervised as [Note: supervising a run] says."""
+    """Exit status of `command`, supervised as [Note: supervising a run] says. Stopped
+    before it starts, the command does not start (``-signum``): a signal sent to a child whose
+    interpreter is still starting up can be lost, and the run would go on to its end."""
+    if stop.signum is not None:
+        return -stop.signum
     child = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
         start_new_session=True, preexec_fn=_die_with_parent,
     )  # fmt: skip
     stop.child = child
     try:
-        if stop.signum is not None:  # the signal came before the child existed
+        if stop.signum is not None:  # the signal came while the child was being made
             child.send_signal(stop.signum)
         while True:
             try:
