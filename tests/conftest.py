@@ -15,6 +15,9 @@ workers start and removed after them: the suite's sixty qualifications of a few 
 each subject's conformance table once ([Note: reused conformance tables] in
 qwz/qualify/run/conformance_cache.py). tests/multigpu/test_conformance.py calls the table
 itself (``run_table``), which never reuses.
+
+Tests marked ``nightly`` are deselected unless ``QWZ_NIGHTLY_TESTS=1`` (ci/nightly.sh sets it for
+its unit and multigpu runs).
 """
 
 import os
@@ -65,3 +68,21 @@ def pytest_unconfigure(config):
     for directory in _MADE_CONFORMANCE_CACHE:
         shutil.rmtree(directory, ignore_errors=True)
         os.environ.pop("QWZ_CONFORMANCE_CACHE", None)
+
+
+NIGHTLY = os.environ.get("QWZ_NIGHTLY_TESTS") == "1"
+"""``QWZ_NIGHTLY_TESTS=1`` (ci/nightly.sh) runs the tests marked ``nightly``; otherwise they
+are deselected (reported as such, never as passed): they repeat a check at more world sizes,
+variants and orders than a pull request's CI has time for."""
+
+
+def pytest_collection_modifyitems(config, items):
+    # The test command runs `pytest -n 2 --dist loadfile`: each file on one xdist worker, so a
+    # file's ranks and module fixtures are made once (pytest 9 ignores the nodeid suffix that
+    # `--dist loadgroup` groups by, pytest-xdist#1386: each file's fixtures were made on both
+    # workers). tests/unit/test_workflows.py checks the test command keeps a file together.
+    if not NIGHTLY:
+        nightly = [item for item in items if item.get_closest_marker("nightly") is not None]
+        if nightly:
+            config.hook.pytest_deselected(items=nightly)
+            items[:] = [item for item in items if item.get_closest_marker("nightly") is None]

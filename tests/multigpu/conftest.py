@@ -74,21 +74,3 @@ def deepspeed_variants(tmp_path_factory):
     from tests.deepspeed_checkout import every_variant, make_variants
 
     return make_variants(tmp_path_factory.mktemp("deepspeed-variants"), every_variant())
-
-
-NIGHTLY = os.environ.get("QWZ_NIGHTLY_TESTS") == "1"
-"""``QWZ_NIGHTLY_TESTS=1`` (ci/nightly.sh) runs the tests marked ``nightly``; otherwise they
-are deselected (reported as such, never as passed): they repeat a check at more world sizes
-and variants than a pull request's CI has time for."""
-
-
-def pytest_collection_modifyitems(config, items):
-    # The test command runs `pytest -n 2 --dist loadfile`: each file on one xdist worker, so a
-    # file's ranks and module fixtures are made once (pytest 9 ignores the nodeid suffix that
-    # `--dist loadgroup` groups by, pytest-xdist#1386: each file's fixtures were made on both
-    # workers). tests/unit/test_workflows.py checks the test command keeps a file together.
-    if not NIGHTLY:
-        nightly = [item for item in items if item.get_closest_marker("nightly") is not None]
-        if nightly:
-            config.hook.pytest_deselected(items=nightly)
-            items[:] = [item for item in items if item.get_closest_marker("nightly") is None]

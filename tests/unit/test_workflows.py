@@ -468,7 +468,7 @@ def _pytest_selection(command: str) -> tuple[list[str], str | None]:
         if word == "-m":
             marker, index = words[index + 1], index + 2
             continue
-        if word in ("-n", "--dist"):
+        if word in ("-n", "--dist", "--hypothesis-profile"):
             index += 2
             continue
         if not word.startswith(("-", "{", "$")):
@@ -498,28 +498,33 @@ def test_ci_runs_every_test_tox_runs_with_every_extra_installed():
 
 
 def test_the_nightly_runs_the_tests_the_test_command_leaves_to_it():
-    """A test marked ``nightly`` is deselected by the test command (tests/multigpu/conftest.py,
-    unless ``QWZ_NIGHTLY_TESTS=1``) and run by ci/nightly.sh, whose line selects ``-m nightly``
-    over tests/multigpu with ``QWZ_NIGHTLY_TESTS=1``. Only that conftest deselects, so a test
-    marked ``nightly`` anywhere else would run in CI and never be left to the nightly."""
+    """A test marked ``nightly`` is deselected by every pytest run (tests/conftest.py, unless
+    ``QWZ_NIGHTLY_TESTS=1``) and run by ci/nightly.sh: its multigpu line selects ``-m nightly``
+    over tests/multigpu, its unit line every test of tests/unit not marked multigpu, both with
+    ``QWZ_NIGHTLY_TESTS=1``. A test marked ``nightly`` outside those two selections would be
+    run by no one."""
     script = (ROOT / "ci" / "nightly.sh").read_text()
-    line = next(line for line in script.splitlines() if "-m nightly" in line).strip()
-    assert line.startswith("QWZ_NIGHTLY_TESTS=1 "), line
-    assert _pytest_selection(line.replace("python -m pytest", "pytest")) == (
-        ["tests/multigpu"],
-        "nightly",
-    ), line
-    conftest = (ROOT / "tests" / "multigpu" / "conftest.py").read_text()
+    lines = [line.strip() for line in script.splitlines() if "python -m pytest" in line]
+    selections = {}
+    for line in lines:
+        assert line.startswith("QWZ_NIGHTLY_TESTS=1 "), line
+        paths, marker = _pytest_selection(line.replace("python -m pytest", "pytest"))
+        selections[tuple(paths)] = marker
+    assert selections == {("tests/unit",): "not multigpu", ("tests/multigpu",): "nightly"}
+    conftest = (ROOT / "tests" / "conftest.py").read_text()
     assert 'os.environ.get("QWZ_NIGHTLY_TESTS") == "1"' in conftest
+    assert "pytest_deselected(items=nightly)" in conftest
     here = pathlib.Path(__file__).resolve()
-    elsewhere = [
-        path.relative_to(ROOT)
-        for path in (ROOT / "tests").rglob("*.py")
-        if "multigpu" not in path.relative_to(ROOT).parts
-        and path.resolve() != here
-        and "mark.nightly" in path.read_text()
-    ]
-    assert elsewhere == [], f"marked nightly outside tests/multigpu (never deselected): {elsewhere}"
+    elsewhere = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        text = path.read_text()
+        if path.resolve() == here or "mark.nightly" not in text:
+            continue
+        parts = path.relative_to(ROOT).parts
+        in_unit_line = parts[1] == "unit" and "mark.multigpu" not in text
+        if parts[1] != "multigpu" and not in_unit_line:
+            elsewhere.append(path.relative_to(ROOT))
+    assert elsewhere == [], f"marked nightly where no nightly line runs it: {elsewhere}"
 
 
 def test_the_pull_request_job_runs_the_unit_tests_the_fast_tier_leaves_out():

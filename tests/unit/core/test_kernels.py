@@ -230,7 +230,14 @@ def _run(cache_root: Path, extra: dict[str, str]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capped_first", [False, True], ids=["native-then-capped", "reverse"])
+@pytest.mark.parametrize(
+    "capped_first",
+    [
+        pytest.param(False, id="native-then-capped"),
+        # The same two environments and assertions in the other order: the nightly's.
+        pytest.param(True, id="reverse", marks=pytest.mark.nightly),
+    ],
+)
 def test_fused_kernels_are_right_in_both_environments_sharing_one_cache(tmp_path, capped_first):
     capped = _capped_environment()
     order = [capped, {}] if capped_first else [{}, capped]
