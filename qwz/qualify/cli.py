@@ -502,10 +502,12 @@ def _run_ranks(plan, world_size: int, args: argparse.Namespace, invocation):
     torchrun, else `world_size` local ranks."""
     from qwz.qualify.run.launch import launch
     from qwz.qualify.run.runner import qualify_rank
+    from qwz.qualify.run.subjects import rank_imports
 
     if preflight.under_torchrun():
         return _run_torchrun(plan, world_size, args, invocation)
-    return launch(qualify_rank, world_size, plan, timeout_s=args.timeout)[0]
+    preload = rank_imports(plan.subject)  # [Note: forked ranks] (qualify/run/launch.py)
+    return launch(qualify_rank, world_size, plan, timeout_s=args.timeout, preload=preload)[0]
 
 
 def _write_failure(

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import qwz
-from qwz.qualify.plan import SUBJECTS
+from qwz.qualify.plan import DEEPSPEED_SUBJECTS, SUBJECTS
 from qwz.qualify.run import child
 from qwz.shards import OwnShard
 
@@ -294,6 +294,16 @@ def use_deepspeed_source(source: str | None) -> None:
             f"not from under {root} (deepspeed was imported before the path was set, or "
             f"{root} holds no deepspeed/ package)"
         )
+
+
+def rank_imports(subject: str) -> tuple[str, ...]:
+    """The modules a rank of `subject` imports before its first step, for a launcher that
+    imports them once for all its ranks ([Note: forked ranks], run/launch.py):
+    ``torch._dynamo``, which ``torch.optim`` and the deterministic settings pull in, and for a
+    DeepSpeed subject ``deepspeed``, from where :func:`use_deepspeed_source` found it."""
+    if subject in DEEPSPEED_SUBJECTS:
+        return ("torch._dynamo", "deepspeed")
+    return ("torch._dynamo",)
 
 
 PREFLIGHT = """
