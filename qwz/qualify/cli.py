@@ -94,12 +94,6 @@ def _add_run_command(commands) -> None:
     )
     run.add_argument("--out", type=_path, required=True, help="output directory")
     run.add_argument("--force", action="store_true", help="overwrite a record already in --out")
-    run.add_argument(
-        "--no-plots",
-        action="store_true",
-        help="write the record and the report without drawing the plots (the report says so); "
-        "for runs nobody looks at, such as a test's",
-    )
     settings.add_flags(run, settings.run_settings())
 
 
@@ -380,7 +374,7 @@ def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
         if rank_reports.claim("record"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             failure = torchrun_failure(reports, world_size, running)
-            _write_failure(failure, plan, world_size, invocation, args)
+            _write_failure(failure, plan, world_size, invocation, args.out)
 
     _init_torchrun_group(args.timeout)
     rank_reports.on_crash(write_record)
@@ -446,7 +440,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         observations = _run_ranks(plan, world_size, args, invocation)
     except RankFailure as failure:
-        return _write_failure(failure, plan, world_size, invocation, args, conformance)
+        return _write_failure(failure, plan, world_size, invocation, args.out, conformance)
     if observations is None:  # not rank 0
         return 0
     built = evidence.build_record(
@@ -457,7 +451,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         invocation=invocation,
         conformance=conformance,
     )
-    return _write_evidence(built, args)
+    return _write_evidence(built, args.out)
 
 
 def _conformance_table(plan) -> dict | None:
@@ -517,7 +511,7 @@ def _run_ranks(plan, world_size: int, args: argparse.Namespace, invocation):
 
 
 def _write_failure(
-    failure, plan, world_size: int, invocation, args: argparse.Namespace, conformance=None
+    failure, plan, world_size: int, invocation, out: pathlib.Path, conformance=None
 ) -> int:
     """A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
     is a FAIL record naming the rank that failed first, the arm and the step; or, where the
@@ -530,18 +524,17 @@ def _write_failure(
         raise failure
     if harness_error.is_harness_error(failure.cause):
         content = harness_error.report(failure.cause, plan.subject, invocation)
-        path = harness_error.write(args.out, content)
+        path = harness_error.write(out, content)
         print(f"wrote {path}; {harness_error.summary(content)}")
         return harness_error.HARNESS_ERROR_EXIT
     built = evidence.build_failure_record(
         plan, world_size, failure.cause, failure.context, failure.results, invocation, conformance
     )
-    return _write_evidence(built, args)
+    return _write_evidence(built, out)
 
 
-def _write_evidence(built, args: argparse.Namespace) -> int:
-    """The plots (unless ``--no-plots``), the report and the record of a run in ``--out``; the
-    run's exit code."""
+def _write_evidence(built, out: pathlib.Path) -> int:
+    """The plots, the report and the record of a run in `out`; the run's exit code."""
     from qwz.qualify.evidence import harness_error, signing
     from qwz.qualify.review import outputs
 
@@ -551,9 +544,7 @@ def _write_evidence(built, args: argparse.Namespace) -> int:
     # Plots, then the report, then the record, each atomically: a run cut short leaves
     # no record.json, or the previous one, never a partial one (qwz.qualify.files); a
     # plot that fails costs neither ([Note: nothing lost after a run], review/outputs.py).
-    out = args.out
-    signature = _signature_section(built, key)
-    plots = outputs.write_run_outputs(built, out, key, signature, not args.no_plots).plots
+    plots = outputs.write_run_outputs(built, out, key, _signature_section(built, key)).plots
     (out / harness_error.FILE_NAME).unlink(missing_ok=True)  # an earlier run's, now moot
     verdict = built.verdict
     status = verdict.status

@@ -287,7 +287,6 @@ def test_quantized_small_parameters_are_not_exact(broken):
 NATIVE_RUN = [
     "--subject", "deepspeed-native", "--workload", "mlp", "--steps", "6", "--blocks", "2",
     "--block-steps", "2", "--warmup-steps", "1", "--world-size", "2", "--kernels", "eager",
-    "--no-plots",
 ]  # fmt: skip
 EXPECTED_FAILURE = {
     "broken_scale_128": {"own-shard"},

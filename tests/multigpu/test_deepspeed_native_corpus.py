@@ -37,14 +37,12 @@ after another on one xdist worker (tests/multigpu/conftest.py groups each file).
 
 WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 RUN = [
-    "--no-plots", "--subject", "deepspeed-native", "--workload", "mlp", "--steps", "4",
-    "--blocks", "1",
+    "--subject", "deepspeed-native", "--workload", "mlp", "--steps", "4", "--blocks", "1",
     "--block-steps", "2", "--warmup-steps", "1", "--kernels", "eager",
     "--allgather-bucket-size", "65536", "--reduce-bucket-size", "65536",
     "--group-size", "64", "--group-size", "8192",
 ]  # fmt: skip
 DEFAULT_RUN = [
-    "--no-plots",
     "--subject",
     "deepspeed-native",
     "--workload",

@@ -34,7 +34,6 @@ WORKTREE = pathlib.Path(__file__).resolve().parents[2]
 SMALL_RUN = [
     "--workload", "mlp", "--group-size", "64", "--steps", "6", "--blocks", "1",
     "--block-steps", "1", "--warmup-steps", "1", "--world-size", "2", "--kernels", "eager",
-    "--no-plots",
 ]  # fmt: skip
 
 

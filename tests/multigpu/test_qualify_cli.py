@@ -21,7 +21,7 @@ from qwz.qualify.run.launch import pick_backend
 pytestmark = pytest.mark.multigpu
 
 SMALL_RUN = [
-    "--no-plots", "--workload", "mlp", "--steps", "4", "--blocks", "2", "--block-steps", "2",
+    "--workload", "mlp", "--steps", "4", "--blocks", "2", "--block-steps", "2",
     "--warmup-steps", "1", "--world-size", "2", "--kernels", "eager",
 ]  # fmt: skip
 
@@ -46,8 +46,7 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     ledger = root / "ledger"
     outputs = {}
     for name in ("first", "second"):
-        drawn = SMALL_RUN[1:] if name == "first" else SMALL_RUN  # plots for the first only
-        done = _cli("run", "--out", str(root / name), "--ledger", str(ledger), *drawn)
+        done = _cli("run", "--out", str(root / name), "--ledger", str(ledger), *SMALL_RUN)
         assert done.returncode == 0, done.stdout + done.stderr
         outputs[name] = root / name
     for entry in ledger.glob("*.json"):
@@ -62,13 +61,6 @@ def runs(tmp_path_factory) -> dict[str, pathlib.Path]:
     outputs["third_stderr"] = done.stderr
     outputs["ledger"] = ledger
     return outputs
-
-
-def test_no_plots_writes_the_record_and_the_report_saying_so(runs):
-    out = runs["second"]
-    assert not list(out.glob("*.png")) and not list(out.glob(".plots-*"))
-    assert "Not drawn: not asked for (--no-plots)." in (out / "report.md").read_text()
-    assert record.load(out / "record.json").verdict.passed
 
 
 def test_run_writes_record_report_and_plots(runs):

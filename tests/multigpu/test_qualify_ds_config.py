@@ -23,7 +23,7 @@ pytestmark = pytest.mark.multigpu
 
 RUN = [
     "--workload", "mlp", "--steps", "4", "--blocks", "0", "--world-size", "2",
-    "--kernels", "eager", "--no-plots",
+    "--kernels", "eager",
 ]  # fmt: skip
 
 

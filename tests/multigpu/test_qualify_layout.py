@@ -43,7 +43,7 @@ EIGHT_RANKS_FIT = (os.cpu_count() or 1) >= 8 or torch.cuda.device_count() >= 8
 def test_correct_candidates_of_two_group_sizes_are_step1_exact(world_size, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "qwz.qualify", "run", "--out", str(tmp_path),
-         "--world-size", str(world_size), "--no-plots", *TWO_GROUP_SIZES],
+         "--world-size", str(world_size), *TWO_GROUP_SIZES],
         capture_output=True, text=True, timeout=600, check=False,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip

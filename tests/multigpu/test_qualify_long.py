@@ -28,7 +28,7 @@ SHORT = ["--steps", "60", "--eval-every", "10", "--world-size", "2"]
 
 
 def test_the_shortened_long_preset_passes_the_correct_candidate(tmp_path):
-    command = [sys.executable, "-m", "qwz.qualify", "run", "--preset", "long", "--no-plots"]
+    command = [sys.executable, "-m", "qwz.qualify", "run", "--preset", "long"]
     done = subprocess.run(
         [*command, "--out", str(tmp_path), *SHORT],
         capture_output=True,

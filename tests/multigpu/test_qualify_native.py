@@ -27,7 +27,7 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 TINY_RUN = [
     "--subject", "deepspeed-native", "--workload", "mlp", "--steps", "2", "--blocks", "1",
     "--block-steps", "1", "--warmup-steps", "0", "--no-calibration", "--world-size", "2",
-    "--kernels", "eager", "--no-plots",
+    "--kernels", "eager",
 ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ pytestmark = [
 RUN = [
     "--workload", "mlp", "--steps", "6", "--eval-every", "2", "--blocks", "1",
     "--block-steps", "1", "--warmup-steps", "0", "--world-size", "2", "--kernels", "eager",
-    "--group-size", "64", "--group-size", "128", "--no-plots",
+    "--group-size", "64", "--group-size", "128",
 ]  # fmt: skip
 FAILING_RANK, FAILING_STEP = 1, 3
 BOUND_S = 30.0

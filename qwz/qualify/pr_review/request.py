@@ -75,8 +75,6 @@ def run_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
         if any(item == flag or item.startswith(flag + "=") for item in args.run_args):
             raise Refused(f"{flag} is the review's to set, not a run option")
     parsed = _parsed_run(parser, [*_given_as_flags(args), *args.run_args])
-    if parsed.no_plots:  # a run flag, no setting: refused, never dropped
-        raise Refused("--no-plots is not a review option: a review's runs draw their plots")
     settings = run_settings()
     given = [name for name in settings if getattr(parsed, name) is not None]
     for name in REVIEW_SETTINGS:

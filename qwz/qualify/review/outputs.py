@@ -67,19 +67,12 @@ def append_job_summary(markdown: str) -> pathlib.Path | None:
     return path
 
 
-def write_run_outputs(
-    built, out: pathlib.Path, key, signature_section, draw_plots: bool = True
-) -> Drawn:
-    """Plots (unless not `draw_plots`), report and record of a finished run into `out`, then
-    the job summary."""
+def write_run_outputs(built, out: pathlib.Path, key, signature_section) -> Drawn:
+    """Plots, report and record of a finished run into `out`, then the job summary."""
     from qwz.qualify.evidence import record
     from qwz.qualify.review import plots, report, summary
 
-    if draw_plots:
-        drawn = draw_into(out, lambda staging: plots.write_plots(built, staging))
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        drawn = Drawn({}, "not asked for (--no-plots)")
+    drawn = draw_into(out, lambda staging: plots.write_plots(built, staging))
     text = report.render_markdown(built, drawn.plots) + drawn.note() + signature_section
     atomic_write_text(out / "report.md", text)
     record.save(built, out / "record.json")

@@ -144,7 +144,6 @@ def test_a_changed_request_is_refused_unless_restarted(tmp_path, repository, cap
     [
         (["--", "--out", "x"], "--out is the review's to set, not a run option"),
         (["--", "--force"], "--force is the review's to set, not a run option"),
-        (["--", "--no-plots"], "--no-plots is not a review option"),
         (["--", "--subject", "qwz"], "--subject is the review's to set"),
         (["--", "--arm-set", "all"], "--arm-set is the review's to set"),
         (["--", "--deepspeed-src", "/x"], "--deepspeed-src is the review's to set"),
