@@ -15,6 +15,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from qwz.qualify.run.launch import start_method
 
@@ -62,6 +63,7 @@ def _launch(preload, extra_thread=False) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked on Linux only")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="ranks fork only where torch sees no GPU")
 def test_a_world_with_preload_forks_ranks_set_up_as_spawned_ones():
     forked = _launch(["torch._dynamo"])
     spawned = _launch(None)
@@ -81,14 +83,13 @@ def test_a_launcher_with_another_python_thread_spawns():
 
 
 def test_the_start_method_is_fork_only_where_the_note_allows(monkeypatch):
-    import torch
-
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert start_method("gloo", ()) == "fork"
     assert start_method("gloo", None) == "spawn"
     assert start_method("nccl", ("torch._dynamo",)) == "spawn"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert start_method("gloo", ()) == "spawn"
     monkeypatch.undo()
     monkeypatch.setattr(threading, "active_count", lambda: 2)

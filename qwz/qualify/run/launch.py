@@ -35,9 +35,10 @@ context and what the ranks had kept with ``rank_reports.report_result``.
   ``torch.optim`` pulls in) and, for a DeepSpeed subject, DeepSpeed, 3 to 4 s of CPU before
   its first step; a short qualification's ranks spent more on that than on training. A world
   given ``preload`` (``launch`` from ``qwz-qualify run``) imports those modules once in the
-  launcher and forks its ranks from it, where forking is sound: gloo ranks (no CUDA in any
-  process), on Linux, from a launcher with one Python thread (a pytest-xdist worker has more),
-  no CUDA context and no process group of its own. The store that the ranks meet at is made
+  launcher and forks its ranks from it, where forking is sound: gloo ranks on a host where
+  torch sees no GPU (CUDA is not fork-safe once its driver is loaded, and a device count
+  loads it), on Linux, from a launcher with one Python thread (a pytest-xdist worker has
+  more) and no process group of its own. The store that the ranks meet at is made
   after the fork, so no store thread is copied, and its port reaches each rank as its first
   task. A forked rank starts from the launcher's imports, ``sys.path`` and environment, which
   are the ones a spawned rank would rebuild; it then sets, as a spawned rank does, one
@@ -166,7 +167,7 @@ def start_method(backend: str, preload: Sequence[str] | None) -> str:
     for it (`preload` not None), else ``spawn``."""
     if preload is None or backend != "gloo" or not sys.platform.startswith("linux"):
         return "spawn"
-    if threading.active_count() != 1 or torch.cuda.is_initialized() or dist.is_initialized():
+    if threading.active_count() != 1 or torch.cuda.is_available() or dist.is_initialized():
         return "spawn"
     return "fork"
 
