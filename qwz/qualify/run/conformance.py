@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pathlib
 import socket
 import sys
 import tempfile
@@ -137,12 +138,16 @@ def _child_environment() -> dict[str, str]:
 
 def _ask(request: dict[str, Any], environment: dict[str, str], timeout_s: float):
     """The rows the subprocess observed, or why there are none (a harness error)."""
+    source = request["deepspeed_src"]  # serve() puts it first, as the ranks do
+    path = [str(pathlib.Path(source).resolve())] if source else []
+    same = child.imported_from_path("deepspeed", [*path, *request["sys_path"]])
     answer = child.ask(
         CHILD,
         marker=MARKER,
         environment=environment,
         timeout_s=timeout_s,
         stdin_text=json.dumps(request),
+        fresh=() if same else ("deepspeed",),
     )
     if isinstance(answer, child.NoAnswer):
         if answer.kind == "timeout":

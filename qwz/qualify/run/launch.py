@@ -35,15 +35,13 @@ context and what the ranks had kept with ``rank_reports.report_result``.
   ``torch.optim`` pulls in) and, for a DeepSpeed subject, DeepSpeed, 3 to 4 s of CPU before
   its first step; a short qualification's ranks spent more on that than on training. A world
   given ``preload`` (``launch`` from ``qwz-qualify run``) imports those modules once in the
-  launcher and forks its ranks from it, where forking is sound: gloo ranks on a host where
-  torch sees no GPU (CUDA is not fork-safe once its driver is loaded, and a device count
-  loads it), on Linux, from a launcher with one Python thread (a pytest-xdist worker has
-  more) and no process group of its own. The store that the ranks meet at is made
-  after the fork, so no store thread is copied, and its port reaches each rank as its first
-  task. A forked rank starts from the launcher's imports, ``sys.path`` and environment, which
-  are the ones a spawned rank would rebuild; it then sets, as a spawned rank does, one
-  intra-op thread, its own process group and default signal dispositions, so the launcher's
-  SIGTERM handler is not inherited. Anywhere else, and for every world made without
+  launcher and forks its gloo ranks from it where [Note: forking is sound]
+  (run/forking.py). The store that the ranks meet at is made after the fork, so no store
+  thread is copied, and its port reaches each rank as its first task. A forked rank starts
+  from the launcher's imports, ``sys.path`` and environment, which are the ones a spawned
+  rank would rebuild; it then sets, as a spawned rank does, one intra-op thread, its own
+  process group and default signal dispositions, so the launcher's SIGTERM handler is not
+  inherited. Anywhere else, and for every world made without
   ``preload`` (the test suite's warm worlds), ranks are spawned as before. Side by side, a
   qualification's hashes and losses are the same either way; a forked rank's peak RSS (context
   on a CPU, never judged) was about 15% lower, as it shares the launcher's pages.
@@ -74,6 +72,7 @@ import torch.multiprocessing as mp
 from qwz.devices import use_cpu_accelerator_for_gloo
 from qwz.qualify import rank_reports
 from qwz.qualify.rank_reports import RankEnd
+from qwz.qualify.run import forking
 
 BACKEND_ENV = "QWZ_BACKEND"
 DEFAULT_TIMEOUT_S = 300.0
@@ -165,9 +164,7 @@ def pick_backend(world_size: int) -> str:
 def start_method(backend: str, preload: Sequence[str] | None) -> str:
     """How to start ranks: ``fork`` where [Note: forked ranks] allows it and the caller asked
     for it (`preload` not None), else ``spawn``."""
-    if preload is None or backend != "gloo" or not sys.platform.startswith("linux"):
-        return "spawn"
-    if threading.active_count() != 1 or torch.cuda.is_available() or dist.is_initialized():
+    if preload is None or backend != "gloo" or not forking.sound():
         return "spawn"
     return "fork"
 
@@ -219,7 +216,7 @@ def _rank_main(
 
 
 class LocalWorld:
-    """`world_size` spawned ranks with an initialised process group, reused across calls."""
+    """`world_size` ranks with an initialised process group, reused across calls."""
 
     def __init__(
         self,

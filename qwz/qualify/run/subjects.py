@@ -409,7 +409,12 @@ def _ask_deepspeed(
     printed after `marker`, or why there is none: the import took too long, or it failed (the
     last line of its stderr)."""
     answer = child.ask(
-        script, marker=marker, environment=environment, timeout_s=timeout_s, stdin_text=stdin_text
+        script,
+        marker=marker,
+        environment=environment,
+        timeout_s=timeout_s,
+        stdin_text=stdin_text,
+        fresh=("deepspeed",),  # the child imports it from its own path
     )
     if isinstance(answer, child.NoAnswer):
         if answer.kind == "timeout":
