@@ -1,6 +1,7 @@
 """``qwz-qualify`` / ``python -m qwz.qualify``: run, matrix, report, compare.
 
-``run`` spawns local ranks (gloo on CPU, NCCL with enough GPUs) unless it was
+``run`` starts local ranks (gloo on CPU, NCCL with enough GPUs; forked where
+[Note: forked ranks] in qualify/run/launch.py allows, else spawned) unless it was
 started by torchrun (RANK and WORLD_SIZE set), in which case every launched
 rank runs it and rank 0 writes the files::
 
@@ -491,8 +492,8 @@ def _plan_to_run(args: argparse.Namespace):
     plan = preflight.plan_of(args)
     kernel_check.cuda_failure(plan, preflight.run_world_size(args), preflight.under_torchrun())
     if args.subject in DEEPSPEED_SUBJECTS:
-        # Here too: spawned ranks start from this sys.path, and the failure record's
-        # identity is read in this process.
+        # Here too: local ranks start from this sys.path (forked ones from the deepspeed
+        # imported here), and the failure record's identity is read in this process.
         use_deepspeed_source(plan.deepspeed_src)
     return plan
 

@@ -15,7 +15,8 @@ parameters and the values below, never an engine's internals.
 A DeepSpeed subject is the ``deepspeed`` package the ranks import: the installed one, an
 editable install (``pip install -e PATH``), or the source checkout given as
 ``--deepspeed-src PATH``, which :func:`use_deepspeed_source` puts first on ``sys.path``
-and ``PYTHONPATH`` of every rank and of the preflight (spawned ranks and torchrun's alike)
+and ``PYTHONPATH`` of every rank and of the preflight (local ranks, forked or spawned, and
+torchrun's alike)
 and then verifies: ``deepspeed.__file__`` must lie under PATH, or the rank refuses to run.
 Its identity (qualify/evidence/provenance.py ``subject()``) is read from what was imported: the
 package's directory, the live ``git rev-parse HEAD``, dirty flag and diff digest of the
