@@ -1,4 +1,4 @@
-"""[Note: forked children] (qwz/qualify/run/child.py): a forked child answers as ``python -c``
+"""[Note: forked children] (qwz/qualify/run/forking.py): a forked child answers as ``python -c``
 does -- the same answer, exit status, last stderr line and timeout -- and a `fresh` module
 imported in the asker makes the child a new interpreter.
 
