@@ -437,9 +437,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = _plan_to_run(args)
     world_size = preflight.run_world_size(args)
     invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
+    preload = _rank_imports(plan, world_size)
     conformance = _conformance_table(plan)
     try:
-        observations = _run_ranks(plan, world_size, args, invocation)
+        observations = _run_ranks(plan, world_size, args, invocation, preload)
     except RankFailure as failure:
         return _write_failure(failure, plan, world_size, invocation, args.out, conformance)
     if observations is None:  # not rank 0
@@ -498,16 +499,31 @@ def _plan_to_run(args: argparse.Namespace):
     return plan
 
 
-def _run_ranks(plan, world_size: int, args: argparse.Namespace, invocation):
-    """Every rank's observations on rank 0 (None on the others): this process's rank under
-    torchrun, else `world_size` local ranks."""
-    from qwz.qualify.run.launch import launch
-    from qwz.qualify.run.runner import qualify_rank
+def _rank_imports(plan, world_size: int) -> tuple[str, ...]:
+    """The modules local ranks import, imported here now where they will be forked from this
+    process ([Note: forked ranks] in qualify/run/launch.py), so the conformance table's child,
+    forked before them, starts from them too; none under torchrun."""
+    from qwz.qualify.run.launch import import_for_fork, pick_backend
     from qwz.qualify.run.subjects import rank_imports
 
     if preflight.under_torchrun():
+        return ()
+    preload = rank_imports(plan.subject)
+    import_for_fork(pick_backend(world_size), preload)
+    return preload
+
+
+def _run_ranks(
+    plan, world_size: int, args: argparse.Namespace, invocation, preload: tuple[str, ...]
+):
+    """Every rank's observations on rank 0 (None on the others): this process's rank under
+    torchrun, else `world_size` local ranks, forked after importing `preload` where they
+    can be."""
+    from qwz.qualify.run.launch import launch
+    from qwz.qualify.run.runner import qualify_rank
+
+    if preflight.under_torchrun():
         return _run_torchrun(plan, world_size, args, invocation)
-    preload = rank_imports(plan.subject)  # [Note: forked ranks] (qualify/run/launch.py)
     return launch(qualify_rank, world_size, plan, timeout_s=args.timeout, preload=preload)[0]
 
 

@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from qwz.qualify.run.launch import start_method
+from qwz.qualify.run.launch import import_for_fork, start_method
 
 pytestmark = pytest.mark.multigpu
 
@@ -97,3 +97,20 @@ def test_the_start_method_is_fork_only_where_the_note_allows(monkeypatch):
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     monkeypatch.setattr(sys, "platform", "darwin")
     assert start_method("gloo", ()) == "spawn"
+
+
+def test_the_preload_is_imported_early_only_where_ranks_will_be_forked(monkeypatch, tmp_path):
+    """The CLI imports the ranks' modules before its conformance child forks
+    (``import_for_fork``); where the ranks are spawned it leaves them to the ranks."""
+    for name in ("qwz_preload_spawned", "qwz_preload_forked"):
+        (tmp_path / f"{name}.py").write_text("")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert import_for_fork("gloo", ("qwz_preload_spawned",)) == "spawn"
+    assert "qwz_preload_spawned" not in sys.modules
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert import_for_fork("gloo", ("qwz_preload_forked",)) == "fork"
+    assert "qwz_preload_forked" in sys.modules

@@ -169,6 +169,16 @@ def start_method(backend: str, preload: Sequence[str] | None) -> str:
     return "fork"
 
 
+def import_for_fork(backend: str, preload: Sequence[str] | None) -> str:
+    """Import `preload` here where ranks on `backend` will be forked from this process
+    ([Note: forked ranks]); how they will be started. A caller that forks other children
+    first (the CLI's conformance table) calls it early, so those start from the imports too."""
+    if start_method(backend, preload) == "fork":
+        for name in preload or ():
+            importlib.import_module(name)
+    return start_method(backend, preload)  # an import may have started a thread
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -230,10 +240,7 @@ class LocalWorld:
         self.world_size = world_size
         self.backend = backend or pick_backend(world_size)
         self.timeout_s = timeout_s
-        if start_method(self.backend, preload) == "fork":
-            for name in preload or ():
-                importlib.import_module(name)
-        self.start_method = start_method(self.backend, preload)  # an import may start a thread
+        self.start_method = import_for_fork(self.backend, preload)
         context = mp.get_context(self.start_method)
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._results = context.Queue()

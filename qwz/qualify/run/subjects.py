@@ -301,9 +301,11 @@ def rank_imports(subject: str) -> tuple[str, ...]:
     """The modules a rank of `subject` imports before its first step, for a launcher that
     imports them once for all its ranks ([Note: forked ranks], run/launch.py):
     ``torch._dynamo``, which ``torch.optim`` and the deterministic settings pull in, and for a
-    DeepSpeed subject ``deepspeed``, from where :func:`use_deepspeed_source` found it."""
+    DeepSpeed subject ``deepspeed``, from where :func:`use_deepspeed_source` found it, and
+    ``torch._inductor.compile_fx`` (about 600 modules), which ``deepspeed.initialize`` pulls
+    in when its optimizer check imports a module that applies ``torch.compile()``."""
     if subject in DEEPSPEED_SUBJECTS:
-        return ("torch._dynamo", "deepspeed")
+        return ("torch._dynamo", "torch._inductor.compile_fx", "deepspeed")
     return ("torch._dynamo",)
 
 
