@@ -29,7 +29,6 @@ pytest.importorskip(
     "deepspeed", reason="the DeepSpeed integration tests need deepspeed (pip install .[deepspeed])"
 )
 
-
 from qwz.qualify.run.subjects import extensions_dir
 from tests.deepspeed_checkout import NATIVE_BROKEN, head, make_checkout, read_patch, use_variant
 from tests.multigpu.deepspeed_native_ranks import STEPS
