@@ -96,6 +96,7 @@ it travels exactly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -234,14 +235,16 @@ class DecodeChoice(NamedTuple):
 
 def decode_choices(
     master: torch.Tensor, exact: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> list[DecodeChoice]:
+) -> Iterator[DecodeChoice]:
     """Every decode [Note: the contract and its freedoms] allows for flat fp32 `master` (n,)
     whose `exact` (n,) elements travel exactly (zeros in their groups), in groups of
     `group_size` anchored at ``master[0]``, for working dtype `dtype`: the reference
     arithmetic first (the fp32 master, the spec's scale), then the same input with the
     scale one ulp up and one down, then those three quantizing the master cast to `dtype`
     (absent for fp32, where the cast is the master). Decodes are fp32, before the cast to
-    `dtype`; what an ``exact`` element must hold is the caller's (the master's cast)."""
+    `dtype`; what an ``exact`` element must hold is the caller's (the master's cast). Each
+    choice is computed when it is asked for, so a caller that stops at the reference pays
+    for the reference only."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size: {group_size!r} is invalid: must be a positive integer")
     if master.shape != exact.shape or master.dim() != 1:
@@ -252,7 +255,6 @@ def decode_choices(
     inputs = [(False, master.float())]
     if dtype != torch.float32:
         inputs.append((True, master.float().to(dtype).float()))
-    choices = []
     for working_input, values in inputs:
         values = torch.where(exact, torch.zeros_like(values), values)
         spec_scales = scales(values, group_size)
@@ -260,5 +262,4 @@ def decode_choices(
         for scale_ulp, group_scales in ((0, spec_scales), (1, up), (-1, down)):
             element_scales = group_scales.repeat_interleave(group_size)[:numel]
             nearest, other = decode_alternatives(values, element_scales)
-            choices.append(DecodeChoice(working_input, scale_ulp, nearest, other, element_scales))
-    return choices
+            yield DecodeChoice(working_input, scale_ulp, nearest, other, element_scales)

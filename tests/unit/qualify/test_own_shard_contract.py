@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qwz.qualify.evidence import spec
 from qwz.qualify.run.observers import own_shard
 from qwz.shards import ShardSlot, make_own_shard
 
@@ -207,3 +208,39 @@ def test_the_spec_mutants_decodes_fail():
     ):
         result = judged(master, wrong, 64)
         assert result.mismatches > 1000, result
+
+
+def _tied(numel: int, group_size: int, seed: int) -> torch.Tensor:
+    """A master whose every group has scale 2**-4 and every other element at ``x / scale`` a
+    half-integer: the reference's nearest code and its neighbour both pass there."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-126, 126, (numel,), generator=generator).float() + 0.5
+    codes = torch.where(torch.arange(numel) % 2 == 0, codes.round(), codes)
+    codes[::group_size] = 127.0  # each group's absmax: scale 127 * 2**-4 / 127
+    return codes * 2.0**-4
+
+
+@settings(deadline=None, max_examples=60)
+@given(shards(), st.sampled_from([torch.bfloat16, torch.float32]), st.booleans(), st.booleans())
+def test_stopping_at_the_reference_gives_the_verdict_of_weighing_every_choice(
+    case, dtype, tied, away
+):
+    """Where the reference arithmetic gives the whole piece the judge computes no other
+    choice; every field of its verdict is the one weighing all of them gives (near-ties taken
+    either way, exact elements among them)."""
+    master, group_size, seed = case
+    if tied:
+        master = _tied(master.numel(), group_size, seed)
+    exact = torch.rand(master.numel(), generator=torch.Generator().manual_seed(seed)) < 0.1
+    # The exact elements are zeros in their groups and travel as the master's cast.
+    quantized = torch.where(exact, torch.zeros_like(master), master)
+    working = decode(quantized, group_size, dtype=dtype, away_at_ties=away)
+    working = torch.where(exact, master.to(dtype), working)
+    stopped = own_shard._judge_piece(master, working, group_size, exact)
+    choices = list(spec.decode_choices(master, exact, group_size, dtype))
+    weighed = own_shard._judge_among_choices(master, working, exact, group_size, choices)
+    assert not bool(stopped.mismatch.any())  # the reference gave it: the shortcut was taken
+    for name, value in stopped._asdict().items():
+        assert torch.equal(value, getattr(weighed, name)), name
+    if tied and away:
+        assert bool(stopped.near_tie.any())  # the neighbour of a tie was taken and counted

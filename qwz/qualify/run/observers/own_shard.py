@@ -17,7 +17,9 @@ The exact elements (those of parameters of at most 65,536 elements, everything w
 nothing is quantized) must equal the master cast to the working dtype. The worst error over
 ``scale/2 + 2**-15 scale + two half-ulps`` (the input's and the output's casts) is kept as
 context. The shards are checked in bounded pieces of whole groups on every device
-(:func:`piece_numel`), with one host synchronisation per shard.
+(:func:`piece_numel`), with one host synchronisation per shard and one per piece: whether
+the reference arithmetic gives the whole piece. Only where it does not are the other
+choices computed, so a piece written by the reference arithmetic costs one decode, not six.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ def _judge_piece(
     """[Note: own shard against the spec] for whole groups of one shard (fp32 `master`,
     `working` in the working dtype, bool `exact`, all (n,)): per group, the first choice of
     :func:`spec.decode_choices` that gives every element of it; where none does, the choice
-    that gives the most, and its other elements are the mismatches."""
+    that gives the most, and its other elements are the mismatches. Where the first choice,
+    the reference, gives every element of the piece, the other choices cannot change that
+    verdict and are not computed (one host synchronisation says which)."""
     dtype = working.dtype
     cast = master.to(dtype)
     false = torch.zeros_like(exact)
@@ -133,6 +137,29 @@ def _judge_piece(
         return _verdict(master, working, cast, element_scales, mismatch, reference,
                         false, false, false, exact, ratio_bound)  # fmt: skip
     choices = spec.decode_choices(master, exact, group_size, dtype)
+    first = next(choices)
+    nearest = torch.where(exact, cast, first.nearest.to(dtype))
+    equal_nearest = working == nearest
+    if bool((equal_nearest | (working == torch.where(exact, cast, first.other.to(dtype)))).all()):
+        # Every group is the reference's: what is not its nearest code is a near-tie.
+        ratio_bound = _ratio_bound(master, working, first.element_scales)
+        return _verdict(master, working, nearest, first.element_scales, false, equal_nearest,
+                        ~equal_nearest, false, false, exact, ratio_bound)  # fmt: skip
+    return _judge_among_choices(master, working, exact, group_size, [first, *choices])
+
+
+def _ratio_bound(master, working, element_scales):
+    """The context ratio's denominator: half a scale, the tie allowance, and a half-ulp for
+    each of the input's and the output's casts."""
+    magnitude = torch.maximum(master.abs(), working.float().abs())
+    return element_scales * (0.5 + spec.TIE_ALLOWANCE) + 2 * spec.half_ulp(magnitude, working.dtype)
+
+
+def _judge_among_choices(master, working, exact, group_size, choices):
+    """:func:`_judge_piece` weighing every choice (`choices`, the reference first): each
+    group's first accepting choice, else the choice that gives the most."""
+    dtype = working.dtype
+    cast = master.to(dtype)
     nearest = torch.stack([torch.where(exact, cast, c.nearest.to(dtype)) for c in choices])
     other = torch.stack([torch.where(exact, cast, c.other.to(dtype)) for c in choices])
     equal_nearest = working == nearest  # (choices, n)
@@ -156,12 +183,9 @@ def _judge_piece(
     scale_ulp = torch.tensor([c.scale_ulp != 0 for c in choices], device=master.device)
     near_tie = freedom & ~equal_nearest.gather(0, pick)[0]
     element_scales = choices[0].element_scales
-    magnitude = torch.maximum(master.abs(), working.float().abs())
-    # The input's cast and the output's cast each move a value by at most a half-ulp.
-    ratio_bound = element_scales * (0.5 + spec.TIE_ALLOWANCE) + 2 * spec.half_ulp(magnitude, dtype)
     return _verdict(master, working, nearest[0], element_scales, mismatch, reference, near_tie,
                     freedom & working_input[chosen], freedom & scale_ulp[chosen], exact,
-                    ratio_bound)  # fmt: skip
+                    _ratio_bound(master, working, element_scales))  # fmt: skip
 
 
 def _verdict(
@@ -194,7 +218,8 @@ def check_own_shards(
 ) -> None:
     """[Note: own shard against the spec] for every own shard, with the *requested* group size
     and the spec's exactness rule (`exact`, from :func:`exact_masks`), never the engine's
-    claims; bounded pieces of whole groups, one host synchronisation per shard."""
+    claims; bounded pieces of whole groups, one host synchronisation per shard and one per
+    piece."""
     for shard, mask in zip(shards, exact, strict=True):
         master = shard.master.detach().reshape(-1).float()
         working = shard.working.detach().reshape(-1)
