@@ -21,9 +21,10 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
+
+from tests import warm_python
 
 pytest.importorskip(
     "deepspeed", reason="the DeepSpeed integration tests need deepspeed (pip install .[deepspeed])"
@@ -55,10 +56,9 @@ def _run_checkout(root: pathlib.Path, variants: dict[str, list[tuple[int, int]]]
         "result = drive(sys.argv[1], json.loads(sys.argv[2]))\n"
         "print('RESULT ' + json.dumps(result))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(root), json.dumps(variants)],
-        capture_output=True, text=True, env=env, cwd=WORKTREE, timeout=1800, check=False,
-    )  # fmt: skip
+    done = warm_python.run(
+        ["-c", code, str(root), json.dumps(variants)], env=env, cwd=WORKTREE, timeout=1800
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -174,11 +174,10 @@ EXPECTED_FAILURE = {
 
 
 def _qualify(root: pathlib.Path, out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out),
+    return warm_python.run(
+        ["-m", "qwz.qualify", "run", "--out", str(out),
          "--deepspeed-src", str(root), *NATIVE_RUN, *extra],
-        capture_output=True, text=True, cwd=WORKTREE, timeout=1800, check=False,
-        env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
+        cwd=WORKTREE, timeout=1800, env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
     )  # fmt: skip
 
 

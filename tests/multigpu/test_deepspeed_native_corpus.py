@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from tests import warm_python
 
 pytest.importorskip(
     "deepspeed", reason="the DeepSpeed integration tests need deepspeed (pip install .[deepspeed])"
@@ -78,11 +78,10 @@ def checkout(deepspeed_variants) -> pathlib.Path:
 def _qualify(root: pathlib.Path, out: pathlib.Path, world_size: int, run=RUN):
     from qwz.qualify.evidence import record
 
-    done = subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out), "--deepspeed-src",
+    done = warm_python.run(
+        ["-m", "qwz.qualify", "run", "--out", str(out), "--deepspeed-src",
          str(root), *run, "--world-size", str(world_size)],
-        capture_output=True, text=True, cwd=WORKTREE, timeout=1800, check=False,
-        env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
+        cwd=WORKTREE, timeout=1800, env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
     )  # fmt: skip
     tail = done.stdout[-4000:] + done.stderr[-4000:]
     assert (out / "record.json").exists(), tail

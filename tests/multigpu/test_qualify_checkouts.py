@@ -18,9 +18,10 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import pytest
+
+from tests import warm_python
 
 pytest.importorskip(
     "deepspeed", reason="the DeepSpeed integration tests need deepspeed (pip install .[deepspeed])"
@@ -45,11 +46,10 @@ def _checkout(version: str) -> pathlib.Path:
 
 
 def _qualify(root: pathlib.Path, out: pathlib.Path, subject: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out), "--subject", subject,
+    return warm_python.run(
+        ["-m", "qwz.qualify", "run", "--out", str(out), "--subject", subject,
          "--deepspeed-src", str(root), *SMALL_RUN],
-        capture_output=True, text=True, cwd=WORKTREE, timeout=1800, check=False,
-        env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
+        cwd=WORKTREE, timeout=1800, env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
     )  # fmt: skip
 
 

@@ -11,12 +11,12 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
 from qwz.qualify.evidence import record
 from qwz.qualify.run.launch import pick_backend
+from tests import warm_python
 
 pytestmark = pytest.mark.multigpu
 
@@ -28,14 +28,7 @@ SMALL_RUN = [
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+    return warm_python.run(["-m", "qwz.qualify", *args], timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,11 @@ import hashlib
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from qwz.qualify.evidence import record
+from tests import warm_python
 
 pytestmark = pytest.mark.multigpu
 
@@ -30,14 +29,11 @@ RUN = [
 def run(tmp_path: pathlib.Path, content: dict, *argv: str) -> tuple[record.Record, pathlib.Path]:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
-    command = [sys.executable, "-m", "qwz.qualify", "run", "--out", str(tmp_path / "out")]
-    done = subprocess.run(
+    command = ["-m", "qwz.qualify", "run", "--out", str(tmp_path / "out")]
+    done = warm_python.run(
         [*command, "--ds-config", str(path), *RUN, *argv],
-        capture_output=True,
-        text=True,
         timeout=1200,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return record.load(tmp_path / "out" / "record.json"), path

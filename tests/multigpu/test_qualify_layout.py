@@ -10,13 +10,12 @@ differed between arms, and ``step1-exact[candidate-g8192]`` failed at world size
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from qwz.qualify.evidence import record
+from tests import warm_python
 
 pytestmark = pytest.mark.multigpu
 
@@ -41,11 +40,10 @@ EIGHT_RANKS_FIT = (os.cpu_count() or 1) >= 8 or torch.cuda.device_count() >= 8
     ],
 )
 def test_correct_candidates_of_two_group_sizes_are_step1_exact(world_size, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", "run", "--out", str(tmp_path),
+    done = warm_python.run(
+        ["-m", "qwz.qualify", "run", "--out", str(tmp_path),
          "--world-size", str(world_size), *TWO_GROUP_SIZES],
-        capture_output=True, text=True, timeout=600, check=False,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
     loaded = record.load(tmp_path / "record.json")
     checks = {check.name: check for check in loaded.checks}

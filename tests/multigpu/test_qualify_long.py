@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,6 +18,7 @@ from qwz.qualify.evidence import record as records
 from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload
+from tests import warm_python
 
 pytestmark = pytest.mark.multigpu
 
@@ -28,14 +27,11 @@ SHORT = ["--steps", "60", "--eval-every", "10", "--world-size", "2"]
 
 
 def test_the_shortened_long_preset_passes_the_correct_candidate(tmp_path):
-    command = [sys.executable, "-m", "qwz.qualify", "run", "--preset", "long"]
-    done = subprocess.run(
+    command = ["-m", "qwz.qualify", "run", "--preset", "long"]
+    done = warm_python.run(
         [*command, "--out", str(tmp_path), *SHORT],
-        capture_output=True,
-        text=True,
         timeout=600,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     record = records.load(tmp_path / "record.json")

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests import warm_python
+
 pytestmark = pytest.mark.multigpu
 
 SPEC = """
@@ -98,11 +100,6 @@ def test_a_stopped_matrix_keeps_its_finished_cell_and_continues(tmp_path):
     text = (out / "matrix.md").read_text()
     assert f"`{SECOND}`" in text and rows[SECOND]["digest"][:12] in text
 
-    compared = subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", "compare", str(out), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    compared = warm_python.run(["-m", "qwz.qualify", "compare", str(out), str(out)], timeout=120)
     assert compared.returncode == 0, compared.stdout + compared.stderr
     assert f"cell {FIRST}: result: no regression" in compared.stdout

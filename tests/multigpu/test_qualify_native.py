@@ -14,11 +14,11 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
 from qwz.qualify.evidence import record
+from tests import warm_python
 from tests.deepspeed_checkout import head, use_variant
 
 pytestmark = pytest.mark.multigpu
@@ -32,11 +32,9 @@ TINY_RUN = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "qwz.qualify", *args],
-        capture_output=True, text=True, timeout=900, check=False,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+    return warm_python.run(
+        ["-m", "qwz.qualify", *args], timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
 
 
 @pytest.fixture

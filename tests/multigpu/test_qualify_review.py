@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from qwz.qualify.evidence import record
 from qwz.qualify.review.claims import FAIL, NOT_JUDGED, PASS
+from tests import warm_python
 from tests.deepspeed_checkout import make_variants, read_patch
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
@@ -56,13 +55,12 @@ def worktree(tmp_path_factory) -> pathlib.Path:
 
 def review(repository, worktree, out: pathlib.Path, head: str, *extra: str):
     command = [
-        sys.executable, "-m", "qwz.qualify", "review", "--repo", str(repository),
+        "-m", "qwz.qualify", "review", "--repo", str(repository),
         "--base", "main", "--head", head, "--out", str(out), "--worktree", str(worktree),
         *RUN_OPTIONS, *extra,
     ]  # fmt: skip
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=2400, check=False,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    done = warm_python.run(
+        command, timeout=2400, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
     summary = (
         json.loads((out / "review.json").read_text()) if (out / "review.json").is_file() else {}

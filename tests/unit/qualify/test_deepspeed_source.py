@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from qwz.qualify.evidence import ledger
 from qwz.qualify.evidence.schema import Head, Subject
 from qwz.qualify.run import subjects
+from tests import warm_python
 from tests.deepspeed_checkout import git, head, make_checkout
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -34,10 +33,7 @@ print("IDENTITY " + json.dumps(provenance.code_under_test("deepspeed-native")))
 
 def _python(code: str, *args: str, pythonpath: str = str(WORKTREE)):
     env = dict(os.environ, PYTHONPATH=pythonpath)
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
+    return warm_python.run(["-c", code, *args], env=env, timeout=600)
 
 
 def identity(top: pathlib.Path, flag: bool = True) -> dict:
