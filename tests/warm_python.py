@@ -27,7 +27,10 @@ only where that cannot matter; everywhere else :func:`run` starts a new interpre
 A test that asserts what an interpreter has imported, or blocks an import before qwz's,
 keeps ``subprocess.run``.
 
-``QWZ_TEST_WARM_PYTHON=0`` turns the helper off (every child a new interpreter).
+A helper that ends while a child runs is an error of that test (the child may have run, so
+it is not run again), and the next child gets a new helper; one that never got through its
+imports is not started again. ``QWZ_TEST_WARM_PYTHON=0`` turns the helper off (every child a
+new interpreter).
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class _Helper:
         self._writer = os.fdopen(self._requests, "wb")
         self._reader = os.fdopen(self._answers, "rb")
         self._lock = threading.Lock()
+        self.ready = False
 
     def may_fork(self, environment: dict[str, str]) -> bool:
         """Whether a child with `environment` may be forked from this helper: it differs
@@ -150,6 +154,11 @@ class _Helper:
         helper may not fork now, or it is gone). A helper that dies after it took the
         request is an error: the child may have run, so it is not run again."""
         with self._lock:
+            if not self.ready:  # its first word: ready, after its imports
+                try:
+                    self.ready = pickle.load(self._reader) is True
+                except (OSError, EOFError, pickle.UnpicklingError):
+                    return False
             try:
                 pickle.dump((script, environment, timeout, stdin_text), self._writer)
                 self._writer.flush()
@@ -180,7 +189,10 @@ def _helper() -> _Helper | None:
     """This process's helper, started on first use and again when the last one ended (None
     where it is turned off or cannot start)."""
     if _HELPER and _HELPER[0] is not None and _HELPER[0].process.poll() is not None:
-        _HELPER.pop().close()
+        ended = _HELPER.pop()
+        ended.close()
+        if not ended.ready:  # it never got through its imports: no other one would
+            _HELPER.append(None)
     if not _HELPER:
         off = os.environ.get("QWZ_TEST_WARM_PYTHON", "1") == "0"
         try:
@@ -198,12 +210,16 @@ def serve(requests_fd: int, answers_fd: int) -> None:
     import importlib
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        # Without an extra (matplotlib, say) a child fails to import it as a new one would.
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     from qwz.qualify.run import forking
 
     # deepspeed must come from each child's own path: imported here, no child may be forked.
     path_free = "deepspeed" not in sys.modules
     with os.fdopen(requests_fd, "rb") as requests, os.fdopen(answers_fd, "wb") as answers:
+        pickle.dump(True, answers)
+        answers.flush()
         while True:
             try:
                 script, environment, timeout, stdin_text = pickle.load(requests)
