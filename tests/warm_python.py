@@ -133,6 +133,7 @@ class _Helper:
         self._reader = os.fdopen(self._answers, "rb")
         self._lock = threading.Lock()
         self.ready = False
+        self.gone = False
 
     def may_fork(self, environment: dict[str, str]) -> bool:
         """Whether a child with `environment` may be forked from this helper: it differs
@@ -158,15 +159,18 @@ class _Helper:
                 try:
                     self.ready = pickle.load(self._reader) is True
                 except (OSError, EOFError, pickle.UnpicklingError):
+                    self.gone = True
                     return False
             try:
                 pickle.dump((script, environment, timeout, stdin_text), self._writer)
                 self._writer.flush()
             except OSError:
+                self.gone = True
                 return False
             try:
                 return pickle.load(self._reader)
             except (OSError, EOFError, pickle.UnpicklingError) as error:
+                self.gone = True  # its pipe is closed; its exit may not be reaped yet
                 raise RuntimeError(
                     f"the tests' warm interpreter (pid {self.process.pid}) ended while it ran "
                     f"a child; its exit status: {self.process.poll()}"
@@ -188,7 +192,7 @@ _HELPER: list[_Helper | None] = []
 def _helper() -> _Helper | None:
     """This process's helper, started on first use and again when the last one ended (None
     where it is turned off or cannot start)."""
-    if _HELPER and _HELPER[0] is not None and _HELPER[0].process.poll() is not None:
+    if _HELPER and _HELPER[0] is not None and _HELPER[0].gone:
         ended = _HELPER.pop()
         ended.close()
         if not ended.ready:  # it never got through its imports: no other one would
