@@ -16,6 +16,9 @@ each subject's conformance table once ([Note: reused conformance tables] in
 qwz/qualify/run/conformance_cache.py). tests/multigpu/test_conformance.py calls the table
 itself (``run_table``), which never reuses.
 
+The files are handed to the xdist workers longest first ([Note: longest file first] in
+tests/file_order.py); ``QWZ_WRITE_DURATIONS=tests/durations.json`` re-measures them.
+
 Tests marked ``nightly`` are deselected unless ``QWZ_NIGHTLY_TESTS=1`` (ci/nightly.sh sets it for
 its unit and multigpu runs).
 """
@@ -26,6 +29,8 @@ import shutil
 import tempfile
 
 from hypothesis import HealthCheck, settings
+
+from tests import file_order
 
 _BASE = settings.get_profile("default")
 
@@ -62,6 +67,11 @@ def pytest_configure(config):
         directory = tempfile.mkdtemp(prefix="qwz-conformance-")
         os.environ["QWZ_CONFORMANCE_CACHE"] = directory
         _MADE_CONFORMANCE_CACHE.append(directory)
+    # The controller sees every worker's reports; a worker (which has `workerinput`) writes none.
+    target = os.environ.get("QWZ_WRITE_DURATIONS")
+    if target and not hasattr(config, "workerinput"):
+        writer = file_order.DurationWriter(pathlib.Path(target).resolve(), config.rootpath)
+        config.pluginmanager.register(writer, "qwz-durations")
 
 
 def pytest_unconfigure(config):
@@ -86,3 +96,5 @@ def pytest_collection_modifyitems(config, items):
         if nightly:
             config.hook.pytest_deselected(items=nightly)
             items[:] = [item for item in items if item.get_closest_marker("nightly") is None]
+    # With --no-loadscope-reorder (ci/test.sh) xdist hands the files out in this order.
+    file_order.reorder(items, file_order.load())
