@@ -54,6 +54,31 @@ def test_this_session_collected_its_files_longest_first(request):
     assert file_order.longest_first(nodeids, file_order.load()) == list(range(len(nodeids)))
 
 
+def test_the_collection_hook_puts_the_files_longest_first(request):
+    """tests/conftest.py's collection hook, given items in pytest's own order (by folder and
+    name), hands them back longest first. The session check above needs a session of several
+    files to say anything; this one holds in any session, one file run alone included."""
+    conftest = ROOT / "tests" / "conftest.py"
+    (hook,) = [
+        plugin.pytest_collection_modifyitems
+        for plugin in request.config.pluginmanager.get_plugins()
+        if getattr(plugin, "__file__", None) == str(conftest)
+    ]
+    names = sorted(file_order.load())
+    items = [
+        SimpleNamespace(nodeid=f"{name}::test_{i}", get_closest_marker=lambda marker: None)
+        for name in names
+        for i in range(2)
+    ]
+    expected = [
+        items[i].nodeid
+        for i in file_order.longest_first([x.nodeid for x in items], file_order.load())
+    ]
+    assert expected != [item.nodeid for item in items]  # pytest's order is not already it
+    hook(config=request.config, items=items)
+    assert [item.nodeid for item in items] == expected
+
+
 def test_the_committed_durations_name_only_test_files_that_exist():
     durations = file_order.load()
     assert durations, "tests/durations.json is missing or empty"
