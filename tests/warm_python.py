@@ -29,8 +29,10 @@ keeps ``subprocess.run``.
 
 A helper that ends while a child runs is an error of that test (the child may have run, so
 it is not run again), and the next child gets a new helper; one that never got through its
-imports is not started again. ``QWZ_TEST_WARM_PYTHON=0`` turns the helper off (every child a
-new interpreter).
+imports is not started again. When the worker's own environment changes outside
+:data:`READ_AT_USE` (torch sets ``TORCHINDUCTOR_CACHE_DIR`` at its first compile), the idle
+helper is replaced by one started under the new environment. ``QWZ_TEST_WARM_PYTHON=0``
+turns the helper off (every child a new interpreter).
 """
 
 from __future__ import annotations
@@ -117,8 +119,7 @@ class _Helper:
     """The warm interpreter: requests in, answers out, on two pipes of its own."""
 
     def __init__(self) -> None:
-        path = [str(WORKTREE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        self.environment = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        self.environment = _helper_environment()
         requests_r, self._requests = os.pipe()
         self._answers, answers_w = os.pipe()
         self.process = subprocess.Popen(
@@ -139,8 +140,7 @@ class _Helper:
         """Whether a child with `environment` may be forked from this helper: it differs
         from the helper's own only in :data:`READ_AT_USE`, and no ``PYTHONPATH`` entry holds
         a ``qwz`` other than this worktree's or a module Python runs only when it starts."""
-        keys = (set(environment) | set(self.environment)) - READ_AT_USE
-        if any(environment.get(key) != self.environment.get(key) for key in keys):
+        if not _same_at_import(environment, self.environment):
             return False
         for entry in filter(None, environment.get("PYTHONPATH", "").split(os.pathsep)):
             path = pathlib.Path(entry)
@@ -186,17 +186,38 @@ class _Helper:
             self.process.kill()
 
 
+def _helper_environment() -> dict[str, str]:
+    """The environment a helper started now gets: this worker's, with the worktree first on
+    the import path."""
+    path = [str(WORKTREE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
+def _same_at_import(one: dict[str, str], other: dict[str, str]) -> bool:
+    """Whether two environments agree in every variable outside :data:`READ_AT_USE`."""
+    keys = (set(one) | set(other)) - READ_AT_USE
+    return all(one.get(key) == other.get(key) for key in keys)
+
+
 _HELPER: list[_Helper | None] = []
 
 
 def _helper() -> _Helper | None:
-    """This process's helper, started on first use and again when the last one ended (None
-    where it is turned off or cannot start)."""
-    if _HELPER and _HELPER[0] is not None and _HELPER[0].gone:
-        ended = _HELPER.pop()
-        ended.close()
-        if not ended.ready:  # it never got through its imports: no other one would
-            _HELPER.append(None)
+    """This process's helper, started on first use and again when the last one ended or this
+    worker's own environment changed since it started (None where it is turned off or cannot
+    start)."""
+    current = _HELPER[0] if _HELPER else None
+    # torch sets TORCHINDUCTOR_CACHE_DIR in the worker at its first compile, and
+    # PYTORCH_NVML_BASED_CUDA_CHECK at its first CUDA check: from then on a helper started
+    # before could fork none of the worker's children. Between children it is idle: replaced.
+    drifted = current is not None and not _same_at_import(
+        current.environment, _helper_environment()
+    )
+    if current is not None and (current.gone or drifted):
+        _HELPER.pop()
+        current.close()
+        if current.gone and not current.ready:  # it never got through its imports
+            _HELPER.append(None)  # no other one would: children are new interpreters
     if not _HELPER:
         off = os.environ.get("QWZ_TEST_WARM_PYTHON", "1") == "0"
         try:

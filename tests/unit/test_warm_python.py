@@ -67,10 +67,27 @@ def test_a_child_past_its_timeout_is_killed_and_raises():
 
 def test_a_helper_that_dies_under_a_child_is_an_error_and_the_next_child_gets_a_new_one():
     """The child may have run: it is not run again in a new interpreter."""
-    kill = "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"
+    assert _started() == "warm"
+    # Only a forked child kills its parent: a new interpreter's parent is this pytest worker.
+    kill = (
+        "import os, signal, sys\nif 'torch' in sys.modules: os.kill(os.getppid(), signal.SIGKILL)"
+    )
     with pytest.raises(RuntimeError, match="warm interpreter"):
         warm_python.run(["-c", kill], timeout=120)
     assert _started() == "warm"
+
+
+def test_a_change_of_the_workers_own_environment_gets_a_helper_started_under_it(monkeypatch):
+    """torch sets TORCHINDUCTOR_CACHE_DIR in the worker at its first compile: the worker's
+    children after that are still forked, from a helper that has the new environment."""
+    assert _started() == "warm"
+    monkeypatch.setenv("QWZ_TEST_A_VARIABLE_SET_IN_THE_WORKER", "1")
+    assert _started() == "warm"
+    done = warm_python.run(
+        ["-c", "import os; print(os.environ['QWZ_TEST_A_VARIABLE_SET_IN_THE_WORKER'])"],
+        timeout=120,
+    )
+    assert done.stdout == "1\n"
 
 
 @pytest.mark.parametrize(
