@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shlex
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests import file_order
+from tests.unit.test_workflows import args_of_the_test_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -135,6 +135,7 @@ CONFTEST = """
 import pathlib, sys
 sys.path.insert(0, {root!r})
 from tests import file_order
+from tests.unit.test_workflows import args_of_the_test_command
 
 def pytest_collection_modifyitems(config, items):
     here = pathlib.Path(__file__).with_name("durations.json")
@@ -145,10 +146,7 @@ def pytest_collection_modifyitems(config, items):
 def test_the_test_command_starts_each_worker_on_a_longest_file(tmp_path):
     """With the test command's own flags, the first file each worker runs is one of the two
     longest (xdist's default would start on the file with most tests, here `many`)."""
-    command = (ROOT / "ci" / "test.sh").read_text()
-    line = next(line for line in command.splitlines() if "-m pytest" in line)
-    words = shlex.split(line.split("-m pytest", 1)[1].split("||")[0])
-    flags = [word for word in words if word not in ("tests", "$@")]
+    flags = [word for word in args_of_the_test_command() if word not in ("tests", "$@")]
     counts = {"long": 1, "mid": 1, "many": 5, "few": 2}
     for name, count in counts.items():
         (tmp_path / f"test_{name}.py").write_text(

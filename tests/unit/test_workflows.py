@@ -549,17 +549,22 @@ def test_one(i):
 """
 
 
+def args_of_the_test_command() -> list[str]:
+    """The arguments ``ci/test.sh`` (the test command) gives ``python -m pytest``."""
+    command = (ROOT / "ci" / "test.sh").read_text()
+    line = next(line for line in command.splitlines() if "-m pytest" in line)
+    return shlex.split(line.split("-m pytest", 1)[1].split("||")[0])
+
+
 def test_the_test_command_runs_each_file_on_one_worker(tmp_path):
     """A multigpu file's ranks, checkouts and module fixtures are made once only if all its
     tests run on one xdist worker: the test command's own distribution flags, on two files of
     four tests, keep each file's tests together (under pytest 9, ``--dist loadgroup`` did not:
     pytest-xdist#1386)."""
-    command = (ROOT / "ci" / "test.sh").read_text()
-    line = next(line for line in command.splitlines() if "-m pytest" in line)
-    words = shlex.split(line.split("-m pytest", 1)[1].split("||")[0])
+    words = args_of_the_test_command()
     flags = [word for i, word in enumerate(words) if word in ("-n", "--dist") or (
         i > 0 and words[i - 1] in ("-n", "--dist"))]  # fmt: skip
-    assert "--dist" in flags, f"the test command names no --dist mode: {line}"
+    assert "--dist" in flags, f"the test command names no --dist mode: {words}"
     for name in ("test_a.py", "test_b.py"):
         (tmp_path / name).write_text(KEEPS_ITS_WORKER)
     done = subprocess.run(
