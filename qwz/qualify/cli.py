@@ -466,7 +466,10 @@ def _conformance_table(plan) -> dict | None:
     if preflight.under_torchrun() and os.environ.get("RANK") != "0":
         return None
     table, reused = conformance_cache.table(
-        plan.subject, qwz_gather=plan.qwz_gather, deepspeed_src=plan.deepspeed_src
+        plan.subject,
+        qwz_gather=plan.qwz_gather,
+        deepspeed_src=plan.deepspeed_src,
+        cpu_quantizer=plan.cpu_quantizer,
     )
     said = table["error"] or f"{len(table['rows'])} configs in {table['seconds']:.1f} s"
     if reused is not None:
@@ -539,11 +542,13 @@ def _write_failure(
     print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
     if failure.cause is None:
         raise failure
-    if harness_error.is_harness_error(failure.cause):
-        content = harness_error.report(failure.cause, plan.subject, invocation)
+    unjudged = harness_error.unjudged(failure.cause)
+    if unjudged is not None:
+        verdict, exit_code = unjudged
+        content = harness_error.report(failure.cause, plan.subject, invocation, verdict)
         path = harness_error.write(out, content)
         print(f"wrote {path}; {harness_error.summary(content)}")
-        return harness_error.HARNESS_ERROR_EXIT
+        return exit_code
     built = evidence.build_failure_record(
         plan, world_size, failure.cause, failure.context, failure.results, invocation, conformance
     )

@@ -281,6 +281,14 @@ class RunPlan:
         "needs no flag (none: the installed deepspeed)",
         matrix=None,
     )
+    cpu_quantizer: bool = setting(
+        True,
+        BOOLEAN,
+        "DeepSpeed subjects on a runner without CUDA: run DeepSpeed's quantizer op (a CUDA "
+        "kernel, QuantizerBuilder) as the harness's CPU implementation of it, disclosed in the "
+        "record ([Note: a CUDA-only subject on a CPU runner], qualify/run/quantizer_op.py); "
+        "--no-cpu-quantizer: a subject that loads it cannot run here (exit 5, CANNOT-RUN)",
+    )
     arm_hook: str | None = None
     """Test seam: ``"module:function"`` called as ``function(arm_spec, arm_engine, plan)``
     after each candidate arm is built, in every rank; it may change the engine or return a

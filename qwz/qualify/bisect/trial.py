@@ -94,10 +94,12 @@ def run_trial(request: dict[str, Any], out: pathlib.Path, attempt: Attempt) -> d
         log = attempt.directory / "run.log"
         env = _environment(first_on_path, attempt.sha)
         exit_code = _run_logged(command, worktree, env, log)
-        if exit_code == harness_error.HARNESS_ERROR_EXIT:
-            # [Note: harness errors]: the commit was not judged, so it is skipped
+        if exit_code in harness_error.UNJUDGED_EXITS:
+            # [Note: harness errors], [Note: cannot run on this runner]: the commit was not
+            # judged, so it is skipped
             said = harness_error.read_summary(attempt.directory)
-            why = said or f"{harness_error.HARNESS_ERROR} (exit {exit_code}): {_last_line(log)}"
+            verdict = harness_error.UNJUDGED_EXITS[exit_code]
+            why = said or f"{verdict} (exit {exit_code}): {_last_line(log)}"
         elif not attempt.record.is_file():
             why = f"no record (exit {exit_code}): {_last_line(log)}"
     outcome = {"exit_code": exit_code, "wall_s": round(time.monotonic() - started, 3), "why": why}

@@ -180,22 +180,54 @@ def _updates(plan: RunPlan, name: str, ranks: list[ArmObservation]) -> dict[str,
     }
 
 
+OWN_SHARD_COUNTS = (
+    "checked", "mismatches", "near_ties", "working_input", "scale_ulp", "unrounded_decode",
+    "fp16_overflow",
+)  # fmt: skip
+"""The own-shard observer's counts (qualify/run/observers/own_shard.py), summed over ranks."""
+
+
 def _own_shards(name: str, ranks: list[ArmObservation]) -> dict[str, Any]:
     present = [item.own_shard for item in ranks if item.own_shard is not None]
     worst = max((item["max_ratio"] for item in present), default=0.0)
+    by_scheme: dict[str, int] = {}
+    for item in present:
+        for scheme, count in item.get("by_scheme", {}).items():
+            by_scheme[scheme] = by_scheme.get(scheme, 0) + count
     return {
         "arm": name,
         "max_ratio": _json_float(worst),
         "first_violation": _violation(_earliest([item["first_violation"] for item in present])),
-        **{
-            key: sum(item.get(key, 0) for item in present)
-            for key in ("checked", "mismatches", "near_ties", "working_input", "scale_ulp")
-        },
+        **{key: sum(item.get(key, 0) for item in present) for key in OWN_SHARD_COUNTS},
+        "scheme_by_rank": [item.get("scheme") for item in present],
+        "by_scheme": dict(sorted(by_scheme.items())),
+        "cost": _scheme_cost([item.get("cost") for item in present]),
         # None where any rank's judge did not count it (an older observation).
         "reference": None
         if any("reference" not in item for item in present)
         else sum(item["reference"] for item in present),
         "kernels": [item.kernels for item in ranks if item.kernels],
+    }
+
+
+def _scheme_cost(ranks: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The record's ``cost`` (schema.SchemeCost) from every rank's measure ([Note: what a
+    scheme costs], qualify/run/observers/scheme_cost.py); None where no rank measured a
+    quantized element."""
+    present = [item for item in ranks if item and item.get("elements")]
+    if not present:
+        return None
+    elements = sum(item["elements"] for item in present)
+    cost: dict[str, Any] = {"elements": elements, "cast_dtype": present[0]["cast_dtype"]}
+    for prefix in ("written", "absmax127", "cast"):
+        cost[f"{prefix}_worst"] = max(item[f"{prefix}_worst"] for item in present)
+        cost[f"{prefix}_mean"] = sum(item[f"{prefix}_sum"] for item in present) / elements
+    for name in ("fp16_below_normal", "fp16_overflow"):
+        cost[name] = sum(item[name] for item in present)
+    # A non-finite weight (an fp16 overflow's NaN) has no error to show: null, never NaN.
+    return {
+        name: None if isinstance(value, float) and not math.isfinite(value) else value
+        for name, value in cost.items()
     }
 
 
@@ -315,6 +347,13 @@ def _sections(
     return sections
 
 
+def _subject(observations: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's identity of the subject, with every op any rank ran as the harness's own
+    implementation ([Note: a CUDA-only subject on a CPU runner], qualify/run/quantizer_op.py)."""
+    ops = sorted({op for item in observations for op in item.get("substituted_ops", [])})
+    return {**observations[0]["subject"], **({"substituted_ops": ops} if ops else {})}
+
+
 def build_record(
     plan: RunPlan,
     observations: list[dict[str, Any]],
@@ -342,7 +381,7 @@ def build_record(
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "head": first["head"],
         "harness": first["harness"],
-        "subject": first["subject"],
+        "subject": _subject(observations),
         "environment": environment.model_dump(),
         "invocation": invocation,
         "workload": {

@@ -91,6 +91,7 @@ from qwz.qualify.evidence import (
     horizon,
     loss_scaling,
     optimizer,
+    schemes,
     stats,
 )
 from qwz.qualify.evidence.rules import SPEED, rule
@@ -148,8 +149,10 @@ def derive(record: Record) -> list[Check]:
         for updates in record.updates
     ]
     checks += _overflow_patterns(record, reference)
+    run_scheme = schemes.run_scheme(record)
     checks += [
-        _own_shard(own, arms[own.arm].quantized, failures.get(own.arm)) for own in record.own_shards
+        schemes.own_shard(own, arms[own.arm].quantized, failures.get(own.arm), run_scheme)
+        for own in record.own_shards
     ]
     for hashes in record.hashes:
         checks += [_replicas(hashes, world_size), _reproduced(hashes)]
@@ -432,77 +435,6 @@ def _update(updates, skips: loss_scaling.Skips | None = None, config=None) -> Ch
         norm_checked=updates.norm_checked,
         norm_max_ratio=updates.norm_max_ratio,
     )
-
-
-def _kernel_fallbacks(own) -> str:
-    """The kernel implementations dropped on any rank (the record's ``kernels``), for the
-    detail: two implementations that disagree must never pass unseen."""
-    reasons = sorted({reason for use in own.kernels for reason in use.fallbacks})
-    return f"; kernel fallbacks: {'; '.join(reasons)}" if reasons else ""
-
-
-@rule("own-shard", 2)
-def _own_shard(own, quantized: bool, failure) -> Check:
-    """[Note: own shard against the spec] (qualify/run/observers/own_shard.py): every element
-    equals the spec's decode (qualify/evidence/spec.py), or the exact cast where the spec sends
-    it exactly."""
-    name = f"own-shard[{own.arm}]"
-    if failure is not None and own.first_violation is None:
-        return _check(name, "n/a", "the arm failed; see finite")
-    if own.checked == 0 and own.first_violation is None:
-        return _check(name, "n/a", "no own-shard element was observed")
-    rule = (
-        "a decode of its fp32 master the contract allows (scale absmax/127 in fp32, codes "
-        "rounded to nearest in [-127, 127], per group; [Note: the contract and its freedoms], "
-        "qwz/qualify/evidence/spec.py) cast to the working dtype"
-        if quantized
-        else "its fp32 master cast to the working dtype"
-    )
-    fallbacks = _kernel_fallbacks(own)
-    if own.mismatches or own.first_violation is not None:
-        first = own.first_violation
-        where = f"; first at {_where(first)}: {first.what}" if first else ""
-        return _check(
-            name,
-            "fail",
-            f"{own.mismatches} of {own.checked} own-shard elements are not {rule}"
-            f"{where}{fallbacks}",
-            mismatches=own.mismatches,
-            max_ratio=own.max_ratio,
-        )
-    return _check(
-        name,
-        "pass",
-        f"after every step all {own.checked} own-shard elements are {rule}, parameters of at "
-        f"most 65,536 elements exact{_freedoms_used(own)} (worst error "
-        f"{format(own.max_ratio or 0.0, '.4g')} of scale/2 + 2**-15 scale + half-ulps)"
-        f"{fallbacks}",
-        checked=own.checked,
-        near_ties=own.near_ties,
-        max_ratio=own.max_ratio,
-        **({} if own.reference is None else {"reference": own.reference}),
-        working_input=own.working_input,
-        scale_ulp=own.scale_ulp,
-    )
-
-
-def _freedoms_used(own) -> str:
-    """How many own-shard elements were the reference arithmetic bit for bit, and which
-    freedom of [Note: the contract and its freedoms] (qualify/evidence/spec.py) the others
-    used; empty when all were the reference (or an older record counted nothing)."""
-    used = [
-        f"{count} {what}"
-        for count, what in (
-            (own.working_input, "from the master cast to the working dtype"),
-            (own.scale_ulp, "with a scale one fp32 ulp from absmax/127"),
-            (own.near_ties, "near-ties that took the other neighbouring code"),
-        )
-        if count
-    ]
-    if not used:
-        return ""
-    reference = "" if own.reference is None else f"{own.reference} bit for bit the reference; "
-    return f"; {reference}{', '.join(used)} (allowed by the contract)"
 
 
 ALIGNMENT_BYTES = 3

@@ -15,6 +15,14 @@ or ``report.md`` of an earlier run in that directory is removed, so no verdict s
 Most of what would make a harness error is found before any rank starts
 (qualify/run/seam_check.py refuses it, exit 2); this is what a rank meets anyway. ``bisect``
 treats the exit as a skip (the commit cannot be judged), ``matrix`` as its own cell status.
+
+[Note: cannot run on this runner]
+The other way a subject goes unjudged: it needs what the runner lacks -- DeepSpeed's quantizer
+op, a CUDA kernel, on a machine without CUDA with the harness's CPU implementation of it turned
+off ([Note: a CUDA-only subject on a CPU runner], qualify/run/quantizer_op.py). The rank raises
+``RunnerLacksCapability``; the run ends ``CANNOT-RUN`` with exit :data:`CANNOT_RUN_EXIT`,
+written the same way (``harness-error.json``, its ``verdict`` says which), never the
+subject's FAIL. ``bisect`` skips such a commit, as it skips a harness error.
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ from qwz.qualify.rank_reports import RankEnd
 HARNESS_ERROR = "HARNESS-ERROR"
 HARNESS_ERROR_EXIT = 4
 FILE_NAME = "harness-error.json"
+CANNOT_RUN = "CANNOT-RUN"
+CANNOT_RUN_EXIT = 5
+CANNOT_RUN_TYPES = ("RunnerLacksCapability",)
+"""Exception types of a subject that needs what this runner lacks ([Note: cannot run on this
+runner])."""
+UNJUDGED_EXITS = {4: HARNESS_ERROR, CANNOT_RUN_EXIT: CANNOT_RUN}
+"""The exits of a run that judged nothing, and their verdicts."""
 HARNESS_ERROR_TYPES = ("SeamError", "DeepSpeedSourceError")
 """Exception types (by name: a rank reports ``Type: message``) that are the harness's failure
 to observe the subject, never the subject's: the seam cannot read its optimizer
@@ -35,20 +50,45 @@ to observe the subject, never the subject's: the seam cannot read its optimizer
 subject (qualify/run/subjects.py, [Note: subject identity])."""
 
 
+def _raised(cause: RankEnd) -> str | None:
+    if cause.how != "raised" or not cause.error:
+        return None
+    return cause.error.partition(":")[0].strip()
+
+
 def is_harness_error(cause: RankEnd) -> bool:
     """Whether the rank that failed first failed because the harness could not observe."""
-    if cause.how != "raised" or not cause.error:
-        return False
-    return cause.error.partition(":")[0].strip() in HARNESS_ERROR_TYPES
+    return _raised(cause) in HARNESS_ERROR_TYPES
 
 
-def report(cause: RankEnd, subject_name: str, invocation: dict[str, Any] | None) -> dict:
-    """The content of ``harness-error.json`` ([Note: harness errors])."""
+def is_cannot_run(cause: RankEnd) -> bool:
+    """Whether the rank that failed first needed what this runner lacks ([Note: cannot run
+    on this runner])."""
+    return _raised(cause) in CANNOT_RUN_TYPES
+
+
+def unjudged(cause: RankEnd) -> tuple[str, int] | None:
+    """(verdict, exit code) where the failure judged nothing of the subject, else None."""
+    if is_harness_error(cause):
+        return HARNESS_ERROR, HARNESS_ERROR_EXIT
+    if is_cannot_run(cause):
+        return CANNOT_RUN, CANNOT_RUN_EXIT
+    return None
+
+
+def report(
+    cause: RankEnd,
+    subject_name: str,
+    invocation: dict[str, Any] | None,
+    verdict: str = HARNESS_ERROR,
+) -> dict:
+    """The content of ``harness-error.json`` ([Note: harness errors]; `verdict` CANNOT-RUN:
+    [Note: cannot run on this runner])."""
     from qwz.qualify.evidence import provenance
 
     needed = (cause.error or "").partition(":")[2].strip()
     return {
-        "verdict": HARNESS_ERROR,
+        "verdict": verdict,
         "needed": needed,
         "error": cause.error,
         "rank": cause.rank,
@@ -77,10 +117,10 @@ def summary(content: dict) -> str:
     sha = subject.get("sha")
     dirty = " (dirty)" if subject.get("dirty") else ""
     at = f"at {sha[:12]}{dirty}" if sha else "(not a git checkout)"
-    return (
-        f"{HARNESS_ERROR}: the harness could not observe {subject.get('name')} "
-        f"{subject.get('version')} {at} (rank {content.get('rank')}): {content.get('needed')}"
-    )
+    who = f"{subject.get('name')} {subject.get('version')} {at} (rank {content.get('rank')})"
+    if content.get("verdict") == CANNOT_RUN:
+        return f"{CANNOT_RUN}: {who}: {content.get('needed')}"
+    return f"{HARNESS_ERROR}: the harness could not observe {who}: {content.get('needed')}"
 
 
 def read_summary(out: pathlib.Path) -> str | None:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from qwz.qualify.evidence.signing import Signature
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The one place the record's schema version is written ([Note: schema versions], upgrade.py)."""
 OLDEST_SCHEMA_VERSION = 2
 """The oldest schema this qwz reads (upgrade.py upgrades it in memory)."""
@@ -76,6 +76,12 @@ class Subject(_Model):
     )
     direct_url: dict[str, Any] | None = Field(
         None, description="The installed distribution's direct_url.json (PEP 610), if any"
+    )
+    substituted_ops: list[str] = Field(
+        default_factory=list,
+        description="Ops of the subject that ran as the harness's own implementation, each in a "
+        "sentence ([Note: a CUDA-only subject on a CPU runner], qualify/run/quantizer_op.py): "
+        "the verdict covers the subject's plumbing, not those kernels; empty: none (schema 6)",
     )
 
     def identity(self) -> dict[str, Any]:
@@ -377,6 +383,31 @@ class KernelUse(_Model):
     )
 
 
+class SchemeCost(_Model):
+    """The decode error of the weights as written, against absmax/127 at the same wire bytes
+    and against the working dtype's plain cast, relative to each group's absmax, over the
+    quantized elements of every rank's own shard after the last step ([Note: what a scheme
+    costs], qualify/run/observers/scheme_cost.py)."""
+
+    elements: int = Field(description="Quantized elements measured (in groups of nonzero absmax)")
+    written_worst: float | None = Field(description="max |x_hat - x| / absmax, the written weights")
+    written_mean: float | None = Field(description="mean |x_hat - x| / absmax, the written weights")
+    absmax127_worst: float | None = Field(description="The same for absmax/127's reference decode")
+    absmax127_mean: float | None
+    cast_worst: float | None = Field(
+        description="The same for the master's plain cast (no quantizing)"
+    )
+    cast_mean: float | None
+    cast_dtype: str = Field(description="The working dtype of that cast")
+    fp16_below_normal: int = Field(
+        description="Quantized inputs (the master's working cast) nonzero and below fp16's "
+        "normal range (2**-14): fp16 staging keeps fewer bits of them, or none"
+    )
+    fp16_overflow: int = Field(
+        description="Quantized inputs that fp16 staging makes infinite (magnitude >= 65,520)"
+    )
+
+
 class OwnShards(_Model):
     """Every rank's own shard against the spec's decode of its fp32 master after every step
     ([Note: the spec's decode], qualify/evidence/spec.py; observers.check_own_shards)."""
@@ -409,6 +440,32 @@ class OwnShards(_Model):
         "absmax/127 (a freedom of the contract; 0 before it was allowed)",
     )
     kernels: list[KernelUse] = Field(default_factory=list, description="Per rank")
+    unrounded_decode: int = Field(
+        0,
+        description="DeepSpeed's ZeRO++ scheme: elements not the reference whose group's decode "
+        "was cast once to the working dtype, not rounded through fp16 (a freedom; schema 6)",
+    )
+    scheme_by_rank: list[str | None] = Field(
+        default_factory=list,
+        description="Per rank, the contract's scheme its own shard identified ([Note: one scheme "
+        "per run], qualify/evidence/contract.py); null: nothing told the schemes apart; empty: "
+        "a judge before schemes were named (absmax/127 was the only one)",
+    )
+    by_scheme: dict[str, int] = Field(
+        default_factory=dict,
+        description="Elements each scheme alone accounts for, summed over ranks (two schemes "
+        "with elements: a run that mixes them)",
+    )
+    fp16_overflow: int = Field(
+        0,
+        description="DeepSpeed's ZeRO++ scheme: elements of groups whose input staged an fp16 "
+        "infinity (the group decodes to NaN): a weight beyond fp16's range",
+    )
+    cost: SchemeCost | None = Field(
+        None,
+        description="What the scheme cost on the run's last weights (null: not measured, or "
+        "nothing quantized)",
+    )
 
 
 class Drift(_Model):

@@ -30,6 +30,13 @@ each arm's ``allgather_bucket_size`` (the chunked arm's is its own: [Note: the c
 qualify/run/chunked_arm.py; an older arm's is the one its config gave its engine,
 ``_bucket_from_4``) and each wire entry's ``largest_output_bytes`` (absent: ``bounded``
 reads "not observed", rules.py ``inputs``).
+
+5 -> 6: the contract names its schemes ([Note: one scheme per run], contract.py): each arm's
+own-shard section gains the scheme each rank identified (``scheme_by_rank``; empty: judged when
+absmax/127 was the only scheme), the elements per scheme, the ZeRO++ freedoms and overflows
+(0 in an older record, which had no such scheme), and what the scheme cost (``cost``, null:
+not measured); the subject gains the ops the harness substituted (``substituted_ops``, empty:
+none, as every older run had none).
 """
 
 from __future__ import annotations
@@ -127,10 +134,15 @@ def _from_4(payload: dict[str, Any]) -> dict[str, Any]:
     return upgraded
 
 
+def _from_5(payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload, schema_version=6)
+
+
 UPGRADERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     2: _from_2,
     3: _from_3,
     4: _from_4,
+    5: _from_5,
 }
 """Version N -> the step from N to N + 1."""
 

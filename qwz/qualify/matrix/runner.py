@@ -192,18 +192,19 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
         reason = f"the matrix was stopped by {name} while this cell ran; its run wrote no record"
         return _row(cell, arguments, status="not run", kind="interrupted", reason=reason)
     last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
-    if code == harness_error.HARNESS_ERROR_EXIT:
+    if code in harness_error.UNJUDGED_EXITS:
+        verdict = harness_error.UNJUDGED_EXITS[code]
         said = harness_error.read_summary(run.cell_dir)
         if said is not None:  # [Note: harness errors]: the subject was not judged
             return _row(
                 cell,
                 arguments,
-                status=harness_error.HARNESS_ERROR,
-                kind="harness-error",
+                status=verdict,
+                kind=verdict.lower(),
                 reason=said,
                 wall_s=wall_s,
             )
-        reason = f"run exited {code} ({harness_error.HARNESS_ERROR}) but wrote no readable "
+        reason = f"run exited {code} ({verdict}) but wrote no readable "
         reason += harness_error.FILE_NAME
     elif code in VERDICT_EXITS:
         record, why = finished_record(run.cell_dir, run.plan, run.world_size)

@@ -137,10 +137,11 @@ def ended(
     if _stopped(stop, code):
         name = signal.Signals(stop.signum).name
         return _side(run, "interrupted", "ran", f"stopped by {name}: no record"), None
-    if code == harness_error.HARNESS_ERROR_EXIT:
+    if code in harness_error.UNJUDGED_EXITS:
         said = harness_error.read_summary(run.directory)
         reason = said or f"exit {code} without a readable {harness_error.FILE_NAME}"
-        return _side(run, harness_error.HARNESS_ERROR, "ran", reason, wall_s=wall_s), None
+        verdict = harness_error.UNJUDGED_EXITS[code]
+        return _side(run, verdict, "ran", reason, wall_s=wall_s), None
     if code in VERDICT_EXITS:
         record, why = finished(run, parser)
         if record is not None:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qwz import jsonio
-from qwz.qualify.evidence.harness_error import HARNESS_ERROR_EXIT
+from qwz.qualify.evidence.harness_error import CANNOT_RUN, CANNOT_RUN_EXIT, HARNESS_ERROR_EXIT
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.files import atomic_write_text
@@ -33,13 +33,16 @@ MATRIX_FORMAT = "qwz-matrix/1"
 MATRIX_JSON = "matrix.json"
 MATRIX_MD = "matrix.md"
 VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
-CellStatus = Literal["PASS", "FAIL", "INCONCLUSIVE", "HARNESS-ERROR", "crashed", "not run"]
+CellStatus = Literal[
+    "PASS", "FAIL", "INCONCLUSIVE", "HARNESS-ERROR", "CANNOT-RUN", "crashed", "not run"
+]
 CellKind = Literal[
     "ran",
     "resumed",
     "refused",
     "crashed",
     "harness-error",
+    "cannot-run",
     "interrupted",
     "pending",
     "excluded",
@@ -105,6 +108,8 @@ def status_of(cells: list[MatrixCell]) -> int:
         return 1
     if "HARNESS-ERROR" in statuses:
         return HARNESS_ERROR_EXIT
+    if CANNOT_RUN in statuses:
+        return CANNOT_RUN_EXIT
     if "INCONCLUSIVE" in statuses or not statuses & set(VERDICTS):
         return 3
     return 0

@@ -16,14 +16,26 @@ import pathlib
 from typing import Any, NamedTuple
 
 from qwz.qualify.evidence.default_path import DefaultPath
-from qwz.qualify.evidence.harness_error import HARNESS_ERROR, HARNESS_ERROR_EXIT
+from qwz.qualify.evidence.harness_error import (
+    CANNOT_RUN,
+    CANNOT_RUN_EXIT,
+    HARNESS_ERROR,
+    HARNESS_ERROR_EXIT,
+)
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.review.claims import FAIL, INCONCLUSIVE, PASS, ClaimRow
 from qwz.qualify.review.formatting import table
 
 MARKDOWN, JSON = "review.md", "review.json"
 REFUSED = "refused"
-EXITS = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3, HARNESS_ERROR: HARNESS_ERROR_EXIT, REFUSED: 2}
+EXITS = {
+    PASS: 0,
+    FAIL: 1,
+    INCONCLUSIVE: 3,
+    HARNESS_ERROR: HARNESS_ERROR_EXIT,
+    CANNOT_RUN: CANNOT_RUN_EXIT,
+    REFUSED: 2,
+}
 
 
 class Side(NamedTuple):
@@ -63,6 +75,8 @@ def status_of(review: Review) -> str:
         return FAIL
     if HARNESS_ERROR in ends:
         return HARNESS_ERROR
+    if CANNOT_RUN in ends:
+        return CANNOT_RUN
     if INCONCLUSIVE in ends + verdicts or any(end not in EXITS for end in ends):
         return INCONCLUSIVE
     return PASS

@@ -78,6 +78,7 @@ def run_table(
     *,
     qwz_gather: bool = True,
     deepspeed_src: str | None = None,
+    cpu_quantizer: bool = True,
     timeout_s: float = TIMEOUT_S,
 ) -> dict[str, Any]:
     """The record's ``conformance`` section: every row of the judge's table through the
@@ -88,6 +89,7 @@ def run_table(
         "subject": subject,
         "qwz_gather": qwz_gather,
         "deepspeed_src": deepspeed_src,
+        "cpu_quantizer": cpu_quantizer,
         "rows": [{"row": row.name, "config": row.config} for row in ROWS],
         "sys_path": list(sys.path),
     }
@@ -171,15 +173,19 @@ def serve(request: dict[str, Any]) -> None:
     rows, error = [], None
     try:
         if subject != "qwz":
+            from qwz.qualify.run import quantizer_op
             from qwz.qualify.run.subjects import use_deepspeed_source
 
             use_deepspeed_source(request["deepspeed_src"])
+            quantizer_op.install(request.get("cpu_quantizer", True))
         with tempfile.TemporaryDirectory() as directory:
             _one_rank_world(directory)
             rows = [
                 observe(subject, item["row"], item["config"], request["qwz_gather"])
                 for item in request["rows"]
             ]
+    except RunnerCannot as failure:  # the runner, not the subject: never a refusal
+        error = str(failure)
     except Exception as failure:  # the harness's own setup: never a refusal
         error = f"setting up the table failed: {_message(failure)}"
     print(MARKER + json.dumps({"rows": rows, "error": error}), flush=True)
@@ -198,8 +204,18 @@ def _message(error: BaseException) -> str:
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 1] + "…"
 
 
+class RunnerCannot(RuntimeError):
+    """A row the subject could not be asked on this runner: its quantizer op cannot load here
+    and the harness's CPU implementation is off ([Note: a CUDA-only subject on a CPU runner],
+    run/quantizer_op.py). The table's error, never the subject's refusal."""
+
+
 def observe(subject: str, name: str, config: dict[str, Any], qwz_gather: bool) -> dict:
-    """One row as the subject took it: its parser, then (stages 1 and 2) its engine."""
+    """One row as the subject took it: its parser, then (stages 1 and 2) its engine. A row
+    whose engine could not load the subject's op on this runner raises :class:`RunnerCannot`."""
+    from qwz.qualify.run import quantizer_op
+
+    refused_loads = quantizer_op.USAGE.refused
     ran = ["parse"]
     refused_at = message = group_size = None
     try:
@@ -209,6 +225,11 @@ def observe(subject: str, name: str, config: dict[str, Any], qwz_gather: bool) -
             ran.append("initialize")
             _INITIALIZE[subject](copy.deepcopy(config), qwz_gather)
     except Exception as error:  # the subject's refusal, by its parser or its engine
+        if quantizer_op.USAGE.refused > refused_loads:
+            raise RunnerCannot(
+                f"row {name}: the subject's engine cannot be built on this runner: "
+                f"{_message(error)}"
+            ) from error
         refused_at, message = ran[-1], _message(error)
     return {
         "row": name,

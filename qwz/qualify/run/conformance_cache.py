@@ -42,24 +42,35 @@ from typing import Any
 from qwz.qualify.run import conformance
 
 CACHE_ENV = "QWZ_CONFORMANCE_CACHE"
-KEY_VERSION = 1
+KEY_VERSION = 2
 """Changed whenever what the key covers changes, so no older entry is read."""
 
 
 def table(
-    subject: str, *, qwz_gather: bool = True, deepspeed_src: str | None = None
+    subject: str,
+    *,
+    qwz_gather: bool = True,
+    deepspeed_src: str | None = None,
+    cpu_quantizer: bool = True,
 ) -> tuple[dict[str, Any], pathlib.Path | None]:
     """The record's ``conformance`` section and, where it was reused, the file it came from
     ([Note: reused conformance tables])."""
     directory = os.environ.get(CACHE_ENV)
     found = None
     if directory:
-        found = key(subject, qwz_gather=qwz_gather, deepspeed_src=deepspeed_src)
+        found = key(
+            subject,
+            qwz_gather=qwz_gather,
+            deepspeed_src=deepspeed_src,
+            cpu_quantizer=cpu_quantizer,
+        )
     path = None if found is None else pathlib.Path(directory) / f"{found}.json"
     stored = _load(path) if path is not None else None
     if stored is not None:
         return stored, path
-    section = conformance.run_table(subject, qwz_gather=qwz_gather, deepspeed_src=deepspeed_src)
+    section = conformance.run_table(
+        subject, qwz_gather=qwz_gather, deepspeed_src=deepspeed_src, cpu_quantizer=cpu_quantizer
+    )
     if path is not None and section["error"] is None:
         from qwz.qualify.files import atomic_write_text
 
@@ -68,7 +79,9 @@ def table(
     return section, None
 
 
-def key(subject: str, *, qwz_gather: bool, deepspeed_src: str | None) -> str | None:
+def key(
+    subject: str, *, qwz_gather: bool, deepspeed_src: str | None, cpu_quantizer: bool = True
+) -> str | None:
     """The hex digest of everything the table's answer depends on, or None where the code
     cannot be pinned."""
     from qwz.qualify.evidence.conformance import ROWS
@@ -83,6 +96,7 @@ def key(subject: str, *, qwz_gather: bool, deepspeed_src: str | None) -> str | N
         "subject": subject,
         "qwz_gather": qwz_gather,
         "deepspeed_src": deepspeed_src,
+        "cpu_quantizer": cpu_quantizer,
         "rows": [[row.name, row.config] for row in ROWS],
         "sys_path": list(sys.path),
         "code": code,

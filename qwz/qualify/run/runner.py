@@ -88,10 +88,11 @@ from qwz.qualify.run import (
     determinism,
     gather_timing,
     next_use,
+    quantizer_op,
     replicas,
     timing,
 )
-from qwz.qualify.run.observers import engine_report, overflow, own_shard, update
+from qwz.qualify.run.observers import engine_report, overflow, own_shard, scheme_cost, update
 from qwz.qualify.run.subjects import (
     ArmEngine,
     DeepSpeedSourceError,
@@ -649,6 +650,10 @@ class _ArmRun:
             own_shard.check_own_shards(
                 self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
             )
+            if arm.group_size is not None and step == self.plan.steps:
+                self.own_result.cost = scheme_cost.measure(
+                    self.shards, self.exact_masks, arm.group_size
+                )
         divergent = replicas.divergence(module, self.replica_sets)
         if divergent and observed.get("replica_divergence") is None:
             observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
@@ -804,16 +809,17 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
     gets every rank's observations. A failure only this rank sees ends the run through
     rank_reports.crash ([Note: failures])."""
     rank, world_size = _rank_and_world()
-    if plan.subject in DEEPSPEED_SUBJECTS:
-        use_deepspeed_source(plan.deepspeed_src)
     progress = _Progress(rank == 0)
     if dist.is_initialized():
         devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
     try:
+        if plan.subject in DEEPSPEED_SUBJECTS:
+            use_deepspeed_source(plan.deepspeed_src)
+            quantizer_op.install(plan.cpu_quantizer)
         with determinism.deterministic() as settings, _frozen_heap():
             return _qualify(plan, rank, world_size, progress, settings)
     except Exception as error:
-        rank_reports.crash(error, **progress.where)
+        rank_reports.crash(quantizer_op.explained(error), **progress.where)
 
 
 def _train_arms(
@@ -867,6 +873,7 @@ def _qualify(
     }
     if plan.subject in DEEPSPEED_SUBJECTS:
         observation["deepspeed"] = structure.deepspeed_identity()
+        observation["substituted_ops"] = quantizer_op.substituted()
     if rank == 0:
         observation.update(provenance.code_under_test(plan.subject))
     progress.at(phase="gather observations")

@@ -28,7 +28,7 @@ class Tables:
         self.asked = 0
         self.error = error
 
-    def __call__(self, subject, *, qwz_gather=True, deepspeed_src=None):
+    def __call__(self, subject, *, qwz_gather=True, deepspeed_src=None, cpu_quantizer=True):
         self.asked += 1
         rows = [] if self.error else [dict(ROW, message=None)]
         return {"parser": "p", "engine": "e", "rows": rows, "seconds": 1.5, "error": self.error}
@@ -111,6 +111,8 @@ def test_qwz_s_own_uncommitted_change_is_another_key(tables, monkeypatch):
 def test_the_request_and_the_environment_are_in_the_key(tables, monkeypatch):
     base = conformance_cache.key("qwz", qwz_gather=True, deepspeed_src=None)
     assert conformance_cache.key("qwz", qwz_gather=False, deepspeed_src=None) != base
+    off = conformance_cache.key("qwz", qwz_gather=True, deepspeed_src=None, cpu_quantizer=False)
+    assert off != base
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     assert conformance_cache.key("qwz", qwz_gather=True, deepspeed_src=None) != base
     monkeypatch.delenv("PYTHONPATH")

@@ -39,6 +39,9 @@ called "fused": its arms ran eager kernels, so its bytes hold no "compiled"."""
 SCHEMA_4 = FIXTURES / "schema4" / "record.json"
 """The current fixture as today's judge sealed it in schema 4, before the short master
 digests after every step (``step_masters``)."""
+SCHEMA_5 = FIXTURES / "schema5" / "record.json"
+"""The current fixture as the judge of schema 5 sealed it (own-shard rule 2), before the
+contract named its schemes."""
 
 
 def ids(paths):
@@ -480,3 +483,22 @@ def test_a_schema_4_record_loads_without_a_ds_config_and_keeps_its_update_rule()
     assert updates and {check.rule for check in updates} == {1}
     judged = rejudge.rejudged(loaded)
     assert judged.verdict.status == loaded.verdict.status
+
+
+def test_a_schema_5_record_loads_as_absmax_127_and_keeps_its_own_shard_rule():
+    """5 -> 6 names the version only: a record judged when absmax/127 was the contract's only
+    scheme has no scheme per rank; its own-shard checks, judged by rule 2, are kept as judged,
+    and today's rule 3 reads them as absmax/127 and agrees."""
+    assert json.loads(SCHEMA_5.read_text())["schema_version"] == 5
+    loaded = record.load(SCHEMA_5)
+    assert loaded.upgraded_from == 5
+    assert all(own.scheme_by_rank == [] and own.cost is None for own in loaded.own_shards)
+    assert loaded.subject.substituted_ops == []
+    own_checks = [check for check in loaded.checks if check.name.startswith("own-shard[")]
+    assert own_checks and {check.rule for check in own_checks} == {2}
+    judged = rejudge.rejudged(loaded)
+    assert judged.verdict.status == loaded.verdict.status == "PASS"
+    today = [item.today for item in judged.judgements if item.name.startswith("own-shard[cand")]
+    assert today and all(check.status == "pass" for check in today)
+    assert all(check.numbers["scheme"] == "absmax/127" for check in today)
+    assert all("when it was the contract's only scheme" in check.detail for check in today)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwz.qualify.evidence import spec
+from qwz.qualify.evidence import contract
 from qwz.qualify.run.observers import own_shard
 from qwz.shards import ShardSlot, make_own_shard
 
@@ -201,13 +201,27 @@ def test_the_spec_mutants_decodes_fail():
     """The spec-level mutants' arithmetic, consistently applied: absmax/100, absmax/128 with
     codes clamped to 127, floor rounding."""
     master = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * 0.02
-    for wrong in (
-        decode(master, 64, divisor=100.0),
-        decode(master, 64, divisor=128.0),
-        decode(master, 64, rounding=torch.floor),
+    for wrong, named in (
+        (decode(master, 64, divisor=100.0), "absmax/100"),
+        (decode(master, 64, rounding=torch.floor), "floor"),
     ):
         result = judged(master, wrong, 64)
         assert result.mismatches > 1000, result
+        assert named in result.first_violation["what"], result.first_violation
+
+
+def test_absmax_over_128_clamped_to_127_fails_at_every_negative_absmax():
+    """absmax/128 with codes clamped to [-127, 127] writes what DeepSpeed's ZeRO++ scheme
+    writes (decoded once) except at a group's negative absmax, which ZeRO++'s code -128 keeps
+    exact: every group whose absmax is negative fails there, and the judge names the near
+    miss."""
+    master = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * 0.02
+    groups = master.view(-1, 64)
+    negative_absmax = int((groups.amin(dim=1).abs() > groups.amax(dim=1)).sum())
+    assert negative_absmax > 20
+    result = judged(master, decode(master, 64, divisor=128.0), 64)
+    assert result.mismatches >= negative_absmax, result
+    assert "absmax/128" in result.first_violation["what"], result.first_violation
 
 
 def _tied(numel: int, group_size: int, seed: int) -> torch.Tensor:
@@ -236,11 +250,14 @@ def test_stopping_at_the_reference_gives_the_verdict_of_weighing_every_choice(
     quantized = torch.where(exact, torch.zeros_like(master), master)
     working = decode(quantized, group_size, dtype=dtype, away_at_ties=away)
     working = torch.where(exact, master.to(dtype), working)
-    stopped = own_shard._judge_piece(master, working, group_size, exact)
-    choices = list(spec.decode_choices(master, exact, group_size, dtype))
+    stopped = own_shard._judge_piece(master, working, group_size, exact, contract.ABSMAX_127)
+    choices = list(contract.choices(contract.ABSMAX_127, master, exact, group_size, dtype))
     weighed = own_shard._judge_among_choices(master, working, exact, group_size, choices)
     assert not bool(stopped.mismatch.any())  # the reference gave it: the shortcut was taken
     for name, value in stopped._asdict().items():
-        assert torch.equal(value, getattr(weighed, name)), name
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, getattr(weighed, name)), name
+    assert stopped.scheme_only.keys() == weighed.scheme_only.keys() == {contract.ABSMAX_127}
+    assert torch.equal(stopped.scheme_only[contract.ABSMAX_127], ~exact)
     if tied and away:
         assert bool(stopped.near_tie.any())  # the neighbour of a tie was taken and counted
