@@ -6,6 +6,8 @@
 #   3. a 2-buffer gather pipeline whose copies a side stream delays (pipeline);
 #   4. a one-rank engine step, bitwise repeatable (engine-repeat);
 #   5. the kernels' bandwidth against an HBM copy (benchmarks/gather.py);
+#   5b. DeepSpeed's own quantizer op (the PR's CUDA kernel, JIT-built) against the harness's CPU
+#      implementation of it, element for element (ci/gpu_checks.py zeropp-op);
 #   6. `qwz-qualify review` of the proposal patch as a pull request against the installed
 #      DeepSpeed, at world size = the number of GPUs (ci/gpu-review.sh; skipped, with the
 #      reason, on one GPU), its claims table copied into the summary;
@@ -113,6 +115,7 @@ step engine-repeatable 60 "0" python ci/gpu_checks.py engine-repeat --device cud
 bench_args=(--numels 16777216 67108864 --group-sizes 64 8192 --repeats 3)
 if [ "$gpus" -ge 2 ]; then bench_args+=(--world-sizes "$gpus"); else bench_args+=(--skip-gather); fi
 step bandwidth-vs-hbm-copy 90 "0" python benchmarks/gather.py "${bench_args[@]}"
+step zeropp-op-vs-cpu 240 "0" python ci/gpu_checks.py zeropp-op --device cuda
 step "review-w${gpus}" 300 "0" bash ci/gpu-review.sh "$out/review" "$gpus"
 step "multigpu-suite-${gpus}gpu" 600 "0" python -m pytest -m multigpu tests/multigpu -x -q
 

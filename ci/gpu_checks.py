@@ -3,10 +3,12 @@
     python ci/gpu_checks.py pipeline --device cuda      # 2-buffer gather, delayed copies
     python ci/gpu_checks.py engine-repeat --device cuda # one-rank step, bitwise repeatable
     python ci/gpu_checks.py kernel-bytes --device cuda  # CUDA kernels' bytes vs eager/CPU
+    python ci/gpu_checks.py zeropp-op --device cuda     # DeepSpeed's quantizer op vs ours
 
 Each prints one line starting with ``PASS``, ``FAIL`` or ``MISSING`` and a reason. The
-first two also run on ``--device cpu`` (synchronously), which is how the CPU suite tests
-their logic (tests/unit/test_gpu_check_script.py).
+first two and ``zeropp-op`` also run on ``--device cpu`` (synchronously; ``zeropp-op`` then
+compares the CPU implementation with itself), which is how the CPU suite tests their logic
+(tests/unit/test_gpu_check_script.py).
 """
 
 from __future__ import annotations
@@ -143,7 +145,83 @@ def kernel_bytes(device: torch.device) -> tuple[bool | None, str]:
     return ok, f"{KERNEL_CHECK}({device}): {details}"
 
 
-CHECKS = {"pipeline": pipeline, "engine-repeat": engine_repeat, "kernel-bytes": kernel_bytes}
+ZEROPP_GROUP_SIZES = (8, 64, 8192)
+ZEROPP_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _deepspeed_quantizer_op(device: torch.device) -> Any:
+    """DeepSpeed's own quantizer op on `device` (its CUDA kernel, JIT-built), or on the CPU the
+    harness's implementation ([Note: a CUDA-only subject on a CPU runner])."""
+    from qwz.qualify.run import quantizer_op
+
+    if device.type == "cpu":
+        return quantizer_op.CPU_OP
+    from deepspeed.ops.op_builder import QuantizerBuilder
+
+    return QuantizerBuilder().load()
+
+
+def _zeropp_case(op: Any, values: torch.Tensor, group_size: int, device: torch.device):
+    """`values` (fp32 master, cast to its working dtype by the caller) through `op` and through
+    the harness's CPU implementation: (codes, stored scales, decodes) of each, on the CPU."""
+    from qwz.qualify.run import quantizer_op
+
+    groups = values.numel() // group_size
+    halves = values.half()
+    results = []
+    for quantizer, where in ((op, device), (quantizer_op.CPU_OP, torch.device("cpu"))):
+        codes, params = quantizer.quantize(halves.to(where), groups, 8, quantizer.Symmetric)
+        decoded = quantizer.dequantize(codes, params, groups, 8, quantizer.Symmetric)
+        results.append((codes.cpu(), params.cpu().reshape(-1), decoded.cpu()))
+    return results
+
+
+def zeropp_op(device: torch.device) -> tuple[bool | None, str]:
+    """DeepSpeed's quantizer op (the PR's kernel) against the harness's CPU implementation of
+    it, element for element, on the edge cases of tests/unit/qualify/test_quantizer_op.py (an
+    all-zero group, code ties, a positive and a negative absmax, fp16 subnormals) for fp16 and
+    bf16 inputs and G = 8, 64, 8192. Holds when the judge accepts every element the kernel
+    decodes as DeepSpeed's scheme ([Note: DeepSpeed's ZeRO++ scheme]); the elements where the
+    two differ bit for bit are counted (fast math may move a near-tie)."""
+    from qwz.qualify.evidence import contract
+    from qwz.qualify.run.observers import own_shard
+    from tests.unit.qualify.test_quantizer_op import edge_cases
+
+    try:
+        op = _deepspeed_quantizer_op(device)
+    except Exception as error:  # no nvcc, no DeepSpeed: the comparison was not made
+        return (
+            None,
+            f"DeepSpeed's quantizer op cannot be built here: {type(error).__name__}: {error}",
+        )
+    rows, accepted = [], True
+    for dtype in ZEROPP_DTYPES:
+        for group_size in ZEROPP_GROUP_SIZES:
+            master = edge_cases(group_size)
+            values = master.to(dtype)
+            (codes, scales, decoded), (cpu_codes, cpu_scales, cpu_decoded) = _zeropp_case(
+                op, values, group_size, device
+            )
+            working = decoded.to(dtype)
+            exact = torch.zeros(master.numel(), dtype=torch.bool)
+            verdict = own_shard._judge_piece(master, working, group_size, exact, contract.ZEROPP)
+            mismatches = int(verdict.mismatch.sum())
+            accepted &= mismatches == 0
+            rows.append(
+                f"{str(dtype).removeprefix('torch.')} G={group_size}: codes "
+                f"{int((codes != cpu_codes).sum())}/{codes.numel()} differ, scales "
+                f"{int((scales != cpu_scales).sum())}/{scales.numel()}, decodes "
+                f"{int((decoded != cpu_decoded).sum())}; judge: {mismatches} outside the scheme"
+            )
+    return accepted, f"{device}: " + "; ".join(rows)
+
+
+CHECKS = {
+    "pipeline": pipeline,
+    "engine-repeat": engine_repeat,
+    "kernel-bytes": kernel_bytes,
+    "zeropp-op": zeropp_op,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import pathlib
 import shutil
 import subprocess
 from collections.abc import Sequence
+from typing import NamedTuple
 
 PATCH_DIR = pathlib.Path(__file__).resolve().parent / "deepspeed_native"
 """Where the proposal's patch and its broken variants live."""
@@ -96,12 +97,30 @@ Files = dict[str, str]
 """Whole files to write over a checkout: path relative to its root -> text."""
 
 
-def make_variants(
-    tmp_path: pathlib.Path, variants: dict[str, Sequence[str | Files]]
-) -> pathlib.Path:
+class Edit(NamedTuple):
+    """One line (or block) of a checkout's file replaced: `old` must occur exactly once."""
+
+    path: str
+    old: str
+    new: str
+
+    def apply(self, root: pathlib.Path) -> None:
+        target = root / self.path
+        text = target.read_text()
+        if text.count(self.old) != 1:
+            raise ValueError(f"{self.path}: {self.old!r} occurs {text.count(self.old)} times")
+        target.write_text(text.replace(self.old, self.new))
+
+
+Change = str | Files | Edit
+"""A unified diff's text, whole files, or an edit of one file."""
+
+
+def make_variants(tmp_path: pathlib.Path, variants: dict[str, Sequence[Change]]) -> pathlib.Path:
     """One checkout (:func:`make_checkout`, stock) with a branch per entry of `variants`,
     named by its key, holding that entry's changes committed in order on top of stock: a
-    unified diff's text is applied, a :data:`Files` mapping written over the tree.
+    unified diff's text is applied, a :data:`Files` mapping written over the tree, an
+    :class:`Edit` made.
     :func:`use_variant` switches between them. One checkout path for every variant, so
     DeepSpeed builds its ops once (their sources are the same in every variant)."""
     root = make_checkout(tmp_path)
@@ -110,6 +129,8 @@ def make_variants(
         for number, change in enumerate(changes, start=1):
             if isinstance(change, str):
                 git(root, "apply", "--whitespace=nowarn", "-", stdin=change)
+            elif isinstance(change, Edit):
+                change.apply(root)
             else:
                 for relative, text in change.items():
                     (root / relative).write_text(text)
@@ -144,7 +165,7 @@ what ``conformance`` must FAIL (tests/multigpu/test_conformance.py); their gathe
 proposal's."""
 
 
-def every_variant() -> dict[str, list[str | Files]]:
+def every_variant() -> dict[str, list[Change]]:
     """The changes of every variant the multigpu tests check out, for :func:`make_variants`:
     the proposal, each of :data:`NATIVE_BROKEN` and :data:`CONFORMANCE_BROKEN` on top of it, and
     each module of the corpus (``tests/deepspeed_native/corpus/``) over the proposal. The
@@ -159,12 +180,15 @@ def every_variant() -> dict[str, list[str | Files]]:
     from tests.deepspeed_native import corpus
 
     proposal = read_patch("proposal")
-    variants: dict[str, list[str | Files]] = {"proposal": [proposal]}
+    variants: dict[str, list[Change]] = {"proposal": [proposal]}
     variants |= {name: [proposal, read_patch(name)] for name in NATIVE_BROKEN}
     variants |= {name: [proposal, read_patch(name)] for name in CONFORMANCE_BROKEN}
     for name in (*corpus.FREEDOMS, *corpus.BROKEN, *corpus.WHOLE_BROKEN):
         assert name not in variants, f"two variants named {name}"
         variants[name] = [proposal, {corpus.MODULE: corpus.module_text(name)}]
+    for name in (*corpus.PR8511, *corpus.PR8511_BROKEN):
+        assert name not in variants, f"two variants named {name}"
+        variants[name] = corpus.pr8511_changes(name)
     return variants
 
 

@@ -261,7 +261,26 @@ def make_payload(**overrides: Any) -> dict[str, Any]:
         "updates": [_updates(name) for name, _, _ in ARMS],
         "own_shards": [
             {"arm": REFERENCE, "max_ratio": 0.0, "first_violation": None, "checked": 81_920},
-            {"arm": CANDIDATE, "max_ratio": 0.998, "first_violation": None, "checked": 81_920},
+            {
+                "arm": CANDIDATE,
+                "max_ratio": 0.998,
+                "first_violation": None,
+                "checked": 81_920,
+                "scheme_by_rank": ["absmax/127", "absmax/127"],
+                "by_scheme": {"absmax/127": 81_920},
+                "cost": {
+                    "elements": 81_920,
+                    "written_worst": 0.003937,
+                    "written_mean": 0.000985,
+                    "absmax127_worst": 0.003937,
+                    "absmax127_mean": 0.000985,
+                    "cast_worst": 0.001953,
+                    "cast_mean": 0.000488,
+                    "cast_dtype": "bfloat16",
+                    "fp16_below_normal": 0,
+                    "fp16_overflow": 0,
+                },
+            },
         ],
         "drift": [
             {

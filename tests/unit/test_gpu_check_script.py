@@ -117,3 +117,43 @@ def test_a_device_byte_probe_that_reports_a_difference_fails(monkeypatch, capsys
 def test_run_ci_does_not_call_the_gpu_check():
     assert "gpu-check" not in (REPO / ".ci" / "run").read_text()
     assert os.access(SCRIPT, os.X_OK)
+
+
+def test_the_zeropp_op_check_holds_for_the_cpu_implementation(capsys):
+    assert gpu_checks.main(["zeropp-op", "--device", "cpu"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("PASS zeropp-op: cpu: float16 G=8: codes 0/")
+    assert "bfloat16 G=8192" in said and "judge: 0 outside the scheme" in said
+
+
+def test_the_zeropp_op_check_fails_a_kernel_the_judge_does_not_accept(monkeypatch, capsys):
+    """A kernel that drops the clamp (code 128 wraps to -128) is caught: the judge finds its
+    decodes outside DeepSpeed's scheme and the comparison counts the differing codes."""
+    from qwz.qualify.run import quantizer_op
+
+    class Unclamped:
+        Symmetric = quantizer_op.CPU_OP.Symmetric
+        dequantize = staticmethod(quantizer_op.CPU_OP.dequantize)
+
+        @staticmethod
+        def quantize(values, groups, bits, kind):
+            grouped = values.float().view(groups, -1)
+            absmax = grouped.abs().amax(dim=1, keepdim=True)
+            q = torch.where(absmax == 0, torch.ones_like(absmax), 128.0 / absmax)
+            codes = torch.round(grouped * q).to(torch.int32).to(torch.int8)
+            return codes.view(values.shape), torch.ones_like(q) / q
+
+    monkeypatch.setattr(gpu_checks, "_deepspeed_quantizer_op", lambda device: Unclamped)
+    assert gpu_checks.main(["zeropp-op", "--device", "cpu"]) == 1
+    said = capsys.readouterr().out
+    assert said.startswith("FAIL zeropp-op") and "outside the scheme" in said
+    assert "judge: 0 outside" not in said.split("G=8:")[1].split(";")[0]
+
+
+def test_an_op_that_cannot_be_built_is_named_not_passed(monkeypatch, capsys):
+    def unbuildable(device):
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(gpu_checks, "_deepspeed_quantizer_op", unbuildable)
+    assert gpu_checks.main(["zeropp-op", "--device", "cpu"]) == 4
+    assert "cannot be built here: RuntimeError: nvcc not found" in capsys.readouterr().out

@@ -237,7 +237,7 @@ def _drift(plan: RunPlan, name: str, lead: ArmObservation) -> dict[str, Any]:
     return {
         "arm": name,
         "samples_per_param": plan.samples_per_param,
-        "max_abs_error": [float(value) for value in lead.drift_max_abs],
+        "max_abs_error": [_json_float(float(value)) for value in lead.drift_max_abs],
         "bound": [master_drift_bound(step, adamw.lr, adamw.betas) for step in range(1, steps + 1)],
     }
 

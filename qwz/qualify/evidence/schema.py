@@ -473,7 +473,10 @@ class Drift(_Model):
 
     arm: str
     samples_per_param: int
-    max_abs_error: list[float] = Field(description="Per step, over the sampled elements")
+    max_abs_error: list[float | None] = Field(
+        description="Per step, over the sampled elements; null where a sampled weight was not "
+        "finite (schema 6: such a run could not be recorded before)"
+    )
     bound: list[float] = Field(
         description="Per step, the drift any two AdamW trajectories may have (D_t, "
         "qwz/qualify/evidence/tolerance.py): why this is context and not a check"

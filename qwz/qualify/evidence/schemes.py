@@ -222,8 +222,8 @@ def cost_sentence(cost: SchemeCost) -> str:
     )
 
 
-def _pct(value: float) -> str:
-    return f"{100 * value:.3g}%"
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.3g}%"
 
 
 def scheme_report(record: Record) -> SchemeReport:

@@ -45,14 +45,19 @@ by at most ``127 * 2**-24`` (below the allowance's margin over the kernels'
 ``127 * 2**-23``), so every code a reciprocal kernel may produce is accepted.
 
 [Note: the contract and its freedoms]
-The decode above is the *reference arithmetic*; the PR (#8511) fixes less than it. What a
-correct implementation must do, per group of ``G`` consecutive elements of a rank's
-partition (the grid anchored at the partition's first element; the *exact elements*, those
-that travel exactly, count as zeros in their group):
+The decode above is the *reference arithmetic* of the scheme ``absmax/127``; the PR (#8511)
+fixes less than it, and calls another scheme. What a correct implementation must do, per
+group of ``G`` consecutive elements of a rank's partition (the grid anchored at the
+partition's first element; the *exact elements*, those that travel exactly, count as zeros
+in their group):
 
-- symmetric int8 codes in ``[-127, 127]``, one fp32 scale per group equal to ``absmax/127``
-  of the group, codes rounded to nearest, ``x_hat = code * scale`` written in the working
-  dtype;
+- symmetric int8 codes and one fp32 scale per group under one named *scheme*, the same on
+  every rank and arm ([Note: one scheme per run], contract.py): ``absmax/127`` (this
+  module: scale ``absmax/127``, codes rounded to nearest in ``[-127, 127]``, ``x_hat = code *
+  scale`` written in the working dtype), or DeepSpeed's ZeRO++ quantizer, which the upstream
+  PR calls ([Note: DeepSpeed's ZeRO++ scheme], zeropp.py: fp16 staging, ``q = 256/(2m)``,
+  codes clamped to ``[-128, 127]``, stored scale ``1/q``, decode through fp16), each with the
+  freedoms written beside it (below for absmax/127, in zeropp.py for ZeRO++);
 - every element of a parameter of at most :data:`EXACT_MAX_NUMEL` elements an exact
   element (:func:`travels_exactly`: the master cast to the working dtype), and every element
   exact over a one-rank gather (:func:`gather_travels_exactly`);

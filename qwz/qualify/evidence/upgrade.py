@@ -36,7 +36,8 @@ own-shard section gains the scheme each rank identified (``scheme_by_rank``; emp
 absmax/127 was the only scheme), the elements per scheme, the ZeRO++ freedoms and overflows
 (0 in an older record, which had no such scheme), and what the scheme cost (``cost``, null:
 not measured); the subject gains the ops the harness substituted (``substituted_ops``, empty:
-none, as every older run had none).
+none, as every older run had none); a drift step whose sampled weight was not finite is null
+(before, such a run wrote no record at all).
 """
 
 from __future__ import annotations

@@ -157,21 +157,25 @@ def decodes(
 ) -> Iterator[Decode]:
     """Every way [Note: DeepSpeed's ZeRO++ scheme] allows of writing flat fp32 `master` (n,)
     whose `exact` elements travel exactly, for working dtype `dtype`: the reference first (the
-    fp32 master staged in fp16, the decode through fp16), then the decode cast once, then both
-    from the master cast to `dtype` (absent where that cast changes nothing the staging does
-    not: fp16 and fp32 working copies). Lazily, so a caller that stops at the reference pays
-    for it alone."""
+    fp32 master staged in fp16, the decode through fp16), then the master cast to `dtype`
+    (absent where that cast changes nothing the staging does not: fp16 and fp32 working
+    copies), then both with the decode cast once (absent for fp16, where it is the same).
+    Lazily, so a caller that stops at the reference pays for it alone; a group two choices
+    give is counted under the earlier, so a decode through fp16 is never counted as one that
+    skipped it."""
     inputs = [(False, master.float())]
     if dtype not in (torch.float16, torch.float32):
         inputs.append((True, master.float().to(dtype)))
     targets = [(False, torch.float16)]
     if dtype != torch.float16:
         targets.append((True, dtype))
-    for working_input, values in inputs:
-        params = group_params(values, exact, group_size)
-        nearest_code, other_code = codes(params.staged, params.q)
-        overflow = torch.isinf(params.absmax)
-        for unrounded, target in targets:
+    coded: dict[bool, tuple] = {}  # per input: its group parameters and codes, made once
+    for unrounded, target in targets:
+        for working_input, values in inputs:
+            if working_input not in coded:
+                params = group_params(values, exact, group_size)
+                coded[working_input] = (params, *codes(params.staged, params.q))
+            params, nearest_code, other_code = coded[working_input]
             first, first_other = decoded(nearest_code, params.stored_scale, target)
             second, second_other = decoded(other_code, params.stored_scale, target)
             yield Decode(
@@ -179,7 +183,7 @@ def decodes(
                 unrounded,
                 (first, first_other, second, second_other),
                 params.stored_scale,
-                overflow,
+                torch.isinf(params.absmax),
             )
 
 

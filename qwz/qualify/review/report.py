@@ -68,8 +68,10 @@ def _verdict_lines(record: Record) -> list[str]:
     """The title, the banner, the verdict and what decided it."""
     verdict, environment = record.verdict, record.environment
     arm_names = [arm.name for arm in record.arms]
+    substituted = record.subject.substituted_ops
     lines = [
-        f"# {title(record)}: {verdict.status}",
+        f"# {title(record)}: {verdict.status}"
+        + (" (its quantizer op ran as the harness's CPU implementation)" if substituted else ""),
         "",
         f"**{record.workload.name}**, arms {', '.join(f'`{name}`' for name in arm_names)}, "
         f"{devices(environment.device_names)} ({environment.backend}), "
@@ -77,6 +79,9 @@ def _verdict_lines(record: Record) -> list[str]:
         "",
         f"> **{banner(record)}**",  # [Note: verdict banner], qualify/review/banner.py
         "",
+        *(f"> **Substituted:** {op}." for op in substituted),
+        *([""] if substituted else []),
+        *report_sections.scheme_lines(record),
     ]
     evidence = len(verdict.evidence)
     if verdict.status == "PASS":
@@ -517,6 +522,15 @@ def _kernels_lines(record: Record) -> list[str]:
     return ["", *lines, ""] if lines else []
 
 
+def _worst_drift(errors: list[float | None]) -> str:
+    """The largest drift, or "not finite" where a sampled weight was not (null)."""
+    if not errors:
+        return "—"
+    if None in errors:
+        return "not finite"
+    return format_sig(max(errors), 3)
+
+
 def _drift_section(record: Record) -> list[str]:
     if not record.drift:
         return []
@@ -524,7 +538,7 @@ def _drift_section(record: Record) -> list[str]:
         (
             f"`{drift.arm}`",
             drift.samples_per_param,
-            "—" if not drift.max_abs_error else format_sig(max(drift.max_abs_error), 3),
+            _worst_drift(drift.max_abs_error),
             "—" if not drift.bound else format_sig(drift.bound[-1], 3),
         )
         for drift in record.drift

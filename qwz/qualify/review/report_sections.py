@@ -117,3 +117,25 @@ def gather_lines(record: Record, performance) -> list[str]:
             "",
         ]
     return lines
+
+
+def scheme_lines(record: Record) -> list[str]:
+    """The report's first page: which scheme of the contract the subject wrote, what it cost
+    on this run, and the loss gap of the arm the cost is of against its margin ([Note: what a
+    scheme costs], qualify/run/observers/scheme_cost.py); none where nothing was quantized."""
+    from qwz.qualify.evidence.schemes import scheme_report
+
+    report = scheme_report(record)
+    if report.arm is None and report.scheme is None and not report.mixed:
+        return []
+    learning = next(
+        (check for check in record.checks if check.name == f"learning[{report.arm}]"), None
+    )
+    gap = None
+    if learning is not None and {"worst_gap", "margin"} <= learning.numbers.keys():
+        gap = (
+            f"on this workload `{report.arm}`'s held-out loss gap is "
+            f"{learning.numbers['worst_gap']:+.4g} against a margin of "
+            f"{learning.numbers['margin']:.4g}"
+        )
+    return [f"**Scheme.** {report.sentence(gap)}.", ""]

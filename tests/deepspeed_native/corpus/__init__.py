@@ -89,3 +89,71 @@ def module_text(name: str) -> str:
 def expected_failures(name: str) -> frozenset[str]:
     """The checks of which at least one must FAIL for broken variant `name`."""
     return BROKEN[name][3] if name in BROKEN else WHOLE_BROKEN[name]
+
+
+# ------------------------------------------------------------------ the PR as DeepSpeed writes it
+PR8511_DIR = CORPUS_DIR.parent / "pr8511"
+UTILS = "deepspeed/runtime/utils.py"
+STAGE_1_AND_2 = "deepspeed/runtime/zero/stage_1_and_2.py"
+TORCH_QUANTIZER = "deepspeed/runtime/zero/torch_weight_quantizer.py"
+
+PR8511: dict[str, str] = {
+    "pr8511_cuda_quantizer": "the PR's shape (pr8511.patch): runtime.utils.all_gather_quantized_dp_groups "
+    "called from _all_gather_weights with weight_quantizer = DeepSpeed's CUDAQuantizer and preserved ranges; "
+    "on a CPU runner its op runs as the harness's CPU implementation (disclosed)",
+    "pr8511_torch_quantizer": "the same plumbing with DeepSpeed's quantizer arithmetic written in torch "
+    "(no CUDA op anywhere)",
+}
+"""Correct members written the way the upstream PR (#8511) is: DeepSpeed's ZeRO++ scheme."""
+
+PR8511_BROKEN: dict[str, tuple[str, str, str, str, frozenset[str]]] = {
+    "broken_zeropp_no_clamp": (
+        "pr8511_torch_quantizer", TORCH_QUANTIZER,
+        "codes = torch.round(values * q).clamp(-128, 127).to(torch.int8)",
+        "codes = torch.round(values * q).to(torch.int32).to(torch.int8)  # 128 wraps to -128",
+        frozenset({"own-shard"}),
+    ),
+    "broken_zeropp_scale_not_inverted": (
+        "pr8511_torch_quantizer", TORCH_QUANTIZER,
+        "return codes.view(param.shape), torch.ones_like(q) / q",
+        "return codes.view(param.shape), q",
+        frozenset({"own-shard"}),
+    ),
+    "broken_zeropp_local_scales": (
+        "pr8511_cuda_quantizer", UTILS,
+        "source_scales = all_scales.view(world, groups, -1)[source]",
+        "source_scales = all_scales.view(world, groups, -1)[rank]",
+        frozenset({"replicas"}),
+    ),
+}  # fmt: skip
+"""Broken variants of DeepSpeed's scheme, each one edit of a correct #8511-shaped member: base,
+file, old text, new text, and the checks of which at least one must FAIL."""
+
+
+def pr8511_changes(name: str) -> list:
+    """The changes (tests/deepspeed_checkout.py ``Change``) that make variant `name` over
+    stock DeepSpeed: the PR's patch, the torch quantizer where used, and a broken edit."""
+    from tests.deepspeed_checkout import Edit
+
+    if name in PR8511_BROKEN:
+        base, path, old, new, _ = PR8511_BROKEN[name]
+        return [*pr8511_changes(base), Edit(path, old, new)]
+    if name not in PR8511:
+        raise ValueError(f"{name}: not a #8511-shaped member; one of {[*PR8511, *PR8511_BROKEN]}")
+    changes: list = [(CORPUS_DIR.parent / "pr8511.patch").read_text()]
+    if name == "pr8511_torch_quantizer":
+        changes += [
+            {TORCH_QUANTIZER: (PR8511_DIR / "torch_weight_quantizer.py").read_text()},
+            Edit(
+                STAGE_1_AND_2,
+                "from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer\n",
+                "from deepspeed.runtime.zero.torch_weight_quantizer import TorchWeightQuantizer\n",
+            ),
+            Edit(STAGE_1_AND_2, "self.weight_quantizer = CUDAQuantizer()",
+                 "self.weight_quantizer = TorchWeightQuantizer()"),
+        ]  # fmt: skip
+    return changes
+
+
+def expected_failures_8511(name: str) -> frozenset[str]:
+    return PR8511_BROKEN[name][4]
