@@ -575,6 +575,11 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     elif verdict.inconclusive:
         status += ": " + ", ".join(verdict.inconclusive)
     print(f"wrote {out / 'record.json'}, {out / 'report.md'} and {len(plots)} plots; {status}")
+    for op in built.subject.substituted_ops:
+        print(f"substituted: {op}")
+    scheme = outputs.scheme_sentence(built)
+    if scheme:
+        print(f"scheme: {scheme}")
     return EXIT_CODES[verdict.status]
 
 

@@ -160,3 +160,88 @@ def test_the_default_qualification_fails_a_variant_wrong_only_where_it_chunks(
     assert expected & failed, loaded.verdict.failed
     for family in expected:
         assert _check(loaded, f"{family}[candidate-g64]").status == "pass", family
+
+
+# ------------------------------------------------------------------ the PR as DeepSpeed writes it
+PR8511_BROKEN = tuple(corpus.PR8511_BROKEN)
+CI_8511 = ("pr8511_cuda_quantizer",)
+CI_8511_BROKEN = ("broken_zeropp_no_clamp",)
+
+
+def _scheme_of(loaded, arm="candidate-g64"):
+    return _check(loaded, f"own-shard[{arm}]").numbers.get("scheme")
+
+
+@pytest.mark.parametrize(("variant", "world_size"), list(_cases(corpus.PR8511, CI_8511)))
+def test_the_pr_as_deepspeed_writes_it_passes_as_its_scheme(
+    checkout, tmp_path, variant, world_size
+):
+    """DeepSpeed's ZeRO++ quantizer through the PR's plumbing PASSes, identified as that
+    scheme at G = 64 and 8192, several chunks per rank; on a runner without CUDA the
+    CUDAQuantizer member's op is the harness's CPU implementation, and the record and the
+    report's first line say so ([Note: a CUDA-only subject on a CPU runner])."""
+    import torch
+
+    sha = use_variant(checkout, variant)
+    code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size)
+    assert loaded.verdict.status == "PASS" and code == 0, (loaded.verdict, tail)
+    assert loaded.head.sha == sha
+    assert {_scheme_of(loaded, arm) for arm in ("candidate-g64", "candidate-g8192")} == {"zeropp"}
+    assert next(own for own in loaded.own_shards if own.arm == "candidate-g64").cost.elements > 0
+    substituted = variant == "pr8511_cuda_quantizer" and not torch.cuda.is_available()
+    assert bool(loaded.subject.substituted_ops) == substituted, loaded.subject
+    first_line = (tmp_path / "out" / "report.md").read_text().splitlines()[0]
+    assert ("harness's CPU implementation" in first_line) == substituted, first_line
+    assert (
+        "**Scheme.** The subject quantizes with DeepSpeed's ZeRO++ quantizer"
+        in (tmp_path / "out" / "report.md").read_text()
+    )
+
+
+@pytest.mark.parametrize(("variant", "world_size"), list(_cases(["pr8511_cuda_quantizer"], ())))
+def test_the_pr_passes_the_default_qualification_too(checkout, tmp_path, variant, world_size):
+    """No bucket flag: the run's bucket holds each partition in one chunk, the chunked arm
+    several; DeepSpeed's scheme PASSes both."""
+    use_variant(checkout, variant)
+    code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size, DEFAULT_RUN)
+    assert loaded.verdict.status == "PASS" and code == 0, (loaded.verdict, tail)
+    assert _scheme_of(loaded, CHUNKED) == "zeropp"
+
+
+@pytest.mark.parametrize(("variant", "world_size"), list(_cases(PR8511_BROKEN, CI_8511_BROKEN)))
+def test_a_broken_variant_of_deepspeeds_scheme_fails_naming_its_check(
+    checkout, tmp_path, variant, world_size
+):
+    use_variant(checkout, variant)
+    code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size)
+    assert loaded.verdict.status == "FAIL" and code == 1, (loaded.verdict, tail)
+    failed = {name.partition("[")[0] for name in loaded.verdict.failed}
+    assert corpus.expected_failures_8511(variant) & failed, loaded.verdict.failed
+
+
+def test_without_the_cpu_implementation_a_cuda_only_pr_cannot_run_here(checkout, tmp_path):
+    """--no-cpu-quantizer on a runner without CUDA: not the subject's FAIL, nor a record, but
+    CANNOT-RUN (exit 5) naming what the runner lacks ([Note: cannot run on this runner])."""
+    import json
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA runner loads the PR's own kernel: there is nothing it lacks")
+    use_variant(checkout, "pr8511_cuda_quantizer")
+    out = tmp_path / "out"
+    done = warm_python.run(
+        ["-m", "qwz.qualify", "run", "--out", str(out), "--deepspeed-src", str(checkout),
+         *RUN[:-4], "--group-size", "64", "--world-size", "2", "--no-cpu-quantizer"],
+        cwd=WORKTREE, timeout=1800, env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
+    )  # fmt: skip
+    tail = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 5, tail
+    assert not (out / "record.json").exists()
+    content = json.loads((out / "harness-error.json").read_text())
+    assert content["verdict"] == "CANNOT-RUN", content
+    assert (
+        "its quantizer needs CUDA" in content["needed"]
+        and "--no-cpu-quantizer" in content["needed"]
+    )
+    assert "CANNOT-RUN" in done.stdout

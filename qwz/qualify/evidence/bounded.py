@@ -2,9 +2,12 @@
 
 Every weight-gather collective a candidate issues over a process group -- the largest output of
 any one, over every step window, on every rank (qwz/integrations/probe.py) -- must fit the bound
-of [Note: the staging bound] (staging.py) for the arm's own ``allgather_bucket_size``; and,
-where memory is exact (CUDA), the candidate's peak over the reference's on the same rank must
-fit [Note: staging in memory]. A CPU arm's memory (peak RSS) is shown, never judged.
+of [Note: the staging bound] (staging.py) for the arm's own ``allgather_bucket_size``; the
+storage the gather allocates and holds at once in its window, counted exactly on every device
+([Note: staging memory, exactly], qualify/run/observers/staging_memory.py), over the
+reference's on the same rank, must fit [Note: the gather's memory, exactly] (staging.py); and,
+on CUDA, the candidate's whole peak over the reference's must fit [Note: staging in memory]. A
+CPU arm's peak RSS is shown, never judged.
 
 n/a where nothing was gathered (or the arm failed before a gather); one rank is inconclusive
 (nothing is sent, so nothing was tested: [Note: one rank], checks.py); a probe with collectives
@@ -33,7 +36,7 @@ def _check(name: str, status: str, detail: str, **numbers: Any) -> Check:
     return Check(name=name, status=status, detail=detail, numbers=numbers)
 
 
-@rule("bounded", 1, inputs=(LARGEST_OUTPUT,))
+@rule("bounded", 2, inputs=(LARGEST_OUTPUT,))
 def bounded_checks(record: Record) -> list[Check]:
     """``bounded[arm]`` for every candidate arm with a probe (module docstring)."""
     arms = {arm.name: arm for arm in record.arms}
@@ -113,6 +116,10 @@ def _bounded(probe: Probe, arm: Arm, reference: str, record: Record, failure: An
         bounds, key=lambda item: (item[0].largest_output_bytes or 0) / item[1].bound_bytes
     )
     memory_text, memory_numbers, memory_over = _memory(probe, reference, record.memory, bounds)
+    window_text, window_numbers, window_over = _window(probe, reference, record.memory, bounds)
+    memory_text = f"{window_text}; {memory_text}"
+    memory_numbers |= window_numbers
+    memory_over = memory_over or window_over
     largest = worst.largest_output_bytes or 0
     how = (
         f"E = max(allgather_bucket_size {arm.allgather_bucket_size:,}, W x G "
@@ -191,3 +198,51 @@ def _memory(
     verdict = "beyond" if over else "within"
     text = f"memory: {kind} {said}, {verdict} the allowance of {allowance / MIB:.2f} MiB"
     return text, numbers, over
+
+
+def _window_allowance(probe: Probe, group: WireGroup, bound: staging.StagingBound) -> int:
+    """[Note: the gather's memory, exactly] for `group`'s process group, every rank's counts."""
+    peers = _peers(probe, group)
+    return staging.window_allowance_bytes(
+        bound,
+        world_size=len(group.group_ranks),
+        exact_numel=sum(item.exact_numel + item.padding_numel for item in peers),
+    )
+
+
+def _window(
+    probe: Probe, reference: str, memory: list[Memory], bounds: list[tuple[WireGroup, Any]]
+) -> tuple[str, dict[str, Any], bool]:
+    """[Note: the gather's memory, exactly]: (the detail's part, its numbers, whether it fails),
+    the rank whose window held most beyond its allowance; "not observed" where a rank's record
+    lacks the figure (schema 5 and older)."""
+    peaks = {(item.arm, item.rank): item for item in memory}
+    rows = []
+    for rank in sorted({group.rank for group, _ in bounds}):
+        ours, theirs = peaks.get((probe.arm, rank)), peaks.get((reference, rank))
+        if ours is None or theirs is None:
+            continue
+        if ours.staging_peak_bytes is None or theirs.staging_peak_bytes is None:
+            return "gather memory: not observed (the record lacks it)", {}, False
+        excess = ours.staging_peak_bytes - theirs.staging_peak_bytes
+        allowance = sum(
+            _window_allowance(probe, group, bound) for group, bound in bounds if group.rank == rank
+        )
+        rows.append((rank, excess, allowance, ours))
+    if not rows:
+        return "gather memory: no window of the reference on the same rank to compare", {}, False
+    rank, excess, allowance, ours = max(rows, key=lambda row: row[1] / max(1, row[2]))
+    numbers = {"staging_excess_bytes": excess, "staging_allowance_bytes": allowance}
+    said = (
+        f"gather memory: {excess:,} B of tensor storage allocated and held at once in a step's "
+        f"window beyond the reference's on rank {rank}"
+    )
+    if excess <= allowance:
+        return f"{said}, within the allowance of {allowance:,} B", numbers, False
+    largest = "; ".join(f"{item.bytes:,} B at {item.where}" for item in ours.staging_largest)
+    return (
+        f"{said}, beyond the allowance of {allowance:,} B ([Note: the gather's memory, exactly], "
+        f"qwz/qualify/evidence/staging.py); the largest live then: {largest or 'none listed'}",
+        numbers,
+        True,
+    )

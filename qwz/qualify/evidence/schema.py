@@ -608,12 +608,35 @@ class Block(_Model):
     )
 
 
+class StagingAllocation(_Model):
+    """One allocation live at the window's peak ([Note: staging memory, exactly])."""
+
+    bytes: int = Field(ge=0)
+    where: str = Field(description="The subject's line that made it (path:line in function)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_pair(cls, value: Any) -> Any:
+        return {"bytes": value[0], "where": value[1]} if isinstance(value, list) else value
+
+
 class Memory(_Model):
     arm: str
     rank: int
     kind: Literal["cuda", "rss"]
     peak_allocated_bytes: int = Field(ge=0)
     peak_reserved_bytes: int | None = Field(None, ge=0)
+    staging_peak_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="[Note: staging memory, exactly] (qualify/run/observers/staging_memory.py): "
+        "the most bytes of tensor storage the subject allocated in one step's gather window "
+        "and held at once, over every step; null: not measured (schema 5 and older, or no "
+        "torch optimizer marked the masters' update)",
+    )
+    staging_largest: list[StagingAllocation] = Field(
+        default_factory=list, description="The largest allocations live at that peak"
+    )
 
 
 class Performance(_Model):

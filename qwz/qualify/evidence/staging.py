@@ -89,6 +89,28 @@ MEMORY_KINDS_JUDGED = ("cuda",)
 """Memory kinds exact enough to decide ([Note: staging in memory]); others are context."""
 
 
+# [Note: the gather's memory, exactly]
+# The window's own allocations are counted exactly on every device
+# (qwz/qualify/run/observers/staging_memory.py, [Note: staging memory, exactly]): the storage the
+# subject allocates between its masters' update and the next use of the weights and holds at
+# once, the optimizer's step and the harness's work left out, the reference arm's figure taken
+# off. Per process group it gathers over, a correct gather may hold:
+#
+# - IN_FLIGHT_COLLECTIVES chunks' collectives (double buffering): each its output, at most the
+#   bound, and this rank's row of it as the input, ``2 * (bound + ceil(bound / W))``;
+# - the encode and decode of one chunk in fp32 (the input cast up, the scaled values, the
+#   rounded codes before their cast down; all W sources' decode at once):
+#   WORKSPACE_FP32_COPIES copies of its E elements, ``4 * 4 * E`` bytes;
+# - an int64 position per exact or padding element of every rank of the group, to find them.
+#
+# Unlike [Note: staging in memory] it allows no mask over the whole gathered buffer: one
+# allocated in the window is a buffer the size of the partition, which is what the bound
+# forbids. What it decides: a receive buffer for the whole partition sliced per call, the whole
+# partition quantized before the first call, every chunk's buffers kept until the end -- each
+# the partition's size, which exceeds the allowance wherever a partition spans a few dozen
+# chunks (a small bucket, or the chunked arm: [Note: the chunked arm]).
+
+
 def _positive(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: {value!r} is invalid: must be a positive integer")
@@ -144,6 +166,17 @@ def collective_bound(
         + world_size * row_padding_bytes(group_size)
     )
     return StagingBound(elements, bound)
+
+
+def window_allowance_bytes(bound: StagingBound, *, world_size: int, exact_numel: int) -> int:
+    """[Note: the gather's memory, exactly]: the most tensor storage one process group's gather
+    may allocate and hold at once in its window, beyond what the reference arm's does, given its
+    `bound`, the ranks of the group and the `exact_numel` exact and padding elements of all of
+    them."""
+    row = -(-bound.bound_bytes // _positive("world_size", world_size))
+    in_flight = IN_FLIGHT_COLLECTIVES * (bound.bound_bytes + row)
+    workspace = WORKSPACE_FP32_COPIES * 4 * bound.chunk_elements
+    return in_flight + workspace + INDEX_BYTES * exact_numel
 
 
 def memory_allowance_bytes(bound: StagingBound, *, exact_numel: int, gathered_numel: int) -> int:

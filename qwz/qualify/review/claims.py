@@ -41,6 +41,9 @@ DEFAULT_PATH = "default-path"
 """The review's own comparison of the base's and the head's reference arm (no judge rule)."""
 SPEEDUP = "speedup"
 GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
+SCHEME_CLAIM = "int8 codes from a scheme the contract names (the PR: DeepSpeed's ZeRO++ quantizer)"
+"""The row that names the scheme the head wrote and what it cost ([Note: one scheme per run],
+qualify/evidence/contract.py; [Note: what a scheme costs])."""
 
 ARMS = {
     "candidates": "every candidate arm",
@@ -81,6 +84,7 @@ CLAIMS: tuple[Claim, ...] = (
         "64-element symmetric int8 groups; default 64",
         (Decider("probe", "key-omitted"), _conformance("8513-default")),
     ),
+    Claim(SCHEME_CLAIM, (Decider("own-shard"),)),
     Claim("bounded staging", (Decider("bounded"),)),
     Claim("small parameters exact", (Decider("own-shard"),)),
     Claim("replicas identical", (Decider("replicas", "every arm"),)),
@@ -301,13 +305,27 @@ def _speed_row(claim: Claim, head: Record, base: Record | None) -> ClaimRow:
     return row._replace(detail=f"{row.detail} [{detail}]")
 
 
+def _scheme_row(claim: Claim, head: Record) -> ClaimRow:
+    """``own-shard`` decides it; where it passes, the detail is the scheme the head wrote and
+    what it cost on this run, for a reviewer who may ask for a better one."""
+    from qwz.qualify.evidence.schemes import scheme_report
+
+    row = _decided_row(claim, head, None, None)
+    if row.verdict != PASS:
+        return row
+    return row._replace(detail=scheme_report(head).sentence())
+
+
 def claims_table(
     head: Record, base: Record | None, default_path: DefaultPath | None
 ) -> list[ClaimRow]:
     """A row per claim of ``CLAIMS`` ([Note: claims and their checks])."""
-    return [
-        _speed_row(claim, head, base)
-        if any(decider.family == SPEEDUP for decider in claim.deciders)
-        else _decided_row(claim, head, base, default_path)
-        for claim in CLAIMS
-    ]
+    rows = []
+    for claim in CLAIMS:
+        if any(decider.family == SPEEDUP for decider in claim.deciders):
+            rows.append(_speed_row(claim, head, base))
+        elif claim.claim == SCHEME_CLAIM:
+            rows.append(_scheme_row(claim, head))
+        else:
+            rows.append(_decided_row(claim, head, base, default_path))
+    return rows

@@ -138,4 +138,5 @@ def scheme_lines(record: Record) -> list[str]:
             f"{learning.numbers['worst_gap']:+.4g} against a margin of "
             f"{learning.numbers['margin']:.4g}"
         )
-    return [f"**Scheme.** {report.sentence(gap)}.", ""]
+    sentence = report.sentence(gap)
+    return [f"**Scheme.** {sentence[:1].upper()}{sentence[1:]}.", ""]

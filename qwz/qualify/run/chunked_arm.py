@@ -13,12 +13,15 @@ from an implementation's layout, so it holds for qwz's engine and DeepSpeed's fl
 - any gather within the staging bound ([Note: the staging bound], evidence/staging.py) needs at
   least ``CHUNK_TARGET`` collectives per param group: the bytes its ranks' rows take in the
   spec's encoding, at least ``T = q (1 + 4/G) + x b`` for ``q`` quantized and ``x`` exact
-  elements (padding only adds), hold ``CHUNK_TARGET`` bounds. Four, so that three chunks per
-  rank remain whatever the padding, for a gather whose collectives carry every rank's row (an
-  all-gather; one broadcast per source carries one row, so the bound alone would let its chunks
-  be W times larger: the PR's own chunking, ``bucket // (W_g * G)`` groups per rank, keeps the
-  count). qwz's engine keeps both staging buffers within the bucket: its chunks are smaller
-  still;
+  elements (padding only adds), hold ``CHUNK_TARGET`` bounds. Sixteen: then a buffer the size of
+  the partition -- a receive buffer allocated up front, the whole partition quantized before the
+  first call, every chunk's buffers kept -- exceeds what a correct gather may hold at once
+  ([Note: the gather's memory, exactly], evidence/staging.py: about twenty chunks' worth of
+  bytes per rank) by a margin, and many chunks per rank remain whatever the padding, for a
+  gather whose collectives carry every rank's row (an all-gather; one broadcast per source
+  carries one row, so the bound alone would let its chunks be W times larger: the PR's own
+  chunking, ``bucket // (W_g * G)`` groups per rank, keeps the count). qwz's engine keeps both
+  staging buffers within the bucket: its chunks are smaller still;
 - it is a multiple of ``W * G`` (W the world size; an expert group's ranks divide it), so the
   PR's chunks -- ``bucket // (W_g * G)`` groups per rank -- are whole groups;
 - of such buckets it is the largest whose chunk edges under the PR's chunking of DeepSpeed's
@@ -47,7 +50,7 @@ from typing import Any, NamedTuple
 from qwz.qualify.evidence import spec, staging
 from qwz.qualify.run.workloads import Workload
 
-CHUNK_TARGET = 4
+CHUNK_TARGET = 16
 """Collectives per param group that any gather within the staging bound needs (module note)."""
 EDGE_TRIES = 16
 """Smaller buckets tried for one whose chunk edges all fall inside parameters."""

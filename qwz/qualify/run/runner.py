@@ -473,6 +473,8 @@ class _ArmRun:
         self.overflow_watch: overflow.OverflowWatch | None = None
         self.next_use: next_use.NextUse | None = None
         self.wire = WireWindow()
+        self.staging: dict[str, Any] = {}
+        """The largest window's memory ([Note: staging memory, exactly])."""
         self.largest_outputs: dict[tuple[int, ...], int] = {}
         """Per process group, the largest weight-gather collective output of any window."""
         if self.fp16:
@@ -663,9 +665,16 @@ class _ArmRun:
 
     def observe_wire(self, probe: WireProbe | None, gathered: bool) -> None:
         """What a step's window carried ([Note: the wire window]); the bytes are those of the
-        last step that gathered (an fp16 overflow skip gathers nothing)."""
+        last step that gathered (an fp16 overflow skip gathers nothing), the memory the most
+        any window held ([Note: staging memory, exactly])."""
         if probe is None:
             return
+        memory = self.wire.memory
+        if memory is not None and memory.peak_bytes >= self.staging.get("peak_bytes", -1):
+            self.staging = {
+                "peak_bytes": memory.peak_bytes,
+                "largest": [list(item) for item in memory.largest],
+            }
         observed = self.observed
         # [Note: the staging bound] (evidence/staging.py): the largest collective of any window,
         # recorded with the last gathering step's wire.
@@ -715,6 +724,11 @@ class _ArmRun:
         self.wire.close()
         observed["steps_completed"] = len(observed["losses"])
         observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
+        if self.staging:
+            observed["memory"] = observed["memory"] | {
+                "staging_peak_bytes": self.staging["peak_bytes"],
+                "staging_largest": self.staging["largest"],
+            }
         self.engine = self.update_check = self.shards = self.exact_masks = None
         self.overflow_watch = self.next_use = None
         return ArmObservation(**observed)

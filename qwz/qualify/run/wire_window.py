@@ -16,6 +16,9 @@ failures, the gradient norm check, the step-1 digests, the next batch) runs *sus
 window counts again from :meth:`WireWindow.resume`, called right before each call into the
 subject's model: the next training forward, a held-out forward, the final forward. A step
 that ends the arm closes its window unread.
+
+The same window counts the gather's own memory ([Note: staging memory, exactly],
+observers/staging_memory.py): suspended with the probe, read when it closes (``memory``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import torch
 
 from qwz.integrations.probe import WireProbe
+from qwz.qualify.run.observers.staging_memory import MemoryWindow, WindowMemory
 
 
 class WireWindow:
@@ -32,6 +36,9 @@ class WireWindow:
 
     def __init__(self) -> None:
         self._probe: WireProbe | None = None
+        self._memory: MemoryWindow | None = None
+        self.memory: WindowMemory | None = None
+        """The gather's memory in the window :meth:`close` last closed (None: not counted)."""
         self._open = contextlib.ExitStack()
         self._suspended = contextlib.ExitStack()
 
@@ -47,6 +54,7 @@ class WireWindow:
                 "([Note: the wire window]): the weights were not used in between"
             )
         self._probe = self._open.enter_context(WireProbe(step_boundary=step_boundary))
+        self._memory = MemoryWindow(step_boundary)
         return self._probe
 
     def suspend(self) -> None:
@@ -54,14 +62,20 @@ class WireWindow:
         if self._probe is not None:
             self._suspended.close()
             self._suspended.enter_context(self._probe.excluded())
+        if self._memory is not None:
+            self._memory.suspend()
 
     def resume(self) -> None:
         """The subject runs next (a forward of its model): count again."""
         self._suspended.close()
+        if self._memory is not None:
+            self._memory.resume()
 
     def close(self) -> WireProbe | None:
         """Stop counting; the window's probe (None when none was open)."""
         probe, self._probe = self._probe, None
+        memory, self._memory = self._memory, None
+        self.memory = memory.close() if memory is not None else None
         self._suspended.close()
         self._open.close()
         return probe

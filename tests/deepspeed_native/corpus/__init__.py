@@ -23,7 +23,7 @@ FREEDOMS: dict[str, str] = {
     "broadcast_per_source": "bf16 partition; one source at a time by broadcast, last rank first; "
     "exact values in fp32",
     "c10d_async_reciprocal": "fp32 master; codes x * (1/scale); distributed_c10d.all_gather_into_tensor, "
-    "all chunks in flight (async handles)",
+    "two chunks in flight (async handles)",
     "async_fp32_exact": "bf16 partition; exact values in fp32; three async deepspeed.comm gathers",
     "even_chunks_list": "bf16 partition; fewest equal chunks of whole groups; two list all_gathers",
 }
@@ -71,7 +71,10 @@ CHUNKED_ONLY = ("broken_stale_chunk_edge", "broken_bucket_ignored", "broken_grou
 """Broken variants wrong only where a gather chunks: the default qualification (no bucket flag)
 catches them through its chunked arm ([Note: the chunked arm], qwz/qualify/run/chunked_arm.py)."""
 
-WHOLE_BROKEN: dict[str, frozenset[str]] = {"broken_stock_gather": frozenset({"in-effect"})}
+WHOLE_BROKEN: dict[str, frozenset[str]] = {
+    "broken_stock_gather": frozenset({"in-effect"}),
+    "broken_all_chunks_in_flight": frozenset({"bounded"}),
+}
 """Broken variants written as whole modules."""
 
 
@@ -106,28 +109,94 @@ PR8511: dict[str, str] = {
 }
 """Correct members written the way the upstream PR (#8511) is: DeepSpeed's ZeRO++ scheme."""
 
-PR8511_BROKEN: dict[str, tuple[str, str, str, str, frozenset[str]]] = {
+_CHUNK_LOOP = (
+    "        for chunk_start in range(0, partition_size, chunk_numel):\n"
+    "            chunk_end = min(chunk_start + chunk_numel, partition_size)\n"
+    "            _all_gather_quantized_chunk(partitioned_params, process_group, rank, world, chunk_start, chunk_end,\n"
+    "                                        quantizer, group_size, preserved)\n"
+)
+_CHUNK_SIGNATURE = (
+    "def _all_gather_quantized_chunk(partitioned_params, process_group, rank, world, chunk_start, chunk_end, quantizer,\n"
+    "                                group_size, preserved):\n"
+)
+_CODES_OUTPUT = "    all_codes = torch.empty(world * codes.numel(), dtype=codes.dtype, device=device)\n"
+_QUANTIZE = "    codes, scales = quantizer.quantize(values, groups=groups)\n"
+_DECODE_LOOP_END = "        partitioned_params[source][chunk_start:chunk_end].copy_(decoded)\n"
+"""Lines of pr8511.patch's ``runtime/utils.py`` the broken variants edit."""
+
+PR8511_BROKEN: dict[str, tuple[str, tuple[tuple[str, str, str], ...], frozenset[str]]] = {
     "broken_zeropp_no_clamp": (
-        "pr8511_torch_quantizer", TORCH_QUANTIZER,
-        "codes = torch.round(values * q).clamp(-128, 127).to(torch.int8)",
-        "codes = torch.round(values * q).to(torch.int32).to(torch.int8)  # 128 wraps to -128",
+        "pr8511_torch_quantizer",
+        ((TORCH_QUANTIZER,
+          "codes = torch.round(values * q).clamp(-128, 127).to(torch.int8)",
+          "codes = torch.round(values * q).to(torch.int32).to(torch.int8)  # 128 wraps to -128"),),
         frozenset({"own-shard"}),
     ),
     "broken_zeropp_scale_not_inverted": (
-        "pr8511_torch_quantizer", TORCH_QUANTIZER,
-        "return codes.view(param.shape), torch.ones_like(q) / q",
-        "return codes.view(param.shape), q",
+        "pr8511_torch_quantizer",
+        ((TORCH_QUANTIZER,
+          "return codes.view(param.shape), torch.ones_like(q) / q",
+          "return codes.view(param.shape), q"),),
         frozenset({"own-shard"}),
     ),
     "broken_zeropp_local_scales": (
-        "pr8511_cuda_quantizer", UTILS,
-        "source_scales = all_scales.view(world, groups, -1)[source]",
-        "source_scales = all_scales.view(world, groups, -1)[rank]",
+        "pr8511_cuda_quantizer",
+        ((UTILS,
+          "source_scales = all_scales.view(world, groups, -1)[source]",
+          "source_scales = all_scales.view(world, groups, -1)[rank]"),),
         frozenset({"replicas"}),
     ),
+    "broken_staging_whole_receive": (
+        "pr8511_cuda_quantizer",
+        ((UTILS, _CHUNK_LOOP, _CHUNK_LOOP.replace(
+            "        for chunk_start",
+            "        # the whole partition's receive buffer, up front; each call writes a slice\n"
+            "        received = torch.empty(world * (-(-partition_size // group_size) * group_size),\n"
+            "                               dtype=torch.int8, device=partitioned_params[rank].device)\n"
+            "        for chunk_start").replace("quantizer, group_size, preserved)",
+                                        "quantizer, group_size, preserved, received)")),
+         (UTILS, _CHUNK_SIGNATURE, _CHUNK_SIGNATURE.replace("preserved):", "preserved, received=None):")),
+         (UTILS, _CODES_OUTPUT,
+          "    all_codes = received[world * chunk_start:world * chunk_start + world * codes.numel()]\n")),
+        frozenset({"bounded"}),
+    ),
+    "broken_staging_whole_send": (
+        "pr8511_cuda_quantizer",
+        ((UTILS, _CHUNK_LOOP, _CHUNK_LOOP.replace(
+            "        for chunk_start",
+            "        # the whole partition quantized before the first call; each call sends a slice\n"
+            "        own = partitioned_params[rank]\n"
+            "        whole_groups = -(-partition_size // group_size)\n"
+            "        whole = torch.zeros(whole_groups * group_size, dtype=own.dtype, device=own.device)\n"
+            "        whole[:partition_size] = own\n"
+            "        whole[_ranges_in_chunk(preserved[rank], 0, partition_size, own.device)] = 0\n"
+            "        staged = quantizer.quantize(whole, groups=whole_groups)\n"
+            "        for chunk_start").replace("quantizer, group_size, preserved)",
+                                        "quantizer, group_size, preserved, staged)")),
+         (UTILS, _CHUNK_SIGNATURE, _CHUNK_SIGNATURE.replace("preserved):", "preserved, staged=None):")),
+         (UTILS, _QUANTIZE,
+          "    codes = staged[0][chunk_start:chunk_start + groups * group_size]\n"
+          "    scales = staged[1].view(-1, 1)[chunk_start // group_size:chunk_start // group_size + groups]\n")),
+        frozenset({"bounded"}),
+    ),
+    "broken_staging_kept_list": (
+        "pr8511_cuda_quantizer",
+        ((UTILS, _CHUNK_LOOP, _CHUNK_LOOP.replace(
+            "        for chunk_start", "        kept = []  # every chunk's buffers, until the gather ends\n"
+            "        for chunk_start").replace(
+            "            _all_gather_quantized_chunk(", "            kept.append(_all_gather_quantized_chunk(").replace(
+            "quantizer, group_size, preserved)", "quantizer, group_size, preserved))")),
+         (UTILS, _DECODE_LOOP_END, _DECODE_LOOP_END + "    return all_codes, all_scales, all_exact\n")),
+        frozenset({"bounded"}),
+    ),
 }  # fmt: skip
-"""Broken variants of DeepSpeed's scheme, each one edit of a correct #8511-shaped member: base,
-file, old text, new text, and the checks of which at least one must FAIL."""
+"""Broken variants, each a few edits of a correct #8511-shaped member: base, the edits (file,
+old text, new text), and the checks of which at least one must FAIL. The ``broken_staging_*``
+ones write correct weights with correctly sized collectives and hold staging for the whole
+partition (issue: the regression #8511 fixed): only memory ([Note: staging memory, exactly])
+sees them, where a partition spans many chunks."""
+
+STAGING_BROKEN = ("broken_staging_whole_receive", "broken_staging_whole_send", "broken_staging_kept_list")
 
 
 def pr8511_changes(name: str) -> list:
@@ -136,8 +205,8 @@ def pr8511_changes(name: str) -> list:
     from tests.deepspeed_checkout import Edit
 
     if name in PR8511_BROKEN:
-        base, path, old, new, _ = PR8511_BROKEN[name]
-        return [*pr8511_changes(base), Edit(path, old, new)]
+        base, edits, _ = PR8511_BROKEN[name]
+        return [*pr8511_changes(base), *(Edit(*edit) for edit in edits)]
     if name not in PR8511:
         raise ValueError(f"{name}: not a #8511-shaped member; one of {[*PR8511, *PR8511_BROKEN]}")
     changes: list = [(CORPUS_DIR.parent / "pr8511.patch").read_text()]
@@ -156,4 +225,4 @@ def pr8511_changes(name: str) -> list:
 
 
 def expected_failures_8511(name: str) -> frozenset[str]:
-    return PR8511_BROKEN[name][4]
+    return PR8511_BROKEN[name][2]

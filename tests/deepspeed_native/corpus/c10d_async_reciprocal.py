@@ -4,9 +4,10 @@
 # DeepSpeed Team
 """Quantized weight all-gather for ZeRO stages 1 and 2 (``zero_quantized_weights``).
 
-Every chunk's gather is issued at once with ``torch.distributed.distributed_c10d``'s
+Each chunk's gather is issued with ``torch.distributed.distributed_c10d``'s
 ``all_gather_into_tensor(async_op=True)`` (the call DeepSpeed's own ``all_gather_coalesced``
-makes) and decoded as its handle completes. Each rank quantizes its fp32 master partition per
+makes) before the previous chunk is decoded: two chunks in flight, the next packed while one
+travels, their buffers freed as each is decoded. Each rank quantizes its fp32 master partition per
 group of ``group_size``: scale ``absmax / 127``, codes ``round(x * (1 / scale))`` (one
 reciprocal per group, DeepSpeed-quantizer style) clamped to [-127, 127]. The elements of
 parameters of at most 65,536 elements are masked out and sent exactly in the working dtype.
@@ -58,24 +59,29 @@ class _AsyncGather:
     @torch.no_grad()
     def run(self, master):
         rows = self.flat.view(self.world, self.partition)
-        pending = []
+        in_flight = None
         for start, end, exact_index in self.spans:
             width = -(-max(i.numel() for i in exact_index) // 2) * 2  # rows stay 4-byte aligned
             message = self._message(master, start, end, exact_index[self.rank], width)
             gathered = torch.empty(self.world * message.numel(), dtype=torch.uint8, device=message.device)
             handle = distributed_c10d.all_gather_into_tensor(gathered, message, group=self.group, async_op=True)
-            pending.append((handle, gathered.view(self.world, -1), start, end, exact_index))
-        for handle, gathered, start, end, exact_index in pending:
-            handle.wait()
-            groups = -(-(end - start) // self.g)
-            for source in range(self.world):
-                payload = gathered[source]
-                codes = payload[:groups * self.g].view(torch.int8).view(groups, self.g)
-                scale = payload[groups * self.g:groups * self.g + 4 * groups].view(torch.float32)
-                exact = payload[groups * self.g + 4 * groups:].view(self.flat.dtype)
-                out = (codes.float() * scale[:, None]).flatten()[:end - start].to(self.flat.dtype)
-                out[exact_index[source]] = exact[:exact_index[source].numel()]
-                rows[source, start:end] = out
+            if in_flight is not None:
+                self._decode(rows, *in_flight)
+            in_flight = (handle, gathered.view(self.world, -1), start, end, exact_index)
+        if in_flight is not None:
+            self._decode(rows, *in_flight)
+
+    def _decode(self, rows, handle, gathered, start, end, exact_index):
+        handle.wait()
+        groups = -(-(end - start) // self.g)
+        for source in range(self.world):
+            payload = gathered[source]
+            codes = payload[:groups * self.g].view(torch.int8).view(groups, self.g)
+            scale = payload[groups * self.g:groups * self.g + 4 * groups].view(torch.float32)
+            exact = payload[groups * self.g + 4 * groups:].view(self.flat.dtype)
+            out = (codes.float() * scale[:, None]).flatten()[:end - start].to(self.flat.dtype)
+            out[exact_index[source]] = exact[:exact_index[source].numel()]
+            rows[source, start:end] = out
 
 
 def build_quantized_allgathers(optimizer, group_size):

@@ -100,7 +100,7 @@ def test_a_run_whose_bucket_already_chunks_or_one_rank_gets_no_chunked_arm():
 
     sized = bucket_for(DEFAULT_BUCKET)
     assert sized is not None and bucket_for(sized + 1) == sized
-    assert bucket_for(sized) is None and bucket_for(32_768) is None
+    assert bucket_for(sized) is None and bucket_for(8_192) is None
     assert bucket_for(DEFAULT_BUCKET, world_size=1) is None
 
 
@@ -121,7 +121,7 @@ def test_the_default_plan_has_the_chunked_arm_with_its_own_bucket_untimed():
     assert zero["reduce_bucket_size"] == plan.reduce_bucket_size == DEFAULT_BUCKET
     user = plan.arm_config(plan.arms[2])["zero_optimization"]
     assert user["allgather_bucket_size"] == DEFAULT_BUCKET
-    assert plan_of("--workload", "mlp", "--allgather-bucket-size", "32768").arms[-1].name == (
+    assert plan_of("--workload", "mlp", "--allgather-bucket-size", "8192").arms[-1].name == (
         "candidate-g64"
     )
 

@@ -114,6 +114,10 @@ def test_a_passing_head_decides_every_claim_it_has_the_checks_for():
         f"own-shard[{CANDIDATE}]",
         f"own-shard[{G8192}]",
     )
+    scheme = rows[claims.SCHEME_CLAIM]
+    assert scheme.verdict == PASS and scheme.checks == rows["small parameters exact"].checks
+    assert scheme.detail.startswith("the subject quantizes with absmax/127")
+    assert "its decode error is worst 0.394%" in scheme.detail
     replicas = rows["replicas identical"]
     assert replicas.verdict == PASS and len(replicas.checks) == 3  # every arm
     path = rows["default path unchanged"]
@@ -125,6 +129,20 @@ def test_a_passing_head_decides_every_claim_it_has_the_checks_for():
     assert "base reference 41.57 ms/step (its own run, another process: context only)" in (
         speed.detail
     )
+
+
+def test_the_scheme_row_names_deepspeeds_scheme_and_fails_with_own_shard():
+    payload = make_payload()
+    candidate = payload["own_shards"][1]
+    candidate |= {"scheme_by_rank": ["zeropp", "zeropp"], "by_scheme": {"zeropp": 81_920}}
+    head = seal.seal(payload)
+    row = {row.claim: row for row in claims_table(head, None, None)}[claims.SCHEME_CLAIM]
+    assert row.verdict == PASS and "DeepSpeed's ZeRO++ quantizer" in row.detail
+    assert "127/128 of itself" in row.detail
+    candidate |= {"scheme_by_rank": ["absmax/127", "zeropp"]}
+    mixed = seal.seal(payload)
+    row = {row.claim: row for row in claims_table(mixed, None, None)}[claims.SCHEME_CLAIM]
+    assert row.verdict == FAIL and "mixes the contract's schemes" in row.detail
 
 
 def test_a_claim_whose_checks_a_record_lacks_is_not_in_this_record(monkeypatch):
