@@ -47,7 +47,7 @@ from qwz.kernels import fused_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.settings import argparse_type
-from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, Real
+from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, Boolean, Real
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
@@ -178,13 +178,16 @@ def _add_review_commands(commands) -> None:
 
 
 class _ReviewSets(argparse.Action):
-    """A run setting ``review`` sets itself (qualify/pr_review/request.py), refused as a flag."""
+    """A run setting ``review`` sets itself, or one that cannot apply to a review
+    (qualify/pr_review/request.py), refused as a flag."""
 
-    def __init__(self, option_strings, dest, **kwargs):
+    def __init__(self, option_strings, dest, why="is the review's to set, not a run option",
+                 **kwargs):  # fmt: skip
+        self.why = why
         super().__init__(option_strings, dest, nargs="?", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is the review's to set, not a run option")
+        parser.error(f"{option_string} {self.why}")
 
 
 def _add_pr_review_command(commands) -> None:
@@ -216,12 +219,19 @@ def _add_pr_review_command(commands) -> None:
         action="store_true",
         help="discard the runs a previous review left in --out (of this or another request)",
     )
-    owned = request.REVIEW_SETTINGS
+    owned = (*request.REVIEW_SETTINGS, *request.NOT_APPLICABLE)
     run_settings = settings.run_settings()
-    settings.add_flags(review, {k: v for k, v in run_settings.items() if k not in owned})
-    for name in owned:
-        hidden = {"dest": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+    offered = {k: v for k, v in run_settings.items() if k not in owned}
+    settings.add_flags(review, offered, request.SHOWN_DEFAULTS)
+    hidden = {"dest": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+    for name in request.REVIEW_SETTINGS:
         review.add_argument(run_settings[name].flag, action=_ReviewSets, **hidden)
+    for name, why in request.NOT_APPLICABLE.items():
+        flag = run_settings[name].flag
+        flags = [flag]
+        if isinstance(run_settings[name].rule, Boolean):  # --no-FLAG as well
+            flags.append("--no-" + flag.removeprefix("--"))
+        review.add_argument(*flags, action=_ReviewSets, why=why, **hidden)
     review.add_argument(
         "run_args",
         nargs="*",

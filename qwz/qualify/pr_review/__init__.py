@@ -27,8 +27,11 @@ unless ``--worktree`` names another; the user's own checkout is never touched), 
 place with ``git checkout``: DeepSpeed JIT-builds its ops into a directory keyed by the
 source's path ([Note: ops of a checkout], qualify/run/subjects.py), and rebuilds them when
 their sources' times change, so one path whose op sources a switch leaves alone builds them
-once for both runs, for a resumed review, and -- with ``--worktree`` -- for every review of
-the same repository. The worktree is kept afterwards (``git worktree remove`` removes it).
+once for both runs and -- with ``--worktree`` -- for every review and resume of the same
+repository. The review's own worktree (``<out>/worktree``) is removed, with its
+registration in the user's repository, however the review ends (a verdict, a refusal, a
+crash, a signal); a resumed review adds it again where a run must run. A ``--worktree`` the
+user named is theirs and kept (``git worktree remove`` removes it).
 
 [Note: review resume]
 The directory holds the request (``request.json``: the repository, both SHAs, the worktree

@@ -31,12 +31,21 @@ def _say(text: str) -> None:
 
 
 def _resolved(args: argparse.Namespace) -> tuple[pathlib.Path, str, str]:
-    """The repository's root and the SHAs of the base and the head."""
+    """The repository's root and the SHAs of the base and the head; Refused with a line per
+    ref that names no commit there."""
     try:
         repository = top_level(args.repo)
-        base, head = commit_sha(repository, args.base), commit_sha(repository, args.head)
-    except GitError as error:
-        raise request.Refused(str(error)) from None
+    except GitError:
+        raise request.Refused(f"--repo {args.repo} is not a git repository") from None
+    shas, problems = [], []
+    for flag, ref in (("--base", args.base), ("--head", args.head)):
+        try:
+            shas.append(commit_sha(repository, ref))
+        except GitError:
+            problems.append(f"{flag} {ref} is not a commit in {repository}")
+    if problems:
+        raise request.Refused("\n".join(problems))
+    base, head = shas
     if base == head:
         raise request.Refused(f"--base {args.base} and --head {args.head} are one commit")
     return repository, base, head
@@ -107,8 +116,21 @@ def run_review(args: argparse.Namespace, parser, launcher=children.subprocess_la
     try:
         wanted, options = _open(args, parser)
     except request.Refused as error:
-        _say(f"refused: {error}")
+        for line in str(error).splitlines():
+            _say(f"refused: {line}")
         return 2
+    try:
+        return _reviewed(args, parser, wanted, options, launcher)
+    finally:  # every path, a signal's included ([Note: one worktree per review])
+        if args.worktree is None:
+            repository, worktree = pathlib.Path(wanted["repository"]), wanted["worktree"]
+            why = checkout.remove(repository, pathlib.Path(worktree))
+            if why is not None:
+                _say(f"the worktree {worktree} could not be removed: {why}")
+
+
+def _reviewed(args, parser, wanted: dict[str, Any], options: request.RunOptions, launcher) -> int:
+    """The review's runs, its summary written and printed; its exit status."""
     sides: list[Side] = []
     records: dict[str, Record] = {}
     stop = Stop()
