@@ -47,7 +47,7 @@ from qwz.kernels import fused_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.settings import argparse_type
-from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, Boolean, Real
+from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, POSITIVE_FINITE, Boolean, Real
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
@@ -58,6 +58,7 @@ _percentage = argparse_type(
     Real(lambda value: math.isfinite(value) and value >= 0, "a finite percentage >= 0")
 )
 _finite = argparse_type(FINITE)
+_positive_seconds = argparse_type(POSITIVE_FINITE)
 _path = argparse_type(PATH)
 
 
@@ -219,6 +220,7 @@ def _add_pr_review_command(commands) -> None:
         action="store_true",
         help="discard the runs a previous review left in --out (of this or another request)",
     )
+    _add_own_tests_flags(review)
     owned = (*request.REVIEW_SETTINGS, *request.NOT_APPLICABLE)
     run_settings = settings.run_settings()
     offered = {k: v for k, v in run_settings.items() if k not in owned}
@@ -237,6 +239,40 @@ def _add_pr_review_command(commands) -> None:
         nargs="*",
         metavar="-- RUN-ARGUMENTS",
         help="more `qwz-qualify run` arguments for both runs",
+    )
+
+
+def _add_own_tests_flags(review) -> None:
+    """The PR's own tests ([Note: the PR's own tests] in qualify/pr_review/own_tests.py)."""
+    from qwz.qualify.pr_review import own_tests
+
+    which = review.add_mutually_exclusive_group()
+    which.add_argument(
+        "--pr-tests",
+        nargs="+",
+        type=str,
+        metavar="PATH",
+        default=None,
+        help="the PR's own test files, relative to the repository's root, where the diff "
+        "cannot tell them (a squashed base) (default: the test files `git diff BASE...HEAD` "
+        "adds or changes under tests/)",
+    )
+    which.add_argument("--no-pr-tests", action="store_true", help="do not run the PR's own tests")
+    review.add_argument(
+        "--pr-tests-file-timeout",
+        type=_positive_seconds,
+        default=own_tests.FILE_LIMIT_S,
+        metavar="S",
+        help="each own test file's time limit: a file past it is a hang of the test it was "
+        "running, the PR's FAIL",
+    )
+    review.add_argument(
+        "--pr-tests-timeout",
+        type=_positive_seconds,
+        default=own_tests.TOTAL_LIMIT_S,
+        metavar="S",
+        help="the time limit of every own test file together, the head's first: files past "
+        "it are not run (this runner's limit, never the PR's FAIL: INCONCLUSIVE)",
     )
 
 

@@ -8,9 +8,15 @@ and 8192, unless the run options name others). It then writes one report whose t
 claims table (qualify/review/claims.py): each bullet of the PR's summary with the checks that
 decide it, "default path unchanged" among them (qualify/evidence/default_path.py).
 
+It also runs the PR's own tests at the head, beside that independent judge, and the same
+test files on the base's code as context ([Note: the PR's own tests] in own_tests.py): two
+rows of the claims table, and the line beside the verdict.
+
 One file per job: ``request`` (the run options, what the review sets itself, the request on
 disk and its resume), ``checkout`` (the worktree), ``children`` (one ``run`` as a child
-process, or its finished record reused) and ``command`` (the command).
+process, or its finished record reused), ``test_files`` (which files are the PR's tests),
+``own_tests`` (running them), ``test_log`` (how one test file's pytest ended, from
+``pytest_plugin/``'s events) and ``command`` (the command).
 
 [Note: the base runs the reference alone]
 The PR's default path is the reference arm (``zero_quantized_weights: false``): it must be the

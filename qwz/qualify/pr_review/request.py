@@ -4,6 +4,7 @@ request on disk, so a review resumes ([Note: review resume] in qualify/pr_review
     <out>/request.json        the repository, both refs and SHAs, the worktree, the run options
     <out>/base/, <out>/head/  each run's record, report and plots
     <out>/logs/               each run's output
+    <out>/pr-tests/           the PR's own tests: each side's result, pytest's JUnit XML, logs
     <out>/review.md, review.json
 """
 
@@ -43,7 +44,7 @@ REVIEW_FLAGS = ("--out", "--force")
 REQUEST_KEYS = ("repository", "base", "head", "worktree", "run_args", "min_speedup")
 """What a resumed review must share with the one that made the directory (the refs' names
 are not among them: what they named, the SHAs, is)."""
-OUTPUTS = ("base", "head", "logs", "review.md", "review.json")
+OUTPUTS = ("base", "head", "logs", "pr-tests", "review.md", "review.json")
 
 
 class Refused(Exception):

@@ -234,7 +234,12 @@ def test_the_bases_config_rules_are_context_but_its_reference_is_judged(tmp_path
 def test_a_harness_error_is_not_a_fail(tmp_path, repository):
     assert review(tmp_path, repository, FakeRun(codes={"head": 4}), *RUN_OPTIONS) == 4
     data = summary(tmp_path)
-    assert data["runs"][1]["status"] == "HARNESS-ERROR" and data["claims"] == []
+    assert data["runs"][1]["status"] == "HARNESS-ERROR"
+    # No claim of the qualification; the own tests' rows say the PR changes no test.
+    assert [(row["claim"], row["verdict"]) for row in data["claims"]] == [
+        ("the PR's own tests collect at its head", "no tests"),
+        ("the PR's own tests pass at its head", "no tests"),
+    ]
 
 
 def test_a_stop_keeps_what_finished_and_the_same_command_continues(tmp_path, repository):
