@@ -112,6 +112,7 @@ def make_variants(
                 git(root, "apply", "--whitespace=nowarn", "-", stdin=change)
             else:
                 for relative, text in change.items():
+                    (root / relative).parent.mkdir(parents=True, exist_ok=True)
                     (root / relative).write_text(text)
             git(root, "add", "-A")
             git(root, "commit", "-q", "-m", f"{name}: change {number} of {len(changes)}")

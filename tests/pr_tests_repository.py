@@ -5,8 +5,10 @@ DeepSpeed's source distribution has no ``tests/``, so the repository carries a s
 harness of its own in DeepSpeed's layout: ``tests/conftest.py`` with DeepSpeed's hook that
 hands a ``DistributedTest`` to its own launcher, and ``tests/unit/common.py`` whose
 ``DistributedTest`` spawns its ranks as DeepSpeed's does (a ``torch.multiprocessing`` pool
-started with ``forkserver``, each rank's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set, a gloo
-process group on a file store through ``deepspeed.init_distributed``, a rank's skip raised
+started with ``forkserver``, each rank's ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``LOCAL_RANK``/
+``WORLD_SIZE`` set, a gloo
+(NCCL with a GPU per rank) process group on a file store through ``deepspeed.init_distributed``,
+a skip where there are fewer GPUs than ranks, a rank's skip raised
 as the test's, ``pytest.exit("Test hanged, exiting")`` past its own timeout, and the skip
 "only supported in accelerator environments." for a test that needs one where there is none).
 ``deepspeed/__init__.py`` says which commit it is (``version``), so a test knows the head's
@@ -47,6 +49,7 @@ def pytest_runtest_call(item):
 COMMON = '''\
 """A stand-in for DeepSpeed's tests/unit/common.py: DistributedTest spawns its ranks."""
 import os
+import socket
 import tempfile
 
 import pytest
@@ -67,12 +70,18 @@ class DistributedTest:
         self._current_test = getattr(self, request.function.__name__)
         if self.requires_cuda_env and not torch.cuda.is_available():
             pytest.skip("only supported in accelerator environments.")
+        if torch.cuda.is_available() and torch.cuda.device_count() < self.world_size:
+            pytest.skip(f"Skipping test because not enough GPUs are available: {self.world_size} "
+                        f"required, {torch.cuda.device_count()} available")
         tmpdir = request.getfixturevalue("tmpdir")
         with tempfile.NamedTemporaryFile(delete=False, dir=str(tmpdir)) as store:
             init_method = f"file://{store.name}"
+        with socket.socket() as free:
+            free.bind(("", 0))
+            master_port = str(free.getsockname()[1])
         mp.set_start_method("forkserver", force=True)
         pool = mp.Pool(processes=self.world_size)
-        ranks = [(rank, init_method) for rank in range(self.world_size)]
+        ranks = [(rank, master_port, init_method) for rank in range(self.world_size)]
         try:
             skips = pool.starmap_async(self._dist_run, ranks).get(self.exec_timeout)
         except mp.TimeoutError:
@@ -83,9 +92,17 @@ class DistributedTest:
         if any(skips):
             pytest.skip(skips[0])
 
-    def _dist_run(self, rank, init_method):
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world_size))
-        deepspeed.init_distributed("gloo", init_method, rank, self.world_size)
+    def _dist_run(self, rank, master_port, init_method):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, RANK=str(rank),
+                          LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_SIZE=str(self.world_size))
+        backend = "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(rank)
+            backend = "nccl"
+        deepspeed.init_distributed(
+            dist_backend=backend, init_method=init_method, rank=rank, world_size=self.world_size
+        )
         try:
             self._current_test()
         except Skipped as skipped:
@@ -96,12 +113,20 @@ class DistributedTest:
 '''
 
 
+HARNESS = {
+    "tests/conftest.py": CONFTEST,
+    "tests/unit/__init__.py": "",
+    "tests/unit/common.py": COMMON,
+}
+"""DeepSpeed's test harness in small: what a head's own tests run under."""
+
+
 def deepspeed_init(version: str) -> str:
     return f'''\
 version = "{version}"
 
 
-def init_distributed(dist_backend, init_method, rank, world_size):
+def init_distributed(dist_backend=None, init_method=None, rank=-1, world_size=-1):
     import torch.distributed
 
     torch.distributed.init_process_group(
@@ -186,9 +211,7 @@ def test_waits_for_a_reply_that_never_comes():
 
 BASE_FILES = {
     "deepspeed/__init__.py": deepspeed_init("base"),
-    "tests/conftest.py": CONFTEST,
-    "tests/unit/__init__.py": "",
-    "tests/unit/common.py": COMMON,
+    **HARNESS,
     "tests/unit/test_existing.py": EXISTING_AT_BASE,
     ".gitignore": "__pycache__/\n*.pyc\n",
 }
@@ -234,3 +257,54 @@ def make_repository(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, str
         shas[name] = _commit(root, files, name)
     git(root, "checkout", "-q", "main")
     return root, shas
+
+
+PROPOSAL_TEST_PATH = "tests/unit/runtime/zero/test_zero_quantized_weights_stage12.py"
+PROPOSAL_TEST = '''\
+"""The proposal's own tests: its config rules, its group size on two ranks, and a GPU case."""
+import pytest
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from unit.common import DistributedTest
+
+
+def _zero(**keys):
+    return DeepSpeedZeroConfig(stage=2, zero_quantized_weights=True, **keys)
+
+
+def test_the_group_size_defaults_to_64():
+    assert _zero().zero_quantized_weights_group_size == 64
+
+
+@pytest.mark.parametrize("group_size", [12, 100])
+def test_a_group_size_not_a_multiple_of_8_is_refused(group_size):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _zero(zero_quantized_weights_group_size=group_size)
+
+
+class TestEveryRankReadsTheGroupSize(DistributedTest):
+    world_size = 2
+    requires_cuda_env = False
+
+    def test_on_two_ranks(self):
+        size = _zero(zero_quantized_weights_group_size=8192).zero_quantized_weights_group_size
+        total = torch.tensor([float(size)])
+        dist.all_reduce(total)
+        assert total.item() == 2 * 8192
+
+
+class TestOnTwoGpus(DistributedTest):
+    world_size = 2
+
+    def test_sees_its_gpu(self):
+        assert torch.cuda.current_device() == dist.get_rank()
+'''
+"""An own test the proposal's head adds (tests/multigpu/test_qualify_review.py): on a CPU
+runner four cases pass and the GPU case is skipped with its reason."""
+PROPOSAL_TEST_BROKEN = PROPOSAL_TEST.replace(
+    "zero_quantized_weights_group_size == 64", "zero_quantized_weights_group_size == 128"
+)
+PROPOSAL_BROKEN_TEST = f"{PROPOSAL_TEST_PATH}::test_the_group_size_defaults_to_64"
+"""The proposal's own test ``PROPOSAL_TEST_BROKEN`` breaks."""

@@ -125,9 +125,9 @@ def _review(
 def _own_tests(step, wanted, sides: list[Side], out, stop: Stop, test_launcher) -> OwnTests:
     """[Note: the PR's own tests], unless the review was refused or stopped."""
     if any(side.status == REFUSED for side in sides):
-        return own_test_results.not_run("not run: the review was refused")
+        return own_test_results.not_run("the review was refused")
     if stop.signum is not None:
-        return own_test_results.not_run("not run: the review was stopped")
+        return own_test_results.not_run("the review was stopped before them")
     return own_tests.review_tests(step, wanted, out, stop, _say, test_launcher)
 
 

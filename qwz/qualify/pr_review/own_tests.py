@@ -57,8 +57,9 @@ FILE_LIMIT_S = 1200.0
 TOTAL_LIMIT_S = 3600.0
 DROPPED_ENV = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
 """The runner's own pytest options: the PR's tests run with the head's, not these."""
-UNFINISHED_ENDS = (results.OVER_TOTAL, results.FILE_NOT_RUN, results.INTERRUPTED)
-"""A file's ends that a resumed review runs again."""
+RERUN_ENDS = (*results.FILE_ENDS_UNDECIDED, results.FILE_HARNESS_ERROR)
+"""A file's ends that say nothing of the subject (a limit, a signal, this runner, pytest
+itself): a resumed review runs that side again, as it does a test that could not run here."""
 
 
 class Refused(Exception):
@@ -164,6 +165,8 @@ def _run_file(ctx: Context, directory: pathlib.Path, index: int, path: str) -> F
         return _not_started(path, results.FILE_NOT_RUN, f"{why} before it started")
     stem = f"{index:02d}-{pathlib.PurePosixPath(path).stem}"
     junit, log, output = (directory / f"{stem}{suffix}" for suffix in (".xml", ".jsonl", ".out"))
+    for earlier in (junit, log, output):  # a rerun's, never a mix with an earlier run's
+        earlier.unlink(missing_ok=True)
     command = [
         sys.executable,
         "-m",
@@ -234,7 +237,10 @@ def _stored(ctx: Context, side: str, key: dict[str, Any]) -> SideTests | None:
         stored = results.side_from_data(data["result"]) if data.get("key") == key else None
     except (jsonio.JsonInputError, KeyError, TypeError):
         return None
-    if stored is None or any(run.ended in UNFINISHED_ENDS for run in stored.files):
+    if stored is None or any(
+        run.ended in RERUN_ENDS or any(test.outcome in results.UNDECIDED for test in run.tests)
+        for run in stored.files
+    ):
         return None
     return stored._replace(kind="resumed")
 
@@ -280,7 +286,7 @@ def review_tests(
     """[Note: the PR's own tests] for the request `wanted` (its repository, SHAs, worktree)."""
     files = step.files
     if files is None:
-        return results.not_run("not run: --no-pr-tests")
+        return results.not_run("skipped by --no-pr-tests")
     if not files.tests:
         others = f" (other files there: {', '.join(files.others)})" if files.others else ""
         reason = f"the PR adds or changes no test file under tests/{others}"
@@ -292,7 +298,7 @@ def review_tests(
     ctx = Context(
         repository,
         pathlib.Path(wanted["worktree"]),
-        out,
+        out.absolute(),  # pytest runs in the worktree: its output paths must not be relative
         stop,
         say,
         launcher,

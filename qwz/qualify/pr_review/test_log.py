@@ -220,6 +220,22 @@ def _tests(events: list[dict], end: str, detail: str) -> tuple[TestResult, ...]:
     return tuple(found)
 
 
+def _runner_lacks(tests: tuple[TestResult, ...], worktree, path) -> tuple[TestResult, ...]:
+    """A test that failed only for a module this runner lacks (not the checkout's own) is
+    not the PR's failure: it cannot run here."""
+    found = []
+    for test in tests:
+        lacked = None
+        if test.outcome in (results.FAILED, results.ERROR):
+            lacked = _lacked_modules([test.reason], worktree, path)
+        if lacked:
+            test = test._replace(
+                outcome=results.CANNOT_RUN, reason=f"this runner lacks {', '.join(lacked)}"
+            )
+        found.append(test)
+    return tuple(found)
+
+
 def file_run(
     path: str,
     events: list[dict],
@@ -239,7 +255,7 @@ def file_run(
     collected = any(event["event"] == "collected" for event in events) and not any(
         event["event"] == "collect-error" for event in events
     )
-    tests = _tests(events, *end)
+    tests = _runner_lacks(_tests(events, *end), worktree, path)
     return FileRun(
         path, end[0], end[1], ended.code, round(ended.wall_s, 1), collected, tests, outputs
     )

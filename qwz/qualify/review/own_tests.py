@@ -11,11 +11,11 @@ named), a test that stopped pytest or whose process died. Skipped and deselected
 listed as not run with their reasons, never counted as passed; a head whose tests all skip
 decides nothing (INCONCLUSIVE: nothing vacuous passes). What is not the subject's doing is
 never its FAIL: the total limit spent (``--pr-tests-timeout``: INCONCLUSIVE, the limit named),
-a module the runner lacks (INCONCLUSIVE: cannot run on this runner), pytest's own internal or
-usage error (HARNESS-ERROR). The base's outcomes are context only: a test that passes on the
-base's code too proves nothing new about the change, and the row says so. A review without
-the step (``--no-pr-tests``) or of a PR that changes no test says so in the rows, which then
-decide nothing.
+a third-party module the runner lacks, at import or in a test (INCONCLUSIVE: cannot run on
+this runner), pytest's own internal or usage error (HARNESS-ERROR). The base's outcomes are
+context only: a test that passes on the base's code too proves nothing new about the change,
+and the row says so. A review without the step (``--no-pr-tests``) or of a PR that changes no
+test says so in the rows, which then decide nothing.
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ HANG, CRASHED, STOPPED = "hang", "crashed", "stopped"
 NOT_REACHED, OVER_TOTAL, INTERRUPTED = "not reached", "total limit", "interrupted"
 """Never ran (its file ended first) / running when ``--pr-tests-timeout`` was spent / running
 when the review was stopped."""
+CANNOT_RUN = "cannot run here"
+"""A test, or a file, that failed only for a module this runner lacks (not the checkout's)."""
 FAILING = (FAILED, ERROR, HANG, CRASHED, STOPPED)
+UNDECIDED = (OVER_TOTAL, INTERRUPTED, CANNOT_RUN)
 NOT_RUN_OUTCOMES = (SKIPPED, DESELECTED)
 
 # How a file's pytest ended (FileRun.ended).
-FINISHED, NOT_COLLECTED, CANNOT_RUN = "finished", "does not collect", "cannot run here"
+FINISHED, NOT_COLLECTED = "finished", "does not collect"
 FILE_HARNESS_ERROR, FILE_NOT_RUN = "harness error", "not run"
 FILE_ENDS_SUBJECT = (NOT_COLLECTED, HANG, CRASHED, STOPPED)
 """A file's ends that are the subject's doing (FAIL)."""
@@ -97,7 +100,7 @@ class SideTests(NamedTuple):
 
 class OwnTests(NamedTuple):
     status: str
-    """"ran", NOT_RUN or NO_TESTS."""
+    """"ran", NOT_RUN, NO_TESTS, or HARNESS-ERROR (the worktree could not be made)."""
     reason: str
     how: str
     """How the files were found: the diff, or ``--pr-tests``."""
@@ -147,7 +150,7 @@ def tests_verdict(head: SideTests) -> str:
     verdicts = [_file_verdict(run) for run in head.files]
     if any(outcome in FAILING for outcome in outcomes):
         verdicts.append(FAIL)
-    if PASSED not in outcomes:
+    if PASSED not in outcomes or any(outcome in UNDECIDED for outcome in outcomes):
         verdicts.append(INCONCLUSIVE)
     return _worst(verdicts)
 
@@ -161,7 +164,8 @@ def verdict(own: OwnTests) -> str:
 
 # ------------------------------------------------------------------------------- text
 def counts(head: SideTests) -> str:
-    """ "3 passed, 1 failed, 0 errors, 2 skipped (not run)" and whatever else happened."""
+    """The head's tests counted: passed, failed, errors, skipped (not run), then any other
+    outcome that occurred."""
     found = Counter(test.outcome for run in head.files for test in run.tests)
     text = (
         f"{found[PASSED]} passed, {found[FAILED]} failed, {found[ERROR]} errors, "
@@ -179,8 +183,8 @@ def _not_run_text(head: SideTests) -> str:
     for run in head.files:
         for test in run.tests:
             if test.outcome in NOT_RUN_OUTCOMES:
-                reasons.setdefault(f"{test.outcome}: {test.reason or 'no reason given'}", [])
-                reasons[f"{test.outcome}: {test.reason or 'no reason given'}"].append(test.test)
+                why = f"{test.outcome}: {test.reason or 'no reason given'}"
+                reasons.setdefault(why, []).append(test.test)
     return "; ".join(f"not run, {why}: {', '.join(tests)}" for why, tests in reasons.items())
 
 
@@ -190,12 +194,12 @@ def _problems(head: SideTests) -> list[str]:
         f"{test.outcome} {test.test}" + (f" ({test.reason})" if test.reason else "")
         for run in head.files
         for test in run.tests
-        if test.outcome in (*FAILING, OVER_TOTAL, INTERRUPTED)
+        if test.outcome in (*FAILING, *UNDECIDED)
     ]
     lines += [
         f"{run.path} {run.ended}: {run.detail}"
         for run in head.files
-        if run.ended not in (FINISHED,) and not any(test.outcome in FAILING for test in run.tests)
+        if run.detail and not any(test.outcome in FAILING for test in run.tests)
     ]
     return lines
 

@@ -17,7 +17,6 @@ from qwz.qualify.evidence import seal
 from qwz.qualify.matrix import runner
 from qwz.qualify.pr_review import command
 from qwz.qualify.review import pr_review
-from tests import warm_python
 from tests.deepspeed_checkout import git
 from tests.extras import NEEDS_TRANSFORMERS
 
@@ -82,10 +81,6 @@ def review(tmp_path, repository, fake: FakeRun, *extra: str, out: str = "review"
     argv = ["review", "--repo", str(root), "--base", base, "--head", head]
     args = PARSER.parse_args([*argv, "--out", str(tmp_path / out), *extra])
     return command.run_review(args, PARSER, launcher=fake)
-
-
-def subprocess_run(args: list[str]):
-    return warm_python.run(args, timeout=120)
 
 
 def summary(tmp_path, out: str = "review") -> dict:
@@ -269,10 +264,12 @@ def test_each_ref_that_names_no_commit_is_refused_in_a_sentence(tmp_path, reposi
     assert fake.launched == [] and not (tmp_path / "o").exists()
 
 
-def _review_help() -> str:
-    done = subprocess_run(["-m", "qwz.qualify", "review", "--help"])
-    assert done.returncode == 0, done.stderr
-    return " ".join(done.stdout.split())
+def _review_help(capsys) -> str:
+    """``qwz-qualify review --help`` as the command's own parser prints it."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["review", "--help"])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize(
@@ -291,8 +288,8 @@ def test_qwz_gather_is_refused_as_it_cannot_apply(tmp_path, repository, capsys, 
     assert "qwz-gather does not apply to a review" in capsys.readouterr().err
 
 
-def test_review_help_shows_the_group_sizes_the_review_uses_and_no_qwz_gather():
-    text = _review_help()
+def test_review_help_shows_the_group_sizes_the_review_uses_and_no_qwz_gather(capsys):
+    text = _review_help(capsys)
     assert "qwz-gather" not in text
     assert "candidate group size; repeat for several arms (default: 64 8192, the PR's own" in text
 
