@@ -200,8 +200,8 @@ def _add_pr_review_command(commands) -> None:
     review = commands.add_parser(
         "review",
         help="review a DeepSpeed pull request: its base's reference arm and its head's every "
-        "arm, one claims table (exit 0 PASS, 1 FAIL, 2 refused, 3 INCONCLUSIVE, "
-        "4 HARNESS-ERROR)",
+        "arm, the PR's own tests at its head, one claims table (exit 0 PASS, 1 FAIL, "
+        "2 refused, 3 INCONCLUSIVE, 4 HARNESS-ERROR)",
         formatter_class=_DefaultsFormatter,
     )
     review.add_argument("--repo", type=_path, required=True, help="the DeepSpeed repository")

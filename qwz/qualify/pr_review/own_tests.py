@@ -214,7 +214,7 @@ def _file_line(run: FileRun) -> str:
     return text + (f" ({'; '.join(failing)})" if failing else "") + f" ({run.wall_s:.0f} s)"
 
 
-def _checked_out(ctx: Context, sha: str, overlay: tuple[str, str, ...] | None) -> str:
+def _checked_out(ctx: Context, sha: str, overlay: tuple[str, ...] | None) -> str:
     """The worktree at `sha` (with the files ``overlay[1:]`` of the commit ``overlay[0]`` over
     it); the commit read back from the worktree."""
     checkout.check_out(ctx.repository, ctx.worktree, sha)

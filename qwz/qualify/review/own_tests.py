@@ -207,8 +207,8 @@ def _problems(head: SideTests) -> list[str]:
 def _at_base(own: OwnTests, test: str) -> str:
     """The test's outcome on the base's code; for a file that ran there but did not finish,
     "file <how it ended>"; "not at the base" for a file the base lacks."""
-    if own.base is None:
-        return "—"
+    if own.base is None:  # no test file of the head exists at the base
+        return "not at the base"
     path = test.split("::")[0]
     runs = [run for run in own.base.files if run.path == path]
     if not runs:

@@ -216,6 +216,30 @@ def test_pytests_own_error_is_no_verdict_and_runs_again_on_resume(tmp_path, repo
     assert rows(summary(tmp_path))[PASS_CLAIM]["verdict"] == "PASS"
 
 
+class SlowKilledLauncher(ScriptedLauncher):
+    """Stands in for a pytest still running when its limit came: killed at it."""
+
+    def __call__(self, command_line, env, cwd, output, limit_s, stop):
+        self.limits = [*getattr(self, "limits", []), limit_s]
+        super().__call__(command_line, env, cwd, output, limit_s, stop)
+        time.sleep(limit_s)
+        return -signal.SIGKILL, True
+
+
+def test_the_total_limit_is_the_runners_never_the_prs_fail(tmp_path, repository):
+    """The first file gets what is left of ``--pr-tests-timeout`` (less than its own limit)
+    and is cut there; the next is not run; INCONCLUSIVE (exit 3), the limit named."""
+    running = [{"event": "collected", "nodeids": []}]
+    launcher = SlowKilledLauncher(running, 0)
+    extra = ["--pr-tests-timeout", "1", "--pr-tests-file-timeout", "100"]
+    assert review(tmp_path, repository, "broken", *extra, launcher=launcher) == 3
+    assert len(launcher.limits) == 1 and launcher.limits[0] <= 1
+    files = summary(tmp_path)["own_tests"]["head"]["files"]
+    assert [run["ended"] for run in files] == [results.OVER_TOTAL, results.FILE_NOT_RUN]
+    assert "(--pr-tests-timeout) was spent before it started" in files[1]["detail"]
+    assert rows(summary(tmp_path))[PASS_CLAIM]["verdict"] == "INCONCLUSIVE"
+
+
 def test_no_pr_tests_skips_the_step_and_says_so(tmp_path, repository):
     launcher = CountingLauncher()
     assert review(tmp_path, repository, "broken", "--no-pr-tests", launcher=launcher) == 0
