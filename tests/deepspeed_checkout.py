@@ -133,6 +133,7 @@ def make_variants(tmp_path: pathlib.Path, variants: dict[str, Sequence[Change]])
                 change.apply(root)
             else:
                 for relative, text in change.items():
+                    (root / relative).parent.mkdir(parents=True, exist_ok=True)
                     (root / relative).write_text(text)
             git(root, "add", "-A")
             git(root, "commit", "-q", "-m", f"{name}: change {number} of {len(changes)}")

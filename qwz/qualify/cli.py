@@ -47,7 +47,7 @@ from qwz.kernels import fused_available
 from qwz.qualify import preflight
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.settings import argparse_type
-from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, Real
+from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, POSITIVE_FINITE, Boolean, Real
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
@@ -58,6 +58,7 @@ _percentage = argparse_type(
     Real(lambda value: math.isfinite(value) and value >= 0, "a finite percentage >= 0")
 )
 _finite = argparse_type(FINITE)
+_positive_seconds = argparse_type(POSITIVE_FINITE)
 _path = argparse_type(PATH)
 
 
@@ -178,13 +179,16 @@ def _add_review_commands(commands) -> None:
 
 
 class _ReviewSets(argparse.Action):
-    """A run setting ``review`` sets itself (qualify/pr_review/request.py), refused as a flag."""
+    """A run setting ``review`` sets itself, or one that cannot apply to a review
+    (qualify/pr_review/request.py), refused as a flag."""
 
-    def __init__(self, option_strings, dest, **kwargs):
+    def __init__(self, option_strings, dest, why="is the review's to set, not a run option",
+                 **kwargs):  # fmt: skip
+        self.why = why
         super().__init__(option_strings, dest, nargs="?", **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is the review's to set, not a run option")
+        parser.error(f"{option_string} {self.why}")
 
 
 def _add_pr_review_command(commands) -> None:
@@ -196,8 +200,8 @@ def _add_pr_review_command(commands) -> None:
     review = commands.add_parser(
         "review",
         help="review a DeepSpeed pull request: its base's reference arm and its head's every "
-        "arm, one claims table (exit 0 PASS, 1 FAIL, 2 refused, 3 INCONCLUSIVE, "
-        "4 HARNESS-ERROR)",
+        "arm, the PR's own tests at its head, one claims table (exit 0 PASS, 1 FAIL, "
+        "2 refused, 3 INCONCLUSIVE, 4 HARNESS-ERROR)",
         formatter_class=_DefaultsFormatter,
     )
     review.add_argument("--repo", type=_path, required=True, help="the DeepSpeed repository")
@@ -216,17 +220,59 @@ def _add_pr_review_command(commands) -> None:
         action="store_true",
         help="discard the runs a previous review left in --out (of this or another request)",
     )
-    owned = request.REVIEW_SETTINGS
+    _add_own_tests_flags(review)
+    owned = (*request.REVIEW_SETTINGS, *request.NOT_APPLICABLE)
     run_settings = settings.run_settings()
-    settings.add_flags(review, {k: v for k, v in run_settings.items() if k not in owned})
-    for name in owned:
-        hidden = {"dest": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+    offered = {k: v for k, v in run_settings.items() if k not in owned}
+    settings.add_flags(review, offered, request.SHOWN_DEFAULTS)
+    hidden = {"dest": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+    for name in request.REVIEW_SETTINGS:
         review.add_argument(run_settings[name].flag, action=_ReviewSets, **hidden)
+    for name, why in request.NOT_APPLICABLE.items():
+        flag = run_settings[name].flag
+        flags = [flag]
+        if isinstance(run_settings[name].rule, Boolean):  # --no-FLAG as well
+            flags.append("--no-" + flag.removeprefix("--"))
+        review.add_argument(*flags, action=_ReviewSets, why=why, **hidden)
     review.add_argument(
         "run_args",
         nargs="*",
         metavar="-- RUN-ARGUMENTS",
         help="more `qwz-qualify run` arguments for both runs",
+    )
+
+
+def _add_own_tests_flags(review) -> None:
+    """The PR's own tests ([Note: the PR's own tests] in qualify/pr_review/own_tests.py)."""
+    from qwz.qualify.pr_review import own_tests
+
+    which = review.add_mutually_exclusive_group()
+    which.add_argument(
+        "--pr-tests",
+        nargs="+",
+        type=str,
+        metavar="PATH",
+        default=None,
+        help="the PR's own test files, relative to the repository's root, where the diff "
+        "cannot tell them (a squashed base) (default: the test files `git diff BASE...HEAD` "
+        "adds or changes under tests/)",
+    )
+    which.add_argument("--no-pr-tests", action="store_true", help="do not run the PR's own tests")
+    review.add_argument(
+        "--pr-tests-file-timeout",
+        type=_positive_seconds,
+        default=own_tests.FILE_LIMIT_S,
+        metavar="S",
+        help="each own test file's time limit: a file past it is a hang of the test it was "
+        "running, the PR's FAIL",
+    )
+    review.add_argument(
+        "--pr-tests-timeout",
+        type=_positive_seconds,
+        default=own_tests.TOTAL_LIMIT_S,
+        metavar="S",
+        help="the time limit of every own test file together, the head's first: files past "
+        "it are not run (this runner's limit, never the PR's FAIL: INCONCLUSIVE)",
     )
 
 

@@ -134,11 +134,14 @@ def argparse_type(rule: Rule):
     return parse
 
 
-def _help(setting: RunSetting) -> str:
-    """The declaration's help, the default and every preset's own value."""
+def _help(setting: RunSetting, shown_default: str | None = None) -> str:
+    """The declaration's help, the default (`shown_default` where a command other than
+    ``run`` has its own) and every preset's own value."""
     default = setting.default
     shown = default
-    if default is None:
+    if shown_default is not None:
+        shown = shown_default
+    elif default is None:
         shown = "none"
     elif setting.declaration.repeated:
         shown = " ".join(map(str, default))
@@ -163,11 +166,22 @@ def _metavar(rule: Rule) -> str:
     return {Path: "PATH", GroupSize: "G", Integer: "N", Real: "X"}.get(type(inner), "VALUE")
 
 
-def add_flags(parser: argparse.ArgumentParser, settings: Mapping[str, RunSetting]) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    settings: Mapping[str, RunSetting],
+    shown_defaults: Mapping[str, str] | None = None,
+) -> None:
     """A flag per setting (every default None: resolve() tells given from unset), and the
-    renamed flags of earlier versions, refused naming their replacement."""
+    renamed flags of earlier versions, refused naming their replacement. `shown_defaults`:
+    the default a command's help shows for a setting where the command sets its own (name
+    -> text)."""
     for setting in settings.values():
-        options: dict[str, Any] = {"dest": setting.name, "default": None, "help": _help(setting)}
+        shown = (shown_defaults or {}).get(setting.name)
+        options: dict[str, Any] = {
+            "dest": setting.name,
+            "default": None,
+            "help": _help(setting, shown),
+        }
         if isinstance(setting.rule, Boolean):
             options["action"] = argparse.BooleanOptionalAction
         else:

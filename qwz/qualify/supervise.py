@@ -78,20 +78,64 @@ def run(
     interpreter is still starting up can be lost, and the run would go on to its end."""
     if stop.signum is not None:
         return -stop.signum
-    child = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-        start_new_session=True, preexec_fn=_die_with_parent,
-    )  # fmt: skip
-    stop.child = child
+    child = _start(command, stop, stdout, stderr, cwd, env)
     try:
-        if stop.signum is not None:  # the signal came while the child was being made
-            child.send_signal(stop.signum)
         while True:
             try:
                 return child.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
                 if stop.at_s is not None and time.monotonic() - stop.at_s > STOP_GRACE_S:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(child.pid, signal.SIGKILL)
+                    _kill_session(child)
     finally:
         stop.child = None
+
+
+def _start(command, stop: Stop, stdout, stderr, cwd, env) -> subprocess.Popen:
+    """The child, in a session of its own, known to `stop` ([Note: supervising a run])."""
+    child = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+        start_new_session=True, preexec_fn=_die_with_parent,
+    )  # fmt: skip
+    stop.child = child
+    if stop.signum is not None:  # the signal came while the child was being made
+        child.send_signal(stop.signum)
+    return child
+
+
+def _kill_session(child: subprocess.Popen) -> None:
+    """SIGKILL to every process of the child's session (its process group)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+
+
+def run_within(
+    command: list[str],
+    stop: Stop,
+    limit_s: float,
+    *,
+    stdout: IO[Any],
+    stderr: IO[Any] | int,
+    cwd: pathlib.Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[int, bool]:
+    """`command` supervised as :func:`run`, for at most `limit_s` seconds: (its exit status,
+    whether it was killed at the limit). At the limit, or when it ends, every process left in
+    its session is SIGKILLed: what it started (a test's ranks) never outlives it."""
+    if stop.signum is not None:
+        return -stop.signum, False
+    deadline = time.monotonic() + limit_s
+    child = _start(command, stop, stdout, stderr, cwd, env)
+    try:
+        while True:
+            try:
+                return child.wait(
+                    timeout=min(POLL_S, max(deadline - time.monotonic(), 0.01))
+                ), False
+            except subprocess.TimeoutExpired:
+                late = stop.at_s is not None and time.monotonic() - stop.at_s > STOP_GRACE_S
+                if late or (stop.signum is None and time.monotonic() >= deadline):
+                    _kill_session(child)
+                    return child.wait(), stop.signum is None
+    finally:
+        stop.child = None
+        _kill_session(child)

@@ -1,10 +1,13 @@
 """End to end: ``qwz-qualify review`` of the proposal as a pull request: base = the installed
-DeepSpeed as a git repository (``main``), head = tests/deepspeed_native/proposal.patch on top,
-and two heads broken on purpose on top of the proposal: one that changes the default path in a
-way every check of its own run finds self-consistent (``broken_default_path.patch``: the
-gradients of a run without ``zero_quantized_weights`` rescaled by 1 + 2**-7 from step 2 on), and
-one whose gather ignores the bucket (``broken_unbounded_gather.patch``: a whole partition in one
-collective).
+DeepSpeed as a git repository with a small test harness in DeepSpeed's layout (``base``:
+tests/pr_tests_repository.py's ``HARNESS``), head = tests/deepspeed_native/proposal.patch on top
+with an own test file of the PR (``PROPOSAL_TEST``: CPU cases, a two-rank ``DistributedTest``
+and a GPU case), and heads broken on purpose on top of the proposal: one that changes the
+default path in a way every check of its own run finds self-consistent
+(``broken_default_path.patch``: the gradients of a run without ``zero_quantized_weights``
+rescaled by 1 + 2**-7 from step 2 on), one whose gather ignores the bucket
+(``broken_unbounded_gather.patch``: a whole partition in one collective), and one whose own
+test is broken (``PROPOSAL_TEST_BROKEN``).
 
 Small on purpose: two ranks, the ``mlp`` workload, four steps, one speed block of one step.
 Every review of this module shares one worktree (``--worktree``), so DeepSpeed builds its CPU
@@ -18,11 +21,19 @@ import os
 import pathlib
 
 import pytest
+import torch
 
 from qwz.qualify.evidence import record
 from qwz.qualify.review.claims import FAIL, NOT_JUDGED, PASS
 from tests import warm_python
 from tests.deepspeed_checkout import make_variants, read_patch
+from tests.pr_tests_repository import (
+    HARNESS,
+    PROPOSAL_BROKEN_TEST,
+    PROPOSAL_TEST,
+    PROPOSAL_TEST_BROKEN,
+    PROPOSAL_TEST_PATH,
+)
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -36,14 +47,17 @@ RUN_OPTIONS = [
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> pathlib.Path:
-    """Stock DeepSpeed on ``main``; the proposal and the two broken heads as branches."""
-    proposal = read_patch("proposal")
+    """Stock DeepSpeed with the test harness as ``base``; the proposal with its own test and
+    the broken heads as branches."""
+    proposal, own_test = read_patch("proposal"), {PROPOSAL_TEST_PATH: PROPOSAL_TEST}
     return make_variants(
         tmp_path_factory.mktemp("review-repository"),
         {
-            "proposal": [proposal],
-            "default-path-changed": [proposal, read_patch("broken_default_path")],
-            "unbounded": [proposal, read_patch("broken_unbounded_gather")],
+            "base": [HARNESS],
+            "proposal": [HARNESS, proposal, own_test],
+            "own-test-broken": [HARNESS, proposal, {PROPOSAL_TEST_PATH: PROPOSAL_TEST_BROKEN}],
+            "default-path-changed": [HARNESS, proposal, read_patch("broken_default_path")],
+            "unbounded": [HARNESS, proposal, read_patch("broken_unbounded_gather")],
         },
     )
 
@@ -56,7 +70,7 @@ def worktree(tmp_path_factory) -> pathlib.Path:
 def review(repository, worktree, out: pathlib.Path, head: str, *extra: str):
     command = [
         "-m", "qwz.qualify", "review", "--repo", str(repository),
-        "--base", "main", "--head", head, "--out", str(out), "--worktree", str(worktree),
+        "--base", "base", "--head", head, "--out", str(out), "--worktree", str(worktree),
         *RUN_OPTIONS, *extra,
     ]  # fmt: skip
     done = warm_python.run(
@@ -117,11 +131,44 @@ def test_the_proposal_passes_every_claim_and_resumes(repository, worktree, tmp_p
         summary["request"]["head"],
     )
     assert base.subject.name == head.subject.name == "deepspeed-native"
+    # The PR's own tests at its head: each listed, the GPU case not run on a CPU runner.
+    own = summary["own_tests"]
+    tests = {t["test"]: t["outcome"] for run in own["head"]["files"] for t in run["tests"]}
+    on_gpus = f"{PROPOSAL_TEST_PATH}::TestOnTwoGpus::test_sees_its_gpu"
+    assert tests.pop(on_gpus) == ("skipped" if not torch.cuda.is_available() else "passed")
+    assert tests == dict.fromkeys(
+        [
+            f"{PROPOSAL_TEST_PATH}::test_the_group_size_defaults_to_64",
+            f"{PROPOSAL_TEST_PATH}::test_a_group_size_not_a_multiple_of_8_is_refused[12]",
+            f"{PROPOSAL_TEST_PATH}::test_a_group_size_not_a_multiple_of_8_is_refused[100]",
+            f"{PROPOSAL_TEST_PATH}::TestEveryRankReadsTheGroupSize::test_on_two_ranks",
+        ],
+        "passed",
+    )
+    for claim in ("the PR's own tests collect at its head", "the PR's own tests pass at its head"):
+        assert table[claim]["verdict"] == PASS, table[claim]
+    assert on_gpus in table["the PR's own tests pass at its head"]["checks"]
+    assert own["head"]["sha"] == summary["request"]["head"] and own["base"] is None
+    assert "The PR's own tests at its head" in done.stdout
 
     again, resumed = review(repository, worktree, tmp_path / "review", "proposal")
     assert again.returncode == 0, again.stderr[-3000:]
     assert [run["kind"] for run in resumed["runs"]] == ["resumed", "resumed"]
+    assert resumed["own_tests"]["head"]["kind"] == "resumed"
     assert resumed["claims"] == summary["claims"]
+
+
+# Nightly: a review of its own (minutes on 2 cores). In CI, tests/unit/qualify/
+# test_pr_own_tests.py fails a head whose own test is broken, through the same step.
+@pytest.mark.nightly
+def test_the_proposal_with_its_own_test_broken_fails_naming_it(repository, worktree, tmp_path):
+    """The qualification passes the same gather; the PR's own test fails at its head."""
+    done, summary = review(repository, worktree, tmp_path / "review", "own-test-broken")
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    print(done.stdout)
+    row = rows(summary)["the PR's own tests pass at its head"]
+    assert row["verdict"] == FAIL and f"failed {PROPOSAL_BROKEN_TEST}" in row["detail"], row
+    assert [run["status"] for run in summary["runs"]] == ["PASS", "PASS"]
 
 
 # Nightly: three to seven minutes on 2 cores. In CI, tests/unit/qualify/test_default_path.py

@@ -8,9 +8,15 @@ and 8192, unless the run options name others). It then writes one report whose t
 claims table (qualify/review/claims.py): each bullet of the PR's summary with the checks that
 decide it, "default path unchanged" among them (qualify/evidence/default_path.py).
 
+It also runs the PR's own tests at the head, beside that independent judge, and the same
+test files on the base's code as context ([Note: the PR's own tests] in own_tests.py): two
+rows of the claims table, and the line beside the verdict.
+
 One file per job: ``request`` (the run options, what the review sets itself, the request on
 disk and its resume), ``checkout`` (the worktree), ``children`` (one ``run`` as a child
-process, or its finished record reused) and ``command`` (the command).
+process, or its finished record reused), ``test_files`` (which files are the PR's tests),
+``own_tests`` (running them), ``test_log`` (how one test file's pytest ended, from
+``pytest_plugin/``'s events) and ``command`` (the command).
 
 [Note: the base runs the reference alone]
 The PR's default path is the reference arm (``zero_quantized_weights: false``): it must be the
@@ -27,8 +33,11 @@ unless ``--worktree`` names another; the user's own checkout is never touched), 
 place with ``git checkout``: DeepSpeed JIT-builds its ops into a directory keyed by the
 source's path ([Note: ops of a checkout], qualify/run/subjects.py), and rebuilds them when
 their sources' times change, so one path whose op sources a switch leaves alone builds them
-once for both runs, for a resumed review, and -- with ``--worktree`` -- for every review of
-the same repository. The worktree is kept afterwards (``git worktree remove`` removes it).
+once for both runs and -- with ``--worktree`` -- for every review and resume of the same
+repository. The review's own worktree (``<out>/worktree``) is removed, with its
+registration in the user's repository, however the review ends (a verdict, a refusal, a
+crash, a signal); a resumed review adds it again where a run must run. A ``--worktree`` the
+user named is theirs and kept (``git worktree remove`` removes it).
 
 [Note: review resume]
 The directory holds the request (``request.json``: the repository, both SHAs, the worktree

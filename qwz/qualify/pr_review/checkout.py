@@ -1,5 +1,6 @@
-"""The review's worktree: one path, both refs checked out there in turn ([Note: one worktree
-per review] in qualify/pr_review/__init__.py); the user's own checkout is never touched."""
+"""The review's worktree: one path, both refs checked out there in turn, removed at the end
+unless ``--worktree`` named it ([Note: one worktree per review] in
+qualify/pr_review/__init__.py); the user's own checkout is never touched."""
 
 from __future__ import annotations
 
@@ -44,3 +45,17 @@ def check_out(repository: pathlib.Path, worktree: pathlib.Path, sha: str) -> Non
         return
     git(worktree, "checkout", "--detach", "--force", sha)
     git(worktree, "clean", "-fd")
+
+
+def remove(repository: pathlib.Path, worktree: pathlib.Path) -> str | None:
+    """Remove `worktree` and its registration in `repository` when it is one of that
+    repository's worktrees (:func:`problem` says it can be the review's); else leave it.
+    Why it could not be removed, or None."""
+    if not worktree.exists() or problem(repository, worktree) is not None:
+        return None
+    try:
+        git(repository, "worktree", "remove", "--force", str(worktree))
+        git(repository, "worktree", "prune")
+    except GitError as error:
+        return str(error)
+    return None

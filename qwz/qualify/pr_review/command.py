@@ -19,9 +19,12 @@ from qwz.qualify.bisect.history import GitError, commit_sha, top_level
 from qwz.qualify.evidence.default_path import compare_default_path
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.files import writable_directory_problem
-from qwz.qualify.pr_review import checkout, children, request
+from qwz.qualify.pr_review import checkout, children, own_tests, request
+from qwz.qualify.review import own_tests as own_test_results
 from qwz.qualify.review import pr_review
 from qwz.qualify.review.claims import claims_table
+from qwz.qualify.review.own_tests import OwnTests
+from qwz.qualify.review.own_tests import claim_rows as own_test_rows
 from qwz.qualify.review.pr_review import REFUSED, Review, Side
 from qwz.qualify.supervise import Stop
 
@@ -31,24 +34,38 @@ def _say(text: str) -> None:
 
 
 def _resolved(args: argparse.Namespace) -> tuple[pathlib.Path, str, str]:
-    """The repository's root and the SHAs of the base and the head."""
+    """The repository's root and the SHAs of the base and the head; Refused with a line per
+    ref that names no commit there."""
     try:
         repository = top_level(args.repo)
-        base, head = commit_sha(repository, args.base), commit_sha(repository, args.head)
-    except GitError as error:
-        raise request.Refused(str(error)) from None
+    except GitError:
+        raise request.Refused(f"--repo {args.repo} is not a git repository") from None
+    shas, problems = [], []
+    for flag, ref in (("--base", args.base), ("--head", args.head)):
+        try:
+            shas.append(commit_sha(repository, ref))
+        except GitError:
+            problems.append(f"{flag} {ref} is not a commit in {repository}")
+    if problems:
+        raise request.Refused("\n".join(problems))
+    base, head = shas
     if base == head:
         raise request.Refused(f"--base {args.base} and --head {args.head} are one commit")
     return repository, base, head
 
 
-def _open(args: argparse.Namespace, parser) -> tuple[dict[str, Any], request.RunOptions]:
-    """The request (checked, claimed in ``--out``) and the run options; Refused with why."""
+def _open(args: argparse.Namespace, parser):
+    """The request (checked, claimed in ``--out``), the run options and the own tests' plan;
+    Refused with why."""
     options = request.run_options(args, parser)
     problem = writable_directory_problem(args.out, "--out")
     if problem:
         raise request.Refused(problem)
     repository, base, head = _resolved(args)
+    try:
+        step = own_tests.plan(args, repository, base, head)
+    except own_tests.Refused as error:
+        raise request.Refused(str(error)) from None
     worktree = (args.worktree or args.out / "worktree").absolute()
     problem = checkout.problem(repository, worktree)
     if problem:
@@ -65,7 +82,7 @@ def _open(args: argparse.Namespace, parser) -> tuple[dict[str, Any], request.Run
     }
     if request.claim(args.out, wanted, args.restart):
         _say(f"resuming the review in {args.out} (finished runs are reused)")
-    return wanted, options
+    return wanted, options, step
 
 
 def _runs(wanted: dict[str, Any], options: request.RunOptions, out: pathlib.Path):
@@ -95,20 +112,52 @@ def _one(run: children.Run, parser, wanted: dict[str, Any], stop: Stop, launcher
         return children.not_run(run, f"git: {error}", REFUSED), None
 
 
-def _review(wanted: dict[str, Any], sides: list[Side], records: dict[str, Record]) -> Review:
+def _review(
+    wanted: dict[str, Any], sides: list[Side], records: dict[str, Record], own: OwnTests
+) -> Review:
     base, head = records.get("base"), records.get("head")
     default_path = compare_default_path(base, head) if base and head else None
     claims = claims_table(head, base, default_path) if head else []
-    return Review(wanted, tuple(sides), tuple(claims), default_path)
+    claims += own_test_rows(own)
+    return Review(wanted, tuple(sides), tuple(claims), default_path, own)
 
 
-def run_review(args: argparse.Namespace, parser, launcher=children.subprocess_launcher) -> int:
+def _own_tests(step, wanted, sides: list[Side], out, stop: Stop, test_launcher) -> OwnTests:
+    """[Note: the PR's own tests], unless the review was refused or stopped."""
+    if any(side.status == REFUSED for side in sides):
+        return own_test_results.not_run("the review was refused")
+    if stop.signum is not None:
+        return own_test_results.not_run("the review was stopped before them")
+    return own_tests.review_tests(step, wanted, out, stop, _say, test_launcher)
+
+
+def run_review(
+    args: argparse.Namespace,
+    parser,
+    launcher=children.subprocess_launcher,
+    test_launcher=own_tests.subprocess_launcher,
+) -> int:
     """The review of ``args`` (module docstring); its exit status."""
     try:
-        wanted, options = _open(args, parser)
+        wanted, options, step = _open(args, parser)
     except request.Refused as error:
-        _say(f"refused: {error}")
+        for line in str(error).splitlines():
+            _say(f"refused: {line}")
         return 2
+    try:
+        return _reviewed(args, parser, (wanted, options, step), launcher, test_launcher)
+    finally:  # every path, a signal's included ([Note: one worktree per review])
+        if args.worktree is None:
+            repository, worktree = pathlib.Path(wanted["repository"]), wanted["worktree"]
+            why = checkout.remove(repository, pathlib.Path(worktree))
+            if why is not None:
+                _say(f"the worktree {worktree} could not be removed: {why}")
+
+
+def _reviewed(args, parser, opened, launcher, test_launcher) -> int:
+    """The review's runs and the PR's own tests, its summary written and printed; its exit
+    status."""
+    wanted, options, step = opened
     sides: list[Side] = []
     records: dict[str, Record] = {}
     stop = Stop()
@@ -124,7 +173,8 @@ def run_review(args: argparse.Namespace, parser, launcher=children.subprocess_la
             sides.append(side)
             if record is not None:
                 records[run.side] = record
-    review = _review(wanted, sides, records)
+        own = _own_tests(step, wanted, sides, args.out, stop, test_launcher)
+    review = _review(wanted, sides, records, own)
     pr_review.write(args.out, review)
     print(pr_review.render_claims(review), end="")
     status = pr_review.status_of(review)

@@ -4,6 +4,7 @@ request on disk, so a review resumes ([Note: review resume] in qualify/pr_review
     <out>/request.json        the repository, both refs and SHAs, the worktree, the run options
     <out>/base/, <out>/head/  each run's record, report and plots
     <out>/logs/               each run's output
+    <out>/pr-tests/           the PR's own tests: each side's result, pytest's JUnit XML, logs
     <out>/review.md, review.json
 """
 
@@ -28,12 +29,22 @@ PR_GROUP_SIZES = (64, 8192)
 head's candidates unless the run options name others."""
 REVIEW_SETTINGS = ("subject", "deepspeed_src", "arm_set")
 """Run settings the review sets itself ([Note: the base runs the reference alone])."""
+NOT_APPLICABLE = {
+    "qwz_gather": "does not apply to a review: every arm is DeepSpeed's own code (the subject "
+    f"is {SUBJECT}), never qwz's gather",
+}
+"""Run settings that cannot apply to a review, refused with why (name -> why)."""
+SHOWN_DEFAULTS = {
+    "group_sizes": f"{' '.join(map(str, PR_GROUP_SIZES))}, the PR's own evidence",
+}
+"""What ``review --help`` shows as a run setting's default where the review's differs from
+``run``'s (name -> text)."""
 REVIEW_FLAGS = ("--out", "--force")
 """``run`` flags that are no settings and the review's to set."""
 REQUEST_KEYS = ("repository", "base", "head", "worktree", "run_args", "min_speedup")
 """What a resumed review must share with the one that made the directory (the refs' names
 are not among them: what they named, the SHAs, is)."""
-OUTPUTS = ("base", "head", "logs", "review.md", "review.json")
+OUTPUTS = ("base", "head", "logs", "pr-tests", "review.md", "review.json")
 
 
 class Refused(Exception):
@@ -77,6 +88,9 @@ def run_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ru
     parsed = _parsed_run(parser, [*_given_as_flags(args), *args.run_args])
     settings = run_settings()
     given = [name for name in settings if getattr(parsed, name) is not None]
+    for name in given:
+        if name in NOT_APPLICABLE:
+            raise Refused(f"{settings[name].flag} {NOT_APPLICABLE[name]}")
     for name in REVIEW_SETTINGS:
         if name in given:
             raise Refused(

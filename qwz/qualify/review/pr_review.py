@@ -23,8 +23,10 @@ from qwz.qualify.evidence.harness_error import (
     HARNESS_ERROR_EXIT,
 )
 from qwz.qualify.files import atomic_write_text
+from qwz.qualify.review import own_tests
 from qwz.qualify.review.claims import FAIL, INCONCLUSIVE, PASS, ClaimRow
 from qwz.qualify.review.formatting import table
+from qwz.qualify.review.own_tests import OwnTests
 
 MARKDOWN, JSON = "review.md", "review.json"
 REFUSED = "refused"
@@ -62,7 +64,11 @@ class Review:
     request: dict[str, Any]
     sides: tuple[Side, ...]
     claims: tuple[ClaimRow, ...]
+    """The claims table: the qualification's rows, then the PR's own tests' ([Note: own
+    tests in the claims table], review/own_tests.py)."""
     default_path: DefaultPath | None
+    own_tests: OwnTests | None = None
+    """None in a review written before the step existed."""
 
 
 def status_of(review: Review) -> str:
@@ -73,7 +79,7 @@ def status_of(review: Review) -> str:
         return REFUSED
     if FAIL in ends + verdicts or "crashed" in ends:
         return FAIL
-    if HARNESS_ERROR in ends:
+    if HARNESS_ERROR in ends + verdicts:
         return HARNESS_ERROR
     if CANNOT_RUN in ends:
         return CANNOT_RUN
@@ -91,8 +97,13 @@ def _claims_lines(review: Review) -> list[str]:
         (row.claim, ", ".join(f"`{name}`" for name in row.checks), f"**{row.verdict}**", row.detail)
         for row in review.claims
     ]
-    if not rows:
-        return ["No claims table: the head's run has no record.", ""]
+    own = {own_tests.COLLECT_CLAIM, own_tests.PASS_CLAIM}
+    if all(row.claim in own for row in review.claims):
+        return [
+            "No claims of the qualification: the head's run has no record.",
+            "",
+            *(table(("claim", "decided by", "verdict", "detail"), rows) if rows else []),
+        ]
     return table(("claim", "decided by", "verdict", "detail"), rows)
 
 
@@ -150,6 +161,8 @@ def render_claims(review: Review) -> str:
         f"**{status}** (exit {EXITS[status]}): the worst of the claims' verdicts and the two "
         "runs' ends.",
         "",
+        own_tests.summary_line(review.own_tests),
+        "",
         *_claims_lines(review),
     ]
     return "\n".join(lines) + "\n"
@@ -162,6 +175,7 @@ def render_markdown(review: Review) -> str:
         "",
         render_claims(review),
         *_default_path_lines(review.default_path),
+        *own_tests.section_lines(review.own_tests),
         *_runs_lines(review),
         "## Request",
         "",
@@ -190,6 +204,7 @@ def summary_data(review: Review) -> dict[str, Any]:
             "not_compared": list(default_path.not_compared),
         },
         "runs": [side._asdict() for side in review.sides],
+        "own_tests": own_tests.to_data(review.own_tests),
     }
 
 

@@ -229,7 +229,12 @@ def test_the_bases_config_rules_are_context_but_its_reference_is_judged(tmp_path
 def test_a_harness_error_is_not_a_fail(tmp_path, repository):
     assert review(tmp_path, repository, FakeRun(codes={"head": 4}), *RUN_OPTIONS) == 4
     data = summary(tmp_path)
-    assert data["runs"][1]["status"] == "HARNESS-ERROR" and data["claims"] == []
+    assert data["runs"][1]["status"] == "HARNESS-ERROR"
+    # No claim of the qualification; the own tests' rows say the PR changes no test.
+    assert [(row["claim"], row["verdict"]) for row in data["claims"]] == [
+        ("the PR's own tests collect at its head", "no tests"),
+        ("the PR's own tests pass at its head", "no tests"),
+    ]
 
 
 def test_a_stop_keeps_what_finished_and_the_same_command_continues(tmp_path, repository):
@@ -243,3 +248,68 @@ def test_a_stop_keeps_what_finished_and_the_same_command_continues(tmp_path, rep
     again = FakeRun()
     assert review(tmp_path, repository, again, *RUN_OPTIONS) == 0
     assert [pathlib.Path(argv[argv.index("--out") + 1]).name for argv in again.launched] == ["head"]
+
+
+def test_each_ref_that_names_no_commit_is_refused_in_a_sentence(tmp_path, repository, capsys):
+    root = repository[0]
+    args = PARSER.parse_args(["review", "--repo", str(root), "--base", "nosuchbase", "--head",
+                              "nosuchhead", "--out", str(tmp_path / "o")])  # fmt: skip
+    fake = FakeRun()
+    assert command.run_review(args, PARSER, launcher=fake) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        f"qwz-qualify review: refused: --base nosuchbase is not a commit in {root}",
+        f"qwz-qualify review: refused: --head nosuchhead is not a commit in {root}",
+    ]
+    assert fake.launched == [] and not (tmp_path / "o").exists()
+
+
+def _review_help(capsys) -> str:
+    """``qwz-qualify review --help`` as the command's own parser prints it."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["review", "--help"])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    "extra", [["--qwz-gather"], ["--no-qwz-gather"], ["--", "--no-qwz-gather"]]
+)
+def test_qwz_gather_is_refused_as_it_cannot_apply(tmp_path, repository, capsys, extra):
+    """Every arm of a review is DeepSpeed's own code: the flag would be silently moot."""
+    fake = FakeRun()
+    if extra[0] != "--":
+        with pytest.raises(SystemExit) as exit_info:
+            review(tmp_path, repository, fake, *extra)
+        assert exit_info.value.code == 2
+    else:
+        assert review(tmp_path, repository, fake, *extra) == 2
+    assert fake.launched == []
+    assert "qwz-gather does not apply to a review" in capsys.readouterr().err
+
+
+def test_review_help_shows_the_group_sizes_the_review_uses_and_no_qwz_gather(capsys):
+    text = _review_help(capsys)
+    assert "qwz-gather" not in text
+    assert "candidate group size; repeat for several arms (default: 64 8192, the PR's own" in text
+
+
+def _worktrees(root: pathlib.Path) -> list[str]:
+    listed = git(root, "worktree", "list", "--porcelain").splitlines()
+    return [line.split(" ", 1)[1] for line in listed if line.startswith("worktree ")]
+
+
+@pytest.mark.parametrize("codes", [{}, {"base": 2}, {"head": 4}])
+def test_the_reviews_own_worktree_is_removed_however_it_ends(tmp_path, repository, codes):
+    root = repository[0]
+    refusal = {"base": "qwz-qualify run: error: --steps: no\n"}
+    review(tmp_path, repository, FakeRun(codes=codes, stderr=refusal), *RUN_OPTIONS)
+    assert _worktrees(root) == [str(root)]
+    assert not (tmp_path / "review" / "worktree").exists()
+    assert (tmp_path / "review" / pr_review.JSON).is_file()
+
+
+def test_a_worktree_the_user_named_is_kept(tmp_path, repository):
+    root, worktree = repository[0], tmp_path / "shared-worktree"
+    assert review(tmp_path, repository, FakeRun(), *RUN_OPTIONS, "--worktree", str(worktree)) == 0
+    assert _worktrees(root) == [str(root), str(worktree)]
