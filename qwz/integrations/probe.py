@@ -20,15 +20,18 @@ methods therefore counts every call whatever called it, once (the bindings call 
 in C++, never another patched method), and a collective is counted when it is issued, so an
 async one counts whether or not its handle is waited on inside the block.
 
-What moves data after the step boundary (below) and cannot be attributed to a process
-group is counted in ``uncounted_calls`` (by name in ``uncounted``), never silently dropped:
-functional collectives (``torch.ops._c10d_functional.*``,
-``torch.distributed._functional_collectives``, DTensor), which reach the backend without a
-``ProcessGroup`` method, and a ``Backend`` object's methods called directly. A check reading
-such a probe is inconclusive, never a pass or a fail. Such a call that reduces, or that
-moves data before the boundary, is no part of the weight gather: it is counted under its
-kind with group None. (A functional collective inside a compiled graph, or called through
-an op overload such as ``.default``, is not seen at all.)
+Two more ways reach the backend without a ``ProcessGroup`` method, and both are counted per
+process group like the others: functional collectives (``torch.ops._c10d_functional.*``,
+``torch.distributed._functional_collectives``, DTensor), which name their group
+([Note: functional collectives name their group], functional_wire.py), and a ``Backend``
+object's methods called directly, attributed to the process group whose backend it is. What
+moves data after the step boundary (below) and still cannot be attributed -- a functional
+point-to-point op, a group name that does not resolve, a backend of no known group -- is
+counted in ``uncounted_calls`` (by name in ``uncounted``), never silently dropped; a check
+reading such a probe is inconclusive, never a pass or a fail. Such a call that reduces, or
+that moves data before the boundary, is no part of the weight gather: it is counted under its
+kind with group None. (A functional collective inside a compiled graph, or called through an
+op overload such as ``.default``, is not seen at all.)
 
 Kinds: ``reduce`` for the reductions (all-reduce, reduce, reduce-scatter: the gradients'),
 ``gather`` for every collective that moves data (gathers, broadcast, scatter, all-to-all,
@@ -56,6 +59,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from qwz.integrations import functional_wire
 
 GatherMethod = Callable[..., tuple[int, int, int, int]]
 """(group, args, kwargs) -> (sent, received, rows, output) bytes/rows of one call."""
@@ -269,6 +274,21 @@ GroupKey = tuple[int, ...] | None
 """A process group's global ranks; None without a process group."""
 
 
+def _group_of_backend(backend: Any) -> Any:
+    """The ``ProcessGroup`` whose backend (for any device type) `backend` is; None if none."""
+    from torch.distributed.distributed_c10d import _world
+
+    device_types = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    for group in list(_world.pg_map):
+        for device_type in device_types:
+            try:
+                if group._get_backend(torch.device(device_type)) is backend:
+                    return group
+            except (RuntimeError, ValueError):
+                continue
+    return None
+
+
 class WireProbe:
     """``with WireProbe() as probe: ...`` then ``probe.bytes["gather"]``, ``probe.traffic``.
 
@@ -340,6 +360,9 @@ class WireProbe:
         except Exception:  # a group torch does not know, arguments not as documented
             self.uncounted[f"ProcessGroup.{name}"] += 1
             return
+        self._record(kind, key, sent, received, rows, output)
+
+    def _record(self, kind: str, key: GroupKey, sent: int, received: int, rows: int, output: int):
         if kind == "gather" and not self._stepped:
             kind = "backward"
         item = self.traffic[kind].setdefault(key, Traffic())
@@ -386,6 +409,60 @@ class WireProbe:
         self.traffic[kind].setdefault(None, Traffic()).calls += 1
         self.calls[kind] += 1
 
+    def _functional(self, label: str, op: str, original: Any, kind: str) -> Any:
+        """A functional op, counted by the group it names where functional_wire measures it."""
+        probe = self
+        measure = functional_wire.MEASURES.get(op)
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            local = probe._local
+            if getattr(local, "depth", 0) == 0:
+                probe._count_named(label, kind, measure, args, kwargs)
+            local.depth = getattr(local, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.depth -= 1
+
+        return counted
+
+    def _count_named(self, label: str, kind: str, measure: Any, args: tuple, kwargs: dict):
+        if getattr(self._local, "excluded", 0):
+            self.excluded_calls += 1
+            return
+        try:
+            measured = measure(args, kwargs)
+            key = self._group_key(measured.group)
+        except Exception:  # no measure for it, a name that does not resolve, odd arguments
+            self._unattributed(label, kind)
+            return
+        _, sent, received, rows, output = measured
+        self._record(kind, key, sent, received, rows, output)
+
+    def _backend_method(self, name: str, original: Any, kind: str, measure: GatherMethod):
+        """A ``Backend`` method called directly: counted for the process group whose backend
+        it is, else uncounted (named)."""
+        probe = self
+        label = f"Backend.{name}"
+
+        @functools.wraps(original)
+        def counted(backend: Any, *args: Any, **kwargs: Any) -> Any:
+            local = probe._local
+            if getattr(local, "depth", 0) == 0:
+                group = _group_of_backend(backend)
+                if group is None:
+                    probe._unattributed(label, kind)
+                else:
+                    probe._count(kind, name, measure, group, args, kwargs)
+            local.depth = getattr(local, "depth", 0) + 1
+            try:
+                return original(backend, *args, **kwargs)
+            finally:
+                local.depth -= 1
+
+        return counted
+
     def _uncountable(self, label: str, original: Any, kind: str = "gather") -> Any:
         probe = self
 
@@ -431,8 +508,8 @@ class WireProbe:
             original = getattr(backend, name, None)
             if original is not None:
                 kind = "reduce" if name in REDUCE_METHODS else "gather"
-                counted = self._uncountable(f"Backend.{name}", original, kind)
-                self._patch(backend, name, counted)
+                measure = {**DATA_METHODS, **REDUCE_METHODS}[name]
+                self._patch(backend, name, self._backend_method(name, original, kind, measure))
         for namespace_name in FUNCTIONAL_NAMESPACES:
             namespace = getattr(torch.ops, namespace_name)
             for op in FUNCTIONAL_OPS:
@@ -442,7 +519,7 @@ class WireProbe:
                     continue  # not an op of this torch
                 label = f"{namespace_name}.{op}"
                 kind = "reduce" if op in FUNCTIONAL_REDUCTIONS else "gather"
-                counted = _CountedPacket(original, self._uncountable(label, original, kind))
+                counted = _CountedPacket(original, self._functional(label, op, original, kind))
                 self._patch(namespace, op, counted)
         if self._boundary is not None:
             self._hook = self._boundary.register_step_pre_hook(self._step_began)

@@ -63,6 +63,22 @@ def _skip_optimizer_steps(engine, from_step: int, only_rank: int | None = None) 
 # --------------------------------------------------------------------------- the optimizer
 
 
+def weight_beyond_fp16(arm, engine, plan):
+    """Not a broken gather: a model holding a weight of 1e5 -- within bf16's range, beyond
+    fp16's (65,504) -- in a quantized parameter, on every rank's own shard. Under DeepSpeed's
+    ZeRO++ scheme the fp16 staging makes it infinite and its group decodes to NaN, which the
+    own-shard check names ([Note: DeepSpeed's ZeRO++ scheme]); under absmax/127 it is a weight
+    like any other."""
+    for shard in engine.own_shards():
+        large = [slot for slot in shard.slots if slot.end - slot.start > 65_536]
+        if large:
+            with torch.no_grad():
+                shard.master.view(-1)[large[0].start] = 1.0e5
+                shard.working.view(-1)[large[0].start] = 1.0e5
+            return None
+    return None
+
+
 def never_updates(arm, engine, plan):
     """The learning rate is 0: the masters only decay."""
     for group in engine.shard_optimizer.param_groups:

@@ -56,7 +56,7 @@ DEFAULT_RUN = [
 with no bucket flag: the run's bucket (5e8) holds each partition in one chunk, so only the
 chunked arm ([Note: the chunked arm], qwz/qualify/run/chunked_arm.py) chunks."""
 CHUNKED = "candidate-g64-chunked"
-CI_CORRECT = ("broadcast_per_source", "c10d_async_reciprocal")
+CI_CORRECT = ("broadcast_per_source", "c10d_async_reciprocal", "functional_gather")
 CI_BROKEN = ("broken_stock_gather",)
 """broken_stale_chunk_edge FAILs in CI under the default flags (the chunked-only test)."""
 BROKEN = (*corpus.BROKEN, *corpus.WHOLE_BROKEN)
@@ -165,7 +165,15 @@ def test_the_default_qualification_fails_a_variant_wrong_only_where_it_chunks(
 # ------------------------------------------------------------------ the PR as DeepSpeed writes it
 PR8511_BROKEN = tuple(corpus.PR8511_BROKEN)
 CI_8511 = ("pr8511_cuda_quantizer",)
-CI_8511_BROKEN = ("broken_zeropp_no_clamp",)
+CI_8511_BROKEN = ()
+"""The arithmetic of each broken variant is the unit tests' (test_own_shard_zeropp.py); CI runs
+one broken staging variant through the default qualification (below), the nightly all."""
+CI_STAGING_BROKEN = ("broken_staging_whole_receive",)
+SMALL_BUCKET_RUN = [*RUN[:-8], "--allgather-bucket-size", "8192", "--reduce-bucket-size", "65536",
+                    "--group-size", "64", "--group-size", "8192"]  # fmt: skip
+"""A bucket small enough that a partition spans dozens of chunks at G = 64 and at 8192, so a
+buffer the size of the partition exceeds what a correct gather holds ([Note: the gather's
+memory, exactly], qwz/qualify/evidence/staging.py): no chunked arm is needed."""
 
 
 def _scheme_of(loaded, arm="candidate-g64"):
@@ -208,7 +216,14 @@ def test_the_pr_passes_the_default_qualification_too(checkout, tmp_path, variant
     assert _scheme_of(loaded, CHUNKED) == "zeropp"
 
 
-@pytest.mark.parametrize(("variant", "world_size"), list(_cases(PR8511_BROKEN, CI_8511_BROKEN)))
+@pytest.mark.parametrize(
+    ("variant", "world_size"),
+    list(
+        _cases(
+            [name for name in PR8511_BROKEN if name not in corpus.STAGING_BROKEN], CI_8511_BROKEN
+        )
+    ),
+)
 def test_a_broken_variant_of_deepspeeds_scheme_fails_naming_its_check(
     checkout, tmp_path, variant, world_size
 ):
@@ -245,3 +260,85 @@ def test_without_the_cpu_implementation_a_cuda_only_pr_cannot_run_here(checkout,
         and "--no-cpu-quantizer" in content["needed"]
     )
     assert "CANNOT-RUN" in done.stdout
+
+
+PLANTED = """
+import dataclasses, pathlib, sys
+from qwz.qualify import cli, preflight
+from qwz.qualify.evidence import build, record
+from qwz.qualify.run.launch import launch
+from qwz.qualify.run.runner import qualify_rank
+from qwz.qualify.run.subjects import use_deepspeed_source
+args = cli.build_parser().parse_args(["run", *sys.argv[1:-1]])
+plan = dataclasses.replace(preflight.plan_of(args), arm_hook=sys.argv[-1])
+use_deepspeed_source(plan.deepspeed_src)
+observations = launch(qualify_rank, args.world_size, plan, timeout_s=900)[0]
+record.save(build.build_record(plan, observations), pathlib.Path(args.out) / "record.json")
+"""
+
+
+def test_a_weight_beyond_fp16_range_fails_deepspeeds_scheme_as_what_it_is(checkout, tmp_path):
+    """The power row of [Note: DeepSpeed's ZeRO++ scheme]: a model holding a bf16 weight of 1e5
+    (tests/multigpu/mutants.py ``weight_beyond_fp16``) qualified with the PR's quantizer FAILs
+    ``own-shard`` naming fp16's range, not as a mismatch; the same weight under absmax/127
+    (the proposal's module) is within the contract."""
+    import subprocess
+    import sys
+
+    from qwz.qualify.evidence import record
+
+    verdicts = {}
+    for variant in ("pr8511_torch_quantizer", "proposal"):
+        use_variant(checkout, variant)
+        out = tmp_path / variant
+        done = subprocess.run(
+            [sys.executable, "-c", PLANTED, "--out", str(out), "--deepspeed-src", str(checkout),
+             *RUN[:-4], "--group-size", "64", "--world-size", "2", "--blocks", "0",
+             "tests.multigpu.mutants:weight_beyond_fp16"],
+            cwd=WORKTREE, capture_output=True, text=True, timeout=1800,
+            env=dict(os.environ, DS_ACCELERATOR="cpu", QWZ_BACKEND="gloo"),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        verdicts[variant] = record.load(out / "record.json")
+    own = _check(verdicts["pr8511_torch_quantizer"], "own-shard[candidate-g64]")
+    assert own.status == "fail" and own.numbers["fp16_overflow"] > 0, own
+    assert "beyond fp16's range" in own.detail
+    assert _check(verdicts["proposal"], "own-shard[candidate-g64]").status == "pass"
+
+
+STAGING_MEMORY_BROKEN = (*corpus.STAGING_BROKEN, "broken_all_chunks_in_flight")
+
+
+def _staging_cases():
+    """Every broken staging variant at W = 2 and 4, a small bucket and the default flags; CI runs
+    one of them through the default qualification (the chunked arm), the nightly every case."""
+    for name in STAGING_MEMORY_BROKEN:
+        for world_size in (2, 4):
+            for bucket in ("8192", "default"):
+                in_ci = (name, world_size, bucket) == (CI_STAGING_BROKEN[0], 2, "default")
+                yield pytest.param(
+                    name, world_size, bucket, id=f"{name}-W{world_size}-{bucket}",
+                    marks=[] if in_ci else [pytest.mark.nightly],
+                )  # fmt: skip
+
+
+@pytest.mark.parametrize(("variant", "world_size", "bucket"), list(_staging_cases()))
+def test_staging_held_for_the_whole_partition_fails_bounded_in_memory(
+    checkout, tmp_path, variant, world_size, bucket
+):
+    """Correct weights, correctly sized collectives, and a buffer the size of the partition:
+    ``bounded`` FAILs on the gather's memory ([Note: staging memory, exactly]) at a small bucket
+    and, with the default flags, through the chunked arm; the failure names the allocation."""
+    run = SMALL_BUCKET_RUN if bucket == "8192" else DEFAULT_RUN
+    use_variant(checkout, variant)
+    code, loaded, tail = _qualify(checkout, tmp_path / "out", world_size, run)
+    assert loaded.verdict.status == "FAIL" and code == 1, (loaded.verdict, tail)
+    failed = [name for name in loaded.verdict.failed if name.startswith("bounded[")]
+    assert failed, loaded.verdict.failed
+    check = _check(loaded, failed[0])
+    assert "beyond the allowance" in check.detail and "the largest live then:" in check.detail
+    assert check.numbers["staging_excess_bytes"] > check.numbers["staging_allowance_bytes"]
+    # Its values are right: only the memory is wrong.
+    assert not {
+        name for name in loaded.verdict.failed if name.startswith(("own-shard", "replicas"))
+    }

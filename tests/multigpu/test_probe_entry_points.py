@@ -121,6 +121,38 @@ def _functional() -> None:
     functional.all_gather_tensor(_row(), 0, dist.group.WORLD).wait()
 
 
+def _functional_broadcast() -> None:
+    from torch.distributed import _functional_collectives as functional
+
+    for source in range(WORLD):
+        functional.broadcast(_row(torch.uint8), source, dist.group.WORLD).wait()
+
+
+def _functional_all_to_all() -> None:
+    from torch.distributed import _functional_collectives as functional
+
+    inputs = torch.cat([_row(torch.float32)] * WORLD)
+    functional.all_to_all_single(inputs, [ROW] * WORLD, [ROW] * WORLD, dist.group.WORLD).wait()
+
+
+def _functional_batch_p2p() -> None:
+    """A batch of point-to-point ops in one functional op: not measured, so uncounted."""
+    peer = 1 - dist.get_rank()
+    name = dist.group.WORLD.group_name
+    tensors = [_row(torch.uint8), torch.empty(ROW, dtype=torch.uint8)]
+    ops = ["isend", "irecv"] if dist.get_rank() == 0 else ["irecv", "isend"]
+    tensors = tensors if dist.get_rank() == 0 else tensors[::-1]
+    for work in torch.ops._c10d_functional.batch_p2p_ops(ops, [peer, peer], [0, 0], tensors, name):
+        torch.ops._c10d_functional.wait_tensor(work)
+
+
+def _backend_directly() -> None:
+    """A Backend's method called without its ProcessGroup: the group whose backend it is."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    output = torch.empty(WORLD * ROW, dtype=torch.bfloat16)
+    backend._allgather_base(output, _row()).wait()
+
+
 def _functional_reduction() -> None:
     from torch.distributed import _functional_collectives as functional
 
@@ -147,6 +179,10 @@ CASES = {
     "deepspeed.comm": _deepspeed_comm,
     "all_reduce": _all_reduce,
     "functional": _functional,
+    "functional broadcast": _functional_broadcast,
+    "functional all_to_all_single": _functional_all_to_all,
+    "functional batch_p2p_ops": _functional_batch_p2p,
+    "backend directly": _backend_directly,
     "functional reduction": _functional_reduction,
 }
 
@@ -204,6 +240,8 @@ BF16_ROW = ROW * 2
         "distributed_c10d.all_gather_into_tensor",
         "async handle",
         "deepspeed.comm",
+        "functional",
+        "backend directly",
     ],
 )
 def test_a_gather_counts_its_row_sent_and_its_peer_s_received(seen, case):
@@ -257,11 +295,23 @@ def test_a_reduction_is_the_reduce_kind_not_the_gather(seen):
         assert "gather" not in traffic and traffic["reduce"]["sent"] == ROW * 4
 
 
-def test_functional_collectives_are_uncounted_never_dropped(seen):
+def test_functional_collectives_count_over_the_group_they_name(seen):
+    """[Note: functional collectives name their group]: a broadcast per source and an
+    all-to-all through the functional ops count as their ProcessGroup twins do."""
     for rank in range(WORLD):
-        functional = seen[rank]["functional"]
-        assert functional["uncounted"], functional
-        assert "gather" not in functional["traffic"]
+        broadcast = seen[rank]["functional broadcast"]["traffic"]["gather"]
+        assert (broadcast["calls"], broadcast["sent"], broadcast["received"]) == (WORLD, ROW, ROW)
+        all_to_all = seen[rank]["functional all_to_all_single"]["traffic"]["gather"]
+        assert (all_to_all["sent"], all_to_all["received"]) == (ROW * 4, ROW * 4)
+        for case in ("functional broadcast", "functional all_to_all_single"):
+            assert not seen[rank][case]["uncounted"], case
+
+
+def test_what_no_group_can_be_named_for_is_uncounted_never_dropped(seen):
+    for rank in range(WORLD):
+        batch = seen[rank]["functional batch_p2p_ops"]
+        assert batch["uncounted"] == {"_c10d_functional.batch_p2p_ops": 1}, batch
+        assert "gather" not in batch["traffic"]
 
 
 def test_a_functional_reduction_leaves_the_gather_s_account_complete(seen):

@@ -83,13 +83,22 @@ def own_shard(own: OwnShards, quantized: bool, failure: Any, run: RunScheme) -> 
     a decode one scheme of the contract allows (or the exact cast where the spec sends it
     exactly), one scheme on every rank and arm, and no weight beyond what the scheme holds."""
     name = f"own-shard[{own.arm}]"
+    fallbacks = _kernel_fallbacks(own)
+    if own.fp16_overflow:  # evidence even where the NaN it makes ends the arm later
+        return _check(
+            name, "fail",
+            f"{own.fp16_overflow} own-shard elements lie in groups holding a weight beyond "
+            f"fp16's range (|x| > {FP16_MAX:g}): {SCHEME_SHORT[ZEROPP]} stages its input in "
+            "fp16, where such a weight becomes infinite and its whole group decodes to NaN "
+            f"([Note: DeepSpeed's ZeRO++ scheme], qwz/qualify/evidence/zeropp.py){fallbacks}",
+            fp16_overflow=own.fp16_overflow,
+        )  # fmt: skip
     if failure is not None and own.first_violation is None:
         return _check(name, "n/a", "the arm failed; see finite")
     if own.checked == 0 and own.first_violation is None:
         return _check(name, "n/a", "no own-shard element was observed")
     schemes = arm_schemes(own) if quantized else frozenset()
     rule_text = _rule_text(schemes, quantized)
-    fallbacks = _kernel_fallbacks(own)
     if own.mismatches or own.first_violation is not None:
         first = own.first_violation
         where = f"; first at {_where(first)}: {first.what}" if first else ""
@@ -106,15 +115,6 @@ def own_shard(own: OwnShards, quantized: bool, failure: Any, run: RunScheme) -> 
             "two mean two code paths that quantize differently ([Note: one scheme per run], "
             f"qwz/qualify/evidence/contract.py){fallbacks}",
             schemes=sorted(run.schemes), by_scheme=dict(sorted(own.by_scheme.items())),
-        )  # fmt: skip
-    if own.fp16_overflow:
-        return _check(
-            name, "fail",
-            f"{own.fp16_overflow} own-shard elements lie in groups holding a weight beyond "
-            f"fp16's range (|x| > {FP16_MAX:g}): {SCHEME_SHORT[ZEROPP]} stages its input in "
-            "fp16, where such a weight becomes infinite and its whole group decodes to NaN "
-            f"([Note: DeepSpeed's ZeRO++ scheme], qwz/qualify/evidence/zeropp.py){fallbacks}",
-            fp16_overflow=own.fp16_overflow,
         )  # fmt: skip
     scheme = next(iter(schemes)) if len(schemes) == 1 else None
     return _check(

@@ -472,6 +472,7 @@ class _ArmRun:
         """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
         self.overflow_watch: overflow.OverflowWatch | None = None
         self.next_use: next_use.NextUse | None = None
+        self.subject_runs: Any = None
         self.wire = WireWindow()
         self.staging: dict[str, Any] = {}
         """The largest window's memory ([Note: staging memory, exactly])."""
@@ -512,6 +513,11 @@ class _ArmRun:
         if self.fp16:
             self.overflow_watch = overflow.OverflowWatch(engine.module)
         self.next_use = next_use.NextUse(engine.module, pause=self.peak.paused)
+        # Ahead of the subject's own pre-hooks: its memory counts from here ([Note: the wire
+        # window], wire_window.py), not from the harness's batch preparation before it.
+        self.subject_runs = engine.module.register_forward_pre_hook(
+            lambda *_: self.wire.subject_runs(), prepend=True
+        )
 
     def train(self) -> None:
         """Every step, until the last or the first failure every rank agrees on."""
@@ -721,6 +727,8 @@ class _ArmRun:
             self.overflow_watch.close()
         if self.next_use is not None:
             self.next_use.close()
+        if self.subject_runs is not None:
+            self.subject_runs.remove()
         self.wire.close()
         observed["steps_completed"] = len(observed["losses"])
         observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
@@ -730,6 +738,7 @@ class _ArmRun:
                 "staging_largest": self.staging["largest"],
             }
         self.engine = self.update_check = self.shards = self.exact_masks = None
+        self.subject_runs = None
         self.overflow_watch = self.next_use = None
         return ArmObservation(**observed)
 

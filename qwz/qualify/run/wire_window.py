@@ -18,7 +18,12 @@ subject's model: the next training forward, a held-out forward, the final forwar
 that ends the arm closes its window unread.
 
 The same window counts the gather's own memory ([Note: staging memory, exactly],
-observers/staging_memory.py): suspended with the probe, read when it closes (``memory``).
+observers/staging_memory.py), more narrowly: only while the subject runs. It is suspended with
+the probe, but counts again only from :meth:`WireWindow.subject_runs` -- the first forward
+pre-hook of the model, ahead of the subject's own (a decode it defers to the next forward is
+counted) -- not from :meth:`WireWindow.resume`, since what the harness does between the two
+(a batch cast, the held-out batches) allocates memory that is not the gather's. It is read when
+the window closes (``memory``).
 """
 
 from __future__ import annotations
@@ -66,8 +71,11 @@ class WireWindow:
             self._memory.suspend()
 
     def resume(self) -> None:
-        """The subject runs next (a forward of its model): count again."""
+        """The subject runs next (a forward of its model): count its collectives again."""
         self._suspended.close()
+
+    def subject_runs(self) -> None:
+        """The model's forward begins (its first pre-hook): count the subject's memory again."""
         if self._memory is not None:
             self._memory.resume()
 

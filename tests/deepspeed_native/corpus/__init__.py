@@ -26,6 +26,8 @@ FREEDOMS: dict[str, str] = {
     "two chunks in flight (async handles)",
     "async_fp32_exact": "bf16 partition; exact values in fp32; three async deepspeed.comm gathers",
     "even_chunks_list": "bf16 partition; fewest equal chunks of whole groups; two list all_gathers",
+    "functional_gather": "bf16 partition; one uint8 message per chunk through PyTorch's functional "
+    "collectives (_functional_collectives.all_gather_tensor, wait_tensor)",
 }
 """Each correct variant and the freedoms of the contract it uses."""
 
@@ -57,6 +59,12 @@ BROKEN: dict[str, tuple[str, str, str, frozenset[str]]] = {
         "        step = max(group_size, optimizer.allgather_bucket_size // (self.world * group_size) * group_size)",
         "        step = -(-self.partition // group_size) * group_size  # one chunk: the bucket ignored",
         frozenset({"bounded"}),
+    ),
+    "broken_functional_skip_source": (
+        "functional_gather", "                rows[source, start:end].copy_(decoded)",
+        "                if source != 0 or self.rank == 0:\n"
+        "                    rows[source, start:end].copy_(decoded)",
+        frozenset({"replicas", "own-shard"}),
     ),
     "broken_groups_restart": (
         "master_packed_list",

@@ -137,3 +137,37 @@ def test_deepspeeds_cuda_quantizer_finds_the_stand_in_or_its_refusal(enabled):
     else:
         assert "REFUSED cannot run on this runner: its quantizer needs CUDA" in done.stdout
         assert "--no-cpu-quantizer" in done.stdout
+
+
+def test_a_conformance_row_the_runner_cannot_build_is_the_tables_error_not_a_refusal(
+    monkeypatch, capsys
+):
+    """[Note: a CUDA-only subject on a CPU runner]: with the CPU implementation off, an engine
+    whose quantizer op cannot load ends the table as the harness's error (inconclusive), never
+    as the subject's refusal of that row; a refusal of the subject's own stays one."""
+    import json
+
+    from qwz.qualify.run import conformance
+
+    def refused_load(config, qwz_gather):
+        quantizer_op.USAGE.count("refused")
+        raise RuntimeError("the optimizer could not build its weight quantizer")
+
+    def own_refusal(config, qwz_gather):
+        raise ValueError("zero_quantized_weights_group_size must be a multiple of 8")
+
+    refused = quantizer_op.USAGE.refused
+    try:
+        monkeypatch.setitem(conformance._PARSE, "qwz", own_refusal)
+        row = conformance.observe("qwz", "r", {"zero_optimization": {"stage": 2}}, True)
+        assert row["observed"] == "refused" and "multiple of 8" in row["message"]
+        monkeypatch.setitem(conformance._PARSE, "qwz", refused_load)
+        with pytest.raises(conformance.RunnerCannot, match="cannot be built on this runner"):
+            conformance.observe("qwz", "r", {"zero_optimization": {"stage": 2}}, True)
+        monkeypatch.setattr(conformance, "_one_rank_world", lambda directory: None)
+        conformance.serve({"subject": "qwz", "rows": [{"row": "r", "config": {}}],
+                           "qwz_gather": True})  # fmt: skip
+        said = json.loads(capsys.readouterr().out.split(conformance.MARKER, 1)[1])
+        assert said["rows"] == [] and "cannot be built on this runner" in said["error"]
+    finally:
+        quantizer_op.USAGE.refused = refused

@@ -55,10 +55,10 @@ def test_an_fp16_overflow_fails_as_what_it_is():
     assert "beyond fp16's range" in check.detail and "decodes to NaN" in check.detail
 
 
-def test_a_mismatch_still_fails_first():
-    own = _own(**ZEROPP_RANKS, mismatches=3, fp16_overflow=64)
-    check = schemes.own_shard(own, True, None, _run((CANDIDATE, {ZEROPP})))
-    assert check.status == "fail" and check.numbers["mismatches"] == 3
+def test_an_overflow_fails_even_where_its_nan_ended_the_arm():
+    own = _own(**ZEROPP_RANKS, fp16_overflow=64, mismatches=3)
+    check = schemes.own_shard(own, True, {"kind": "non-finite"}, _run((CANDIDATE, {ZEROPP})))
+    assert check.status == "fail" and check.numbers == {"fp16_overflow": 64}
 
 
 def test_the_unquantized_reference_is_judged_as_the_cast():

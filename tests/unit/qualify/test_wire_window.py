@@ -75,3 +75,26 @@ def test_the_probe_is_restored_when_the_window_closes(one_rank):
     assert vars(dist.ProcessGroup).get("_allgather_base") is not before
     window.close()
     assert vars(dist.ProcessGroup).get("_allgather_base") is before
+
+
+def test_the_gathers_memory_counts_while_the_subject_runs_not_while_the_harness_prepares():
+    """[Note: staging memory, exactly]: from the masters' update to the end of the step, then
+    again from the model's first forward pre-hook -- never the harness's batch preparation
+    between :meth:`resume` and the forward, nor anything before the optimizer's step."""
+    weight = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    window = WireWindow()
+    window.open(step_boundary=optimizer)
+    torch.empty(4096, dtype=torch.int8)  # the backward's, before the step: not counted
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    step_buffer = torch.empty(256, dtype=torch.int8)  # the gather inside step(): counted
+    window.suspend()
+    harness = torch.empty(4096, dtype=torch.int8)  # the harness's own work
+    window.resume()
+    batch = torch.empty(2048, dtype=torch.int8)  # the next batch, cast before the forward
+    window.subject_runs()  # the model's forward begins
+    decode = torch.empty(128, dtype=torch.int8)  # a decode deferred to a forward pre-hook
+    window.close()
+    assert window.memory is not None and window.memory.peak_bytes == 256 + 128
+    del step_buffer, harness, batch, decode
