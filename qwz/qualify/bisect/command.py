@@ -1,11 +1,12 @@
 """``qwz-qualify bisect`` and ``qwz-qualify bisect-step``: the request checked, the oracle
 fixed by the good and bad heads, the search walked, the result written.
 
-Exit codes: ``bisect`` 0 the first bad commit was found, 1 nothing to find (the bad head is
-not bad for the oracle), 2 refused (with why: a bad revision, a range that is not first-parent
-history, a good head that is not good, a head that cannot be qualified, a directory of
-another request), 3 skipped commits hide the answer (bisect.md names the range),
-128 + signal when SIGINT/SIGTERM stopped it (every record is kept).
+Exit codes ([Note: exit statuses] in qualify/exit_codes.py): ``bisect`` 0 the first bad
+commit was found, 2 refused (with why: a bad revision, a range that is not first-parent
+history, a good head that is not good, a bad head that is not bad for the oracle -- "nothing
+to find", written to bisect.md --, a head that cannot be qualified, a directory of another
+request), 3 skipped commits hide the answer (bisect.md names the range), 128 + signal when
+SIGINT/SIGTERM stopped it (every record is kept).
 ``bisect-step`` (a ``git bisect run`` command): 0 good, 1 bad, 125 skip, 128 when the request
 is refused or there is nothing to find (git aborts the bisect on exit codes above 127).
 """
@@ -17,12 +18,19 @@ import sys
 import time
 from typing import Any, NamedTuple
 
+from qwz.qualify import exit_codes
 from qwz.qualify.bisect import history, oracle, result, search, state, trial, worktrees
 from qwz.qualify.evidence import record as records
 from qwz.qualify.evidence.schema import Record, RecordError
 
-FOUND, NOTHING, REFUSED, HIDDEN = 0, 1, 2, 3
-STEP_GOOD, STEP_BAD, STEP_SKIP, STEP_ABORT = 0, 1, 125, 128
+FOUND = exit_codes.PASS
+NOTHING = exit_codes.REFUSED
+"""The bad head is not bad: the request's premise is false, as with a good head that is not
+good (no command gives 1 but for the subject's failure)."""
+REFUSED = exit_codes.REFUSED
+HIDDEN = exit_codes.INCONCLUSIVE
+STEP_GOOD, STEP_BAD = exit_codes.GIT_BISECT_GOOD, exit_codes.GIT_BISECT_BAD
+STEP_SKIP, STEP_ABORT = exit_codes.GIT_BISECT_SKIP, exit_codes.GIT_BISECT_ABORT
 
 
 class Refused(Exception):
@@ -30,7 +38,7 @@ class Refused(Exception):
 
 
 class NothingToFind(Exception):
-    """The bad head is not bad for the oracle (exit 1)."""
+    """The bad head is not bad for the oracle (exit 2, "nothing to find")."""
 
 
 class Options(NamedTuple):
