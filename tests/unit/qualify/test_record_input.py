@@ -139,7 +139,8 @@ def test_report_and_compare_exit_2_with_the_line(tmp_path, capsys, corrupt, mess
     assert cli.main(["compare", str(good), str(bad)]) == 2
     captured = capsys.readouterr()  # [Note: one error style]: stderr, the program's name
     assert captured.out == "" and captured.err.count("\n") == 1
-    assert captured.err.startswith(f"qwz-qualify compare: error: candidate record rejected: {bad}: ")
+    said = f"qwz-qualify compare: error: candidate record rejected: {bad}: "
+    assert captured.err.startswith(said)
     assert "Traceback" not in captured.err
 
 
