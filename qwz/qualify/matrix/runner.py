@@ -14,8 +14,9 @@
 [Note: matrix signals]
   Each cell's ``run`` is started in its own session, so a Ctrl-C reaches the matrix alone;
   the matrix forwards SIGINT or SIGTERM to the running cell once (``run`` then stops its
-  ranks and writes nothing), waits for it (SIGKILL after ``supervise.STOP_GRACE_S``), marks
-  the cells not reached as "not run", writes the table and exits 128 + the signal number.
+  ranks and writes no record, only ``interrupted.json``), waits for it (SIGKILL after
+  ``supervise.STOP_GRACE_S``), marks the cells not reached as "not run", writes the table
+  and exits 128 + the signal number.
   The child asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell
   running ([Note: supervising a run], qualify/supervise.py).
 
