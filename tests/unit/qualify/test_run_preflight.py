@@ -12,6 +12,7 @@ must get past the checks. The real SIGTERM of a running ``run`` is in
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import pathlib
@@ -129,6 +130,23 @@ def test_out_that_is_not_writable(tmp_path, monkeypatch):
     found = problems(tmp_path, "--out", str(tmp_path / "new" / "run"))
     assert found == [
         f"--out {tmp_path / 'new' / 'run'}: cannot create it, {tmp_path} is not writable"
+    ]
+
+
+def test_out_where_nothing_can_be_written_though_permissions_allow(tmp_path, monkeypatch):
+    """Root passes os.access in /proc or on some network mounts; the run then trained for
+    nothing and failed writing its record. A file is created and removed there first."""
+
+    def cannot_write(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", cannot_write)
+    assert problems(tmp_path) == [
+        f"--out {tmp_path / 'out'}: cannot create it in {tmp_path} (read-only file system)"
+    ]
+    (tmp_path / "out").mkdir()
+    assert problems(tmp_path) == [
+        f"--out {tmp_path / 'out'}: cannot write there (read-only file system)"
     ]
 
 
