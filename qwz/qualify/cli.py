@@ -128,6 +128,11 @@ RECORD_HELP = "a record.json, or the run directory holding it (run's --out)"
 
 def _add_review_commands(commands) -> None:
     """``report``, ``compare``, ``history`` and ``promote``: commands that read records."""
+    _add_report_and_compare(commands)
+    _add_history_and_promote(commands)
+
+
+def _add_report_and_compare(commands) -> None:
     report = commands.add_parser("report", help="print the markdown report of a record")
     report.add_argument("record", type=_path, help=RECORD_HELP)
     report.add_argument(
@@ -165,6 +170,8 @@ def _add_review_commands(commands) -> None:
         "markdown for a CI job summary (the exit status is the same)",
     )
 
+
+def _add_history_and_promote(commands) -> None:
     history = commands.add_parser("history", help="trend of every record under a directory")
     history.add_argument("directory", type=_path, help="searched for record.json files")
     history.add_argument(
@@ -288,24 +295,7 @@ def _add_bisect_commands(commands) -> None:
         command.add_argument("--good", required=True, help="a good commit (the older end)")
         command.add_argument("--bad", required=True, help="a bad commit (the newer end)")
         command.add_argument("--out", type=_path, required=True, help="the bisect's directory")
-        oracle = command.add_mutually_exclusive_group()
-        oracle.add_argument(
-            "--check",
-            default=None,
-            metavar="NAME",
-            help="search for this check failing (a family or FAMILY[ARM]; "
-            "default: the checks that failed in the bad head's record)",
-        )
-        oracle.add_argument(
-            "--hash",
-            action="store_true",
-            help="search for the first final hash differing from the good head's",
-        )
-        oracle.add_argument(
-            "--speed",
-            action="store_true",
-            help="search for the first speed-up interval entirely below the good head's",
-        )
+        _add_bisect_oracle(command)
         command.add_argument(
             "--speed-retries",
             type=_non_negative,
@@ -325,6 +315,29 @@ def _add_bisect_commands(commands) -> None:
             metavar="-- RUN-ARGUMENTS",
             help="the arguments of `qwz-qualify run` every commit is qualified with",
         )
+
+
+def _add_bisect_oracle(command: argparse.ArgumentParser) -> None:
+    """What a bisect searches for: one of ``--check``, ``--hash``, ``--speed`` (default: the
+    checks that failed in the bad head's record)."""
+    oracle = command.add_mutually_exclusive_group()
+    oracle.add_argument(
+        "--check",
+        default=None,
+        metavar="NAME",
+        help="search for this check failing (a family or FAMILY[ARM]; "
+        "default: the checks that failed in the bad head's record)",
+    )
+    oracle.add_argument(
+        "--hash",
+        action="store_true",
+        help="search for the first final hash differing from the good head's",
+    )
+    oracle.add_argument(
+        "--speed",
+        action="store_true",
+        help="search for the first speed-up interval entirely below the good head's",
+    )
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:

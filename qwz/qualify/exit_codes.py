@@ -19,8 +19,9 @@ gives it, and every command's ``--help`` prints this table (:func:`epilog`):
        ``harness-error.json``; or a bug in qwz-qualify), never the subject's FAIL
   5    cannot run here: the subject needs a capability this runner lacks (its quantizer op
        needs CUDA, ...), never the subject's FAIL
-  130  interrupted by SIGINT, 143 by SIGTERM (``run`` writes ``interrupted.json``: what ran,
-       what did not; no verdict)
+  130  interrupted by SIGINT (``run`` writes ``interrupted.json``: what ran, what did not;
+       no verdict)
+  143  interrupted by SIGTERM (the same)
   141  the reader of the output went away (``qwz-qualify report ... | head -1``): the command
        stops quietly, as a tool killed by SIGPIPE does
 
