@@ -148,6 +148,8 @@ def _output_problems(args: argparse.Namespace) -> list[str]:
     keep = getattr(args, "keep_previous", None)
     if out_problem:
         problems.append(out_problem)
+    elif keep is not None and under_torchrun():  # every rank starts writing into --out
+        problems.append("--keep-previous: not under torchrun; give each run its own --out")
     elif keep is not None:
         problems += filter(None, [run_dir.keep_previous_problem(args.out, keep)])
     elif run_dir.holds_a_run(args.out) and not args.force:  # [Note: results kept]

@@ -184,6 +184,14 @@ def test_keep_previous_and_force_are_one_choice(capsys):
     )
 
 
+def test_keep_previous_is_refused_under_torchrun(tmp_path, monkeypatch):
+    """Every torchrun rank writes into --out (its rank reports) while rank 0 would move it."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    found = problems(tmp_path, "--keep-previous", "2")
+    assert "--keep-previous: not under torchrun; give each run its own --out" in found
+
+
 def test_keep_previous_refuses_a_file_in_the_way(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out.2").write_text("x")
