@@ -59,6 +59,11 @@ def _say(text: str) -> None:
     print(f"qwz-qualify bisect: {text}", file=sys.stderr, flush=True)
 
 
+def _refuse(command: str, problem: object) -> None:
+    """[Note: one error style] (qualify/cli_parser.py), which this layer does not import."""
+    print(f"qwz-qualify {command}: error: {problem}", file=sys.stderr, flush=True)
+
+
 class Session:
     """The trials of one invocation: attempts reused from the directory or run now."""
 
@@ -136,13 +141,15 @@ def _resolve(options: Options) -> tuple[pathlib.Path, str, str]:
     must stay the same commits for every step.)"""
     try:
         repository = history.top_level(options.repository)
-        return (
-            repository,
-            history.commit_sha(repository, options.good),
-            history.commit_sha(repository, options.bad),
-        )
-    except history.GitError as error:
-        raise Refused(str(error)) from None
+    except history.GitError:
+        raise Refused(f"--repo {options.repository} is not a git repository") from None
+    shas = []
+    for flag, revision in (("--good", options.good), ("--bad", options.bad)):
+        try:
+            shas.append(history.commit_sha(repository, revision))
+        except history.GitError:
+            raise Refused(f"{flag} {revision} is not a commit in {repository}") from None
+    return repository, shas[0], shas[1]
 
 
 def _request(options: Options, repository: pathlib.Path, good: str, bad: str) -> dict[str, Any]:
@@ -244,7 +251,7 @@ def run_bisect(options: Options) -> int:
     try:
         request, session = _open(options)
     except Refused as error:
-        _say(f"refused: {error}")
+        _refuse("bisect", error)
         return REFUSED
     repository = pathlib.Path(request["repository"])
     summary = result.Summary(request, options.out, started)
@@ -272,7 +279,7 @@ def run_step(options: Options) -> int:
         judge_by = build_oracle(options, session, request["good"], request["bad"])
         sha = history.commit_sha(pathlib.Path(request["repository"]), "HEAD")
     except (Refused, NothingToFind, history.GitError) as error:
-        _say(f"step aborted: {error}")
+        _refuse("bisect-step", f"{error} (exit {STEP_ABORT}: git aborts the bisect)")
         return STEP_ABORT
     judgement = session.judge(sha, judge_by)
     _say(f"{sha[:12]} {judgement.verdict}: {judgement.why}")

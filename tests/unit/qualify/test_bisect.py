@@ -274,6 +274,18 @@ def test_refusals_and_nothing_to_find(monkeypatch, tmp_path, capsys):
     assert "--steps: 0 is invalid" in capsys.readouterr().err
     assert cli.main([*argv[:-3], "--check", "no-such", "--", "--workload", "mlp"]) == 2
     assert "names no check" in capsys.readouterr().err
+    repository = tmp_path / "repo"
+    argv = ["bisect", "--repo", str(repository), "--good", "nosuchbase", "--bad", shas[1],
+            "--out", str(tmp_path / "o5"), "--", "--workload", "mlp"]  # fmt: skip
+    assert cli.main(argv) == 2  # a sentence, not the git command that failed
+    assert capsys.readouterr().err == (
+        f"qwz-qualify bisect: error: --good nosuchbase is not a commit in {repository}\n"
+    )
+    argv[2] = str(tmp_path)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"qwz-qualify bisect: error: --repo {tmp_path} is not a git repository\n"
+    )
 
 
 def test_a_good_head_off_the_first_parent_line_is_refused(tmp_path):
