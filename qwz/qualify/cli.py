@@ -76,7 +76,7 @@ def _add_run_command(commands) -> None:
         "--force",
         action="store_true",
         help="replace an earlier run in --out: its record and every other file a run writes "
-        "there are removed (qualify/run_dir.py)",
+        "there are removed (qualify/evidence/run_dir.py)",
     )
     replacing.add_argument(
         "--keep-previous",

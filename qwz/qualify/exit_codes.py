@@ -21,9 +21,9 @@ gives it, and every command's ``--help`` prints this table (:func:`epilog`):
        needs CUDA, ...), never the subject's FAIL
   130  interrupted by SIGINT (``run`` writes ``interrupted.json``: what ran, what did not;
        no verdict)
-  143  interrupted by SIGTERM (the same)
   141  the reader of the output went away (``qwz-qualify report ... | head -1``): the command
        stops quietly, as a tool killed by SIGPIPE does
+  143  interrupted by SIGTERM (as 130)
 
 ``bisect-step`` alone speaks ``git bisect run``'s protocol instead (0 good, 1 bad, 125 skip,
 128 abort), since git reads its status.
@@ -52,13 +52,12 @@ MEANINGS = {
     PASS: "PASS (compare: no regression; bisect: found; other commands: done)",
     FAIL: "FAIL: the subject failed (compare: a regression)",
     REFUSED: "refused: a usage, file or trust problem, one line each on stderr",
-    INCONCLUSIVE: "INCONCLUSIVE: no verdict reached (reference did not learn, --timeout ran "
-    "out: timed-out.json, bisect: skipped commits hide the answer)",
-    HARNESS_ERROR: "HARNESS-ERROR: the harness failed, not the subject (harness-error.json)",
-    CANNOT_RUN_HERE: "cannot run on this runner: the subject needs a capability it lacks",
+    INCONCLUSIVE: "INCONCLUSIVE: no verdict reached (timed-out.json: --timeout ran out)",
+    HARNESS_ERROR: "HARNESS-ERROR: the harness failed, not the subject",
+    CANNOT_RUN_HERE: "cannot run here: the subject needs what this runner lacks",
     INTERRUPTED_SIGINT: "interrupted by SIGINT (run: interrupted.json, no verdict)",
-    INTERRUPTED_SIGTERM: "interrupted by SIGTERM (run: interrupted.json, no verdict)",
     OUTPUT_CLOSED: "the reader of stdout went away (| head): stopped quietly",
+    INTERRUPTED_SIGTERM: "interrupted by SIGTERM (run: interrupted.json, no verdict)",
 }
 """Every exit status any command gives (but ``bisect-step``), with its one meaning."""
 

@@ -21,7 +21,7 @@ def test_the_note_and_the_table_name_every_status():
     for code in exit_codes.MEANINGS:
         assert f"  {code} " in exit_codes.__doc__, code
         assert f"  {code:<4} " in exit_codes.epilog(), code
-    assert exit_codes.CANNOT_RUN_HERE == 5 and "capability" in exit_codes.MEANINGS[5]
+    assert exit_codes.CANNOT_RUN_HERE == 5 and "runner lacks" in exit_codes.MEANINGS[5]
 
 
 def test_every_commands_statuses_are_the_documented_ones():
