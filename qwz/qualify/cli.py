@@ -488,6 +488,9 @@ class _Run:
     invocation: dict
     out: pathlib.Path
     started_s: float
+    """time.monotonic() when the request was accepted (durations)."""
+    started_at: float = dataclasses.field(default_factory=time.time)
+    """time.time() then (file times)."""
     phase: str = "starting"
     """What it is doing now, for interrupted.json."""
 
@@ -643,9 +646,13 @@ def _write_timed_out(failure, run: _Run) -> int:
 
 
 def _write_interrupted(interrupted, run: _Run) -> None:
-    """[Note: unfinished runs]: ``interrupted.json``, what ran and what did not."""
-    from qwz.qualify.evidence import unfinished
+    """[Note: unfinished runs]: ``interrupted.json``, what ran and what did not; nothing where
+    the signal came after this run's record was written (the run is done: it is kept)."""
+    from qwz.qualify.evidence import run_dir, unfinished
 
+    record = run.out / run_dir.RECORD
+    if record.is_file() and record.stat().st_mtime >= run.started_at:
+        return
     finished, where = interrupted.ranks or ({}, {})
     progress = unfinished.progress([arm.name for arm in run.plan.arms], finished, where)
     seconds = time.monotonic() - run.started_s

@@ -340,6 +340,25 @@ def test_an_interrupted_run_exits_128_plus_signal_and_says_how_far_it_got(
     assert "its run left no record: INTERRUPTED (no verdict)" in capsys.readouterr().err
 
 
+def test_a_signal_after_the_record_is_written_keeps_it(tmp_path, monkeypatch, capsys):
+    """The run is done once its record is written: a late Ctrl-C must not replace it."""
+    from qwz.qualify.evidence import build, record
+
+    from ..records import make_record
+
+    def written_then_interrupted(built, out):
+        record.save(make_record(), out / "record.json")
+        raise launch.Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(launch, "launch", lambda *args, **kwargs: [[]])
+    monkeypatch.setattr(build, "build_record", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cli, "_write_evidence", written_then_interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli.main(["run", "--out", str(out), *RUN]) == 130
+    assert sorted(path.name for path in out.iterdir()) == ["record.json"]
+
+
 def test_a_run_that_outlasts_its_timeout_has_its_own_verdict_naming_the_limit(
     tmp_path, monkeypatch, capsys
 ):
