@@ -10,8 +10,8 @@ never replaced silently:
 - by default the preflight refuses a directory that already holds a record;
 - ``--keep-previous N`` moves the earlier run to ``OUT.1`` (``OUT.1`` to ``OUT.2``, ...) once
   the request is accepted, keeping N of them; the one beyond N is deleted and named. The main
-  job (ci/qualify-cpu.sh) keeps its last runs so, as pytest keeps its last base temporary
-  directories;
+  job (ci/qualify-cpu.sh) keeps its last 3 runs this way, as pytest keeps its last 3 base
+  temporary directories;
 - ``--force`` replaces it: whatever the new run ends with, every file of :data:`RUN_FILES` it
   did not write is removed, so no plot of the earlier run sits beside the new record and no
   earlier record beside a new ``timed-out.json``.
