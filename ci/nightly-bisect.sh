@@ -98,6 +98,6 @@ echo "nightly-bisect: bisecting $repo from $good (baseline) to $bad into $out" >
 status=0
 qwz-qualify bisect --repo "$repo" --good "$good" --bad "$bad" --out "$out" "${oracle[@]}" \
   -- "${run_args[@]}" || status=$?
-echo "nightly-bisect: qwz-qualify bisect exit $status (0 found, 1 nothing to find, 2 refused, 3 hidden by skipped commits)" >&2
+echo "nightly-bisect: qwz-qualify bisect exit $status (0 found, 2 refused or nothing to find, 3 hidden by skipped commits)" >&2
 [ -f "$out/bisect.md" ] && echo "$out/bisect.md" >> "$list"
 exit 0

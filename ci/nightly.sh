@@ -15,7 +15,7 @@
 # 1.5% slowdown a night pass forever. It changes only by a deliberate promotion:
 #   QWZ_PROMOTE=1        this run's matrix becomes the baseline (after review) when every
 #                        cell that ran passed and the gate found no regression, or
-#   qwz-qualify promote <dir>/history/<date>/<spec> <dir>/baseline/<spec>
+#   qwz-qualify promote --force <dir>/history/<date>/<spec> <dir>/baseline/<spec>
 # QWZ_NEW_BASELINE=1 accepts a passing run as the first baseline of a spec that has none
 # (without it, a missing baseline is a failure: a lost baseline must never turn the gate
 # into a pass).
@@ -163,7 +163,7 @@ if [ -f "$baseline_dir/matrix.json" ]; then
     fi
   elif [ "${QWZ_PROMOTE:-0}" = "1" ]; then
     echo "nightly: QWZ_PROMOTE=1: promoting $spec_name of $today to the baseline" >&2
-    qwz-qualify promote "$out" "$baseline_dir" || failed=1
+    qwz-qualify promote --force "$out" "$baseline_dir" || failed=1
   fi
 elif [ "${QWZ_NEW_BASELINE:-0}" = "1" ]; then
   if [ "$status" -ne 0 ]; then failed=1; fi

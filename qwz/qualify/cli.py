@@ -9,26 +9,12 @@ rank runs it and rank 0 writes the files::
     torchrun --nnodes 2 --nproc-per-node 8 -m qwz.qualify run --out runs/gpu \\
         --workload qwen3-0.6b --group-size 64 --group-size 8192
 
-Exit codes: ``run`` 0 PASS, 1 FAIL (a check failed, an arm diverged or a rank
-crashed), 3 INCONCLUSIVE (the reference did not learn, so learning could not be
-judged; or one rank, where nothing was quantized or sent) -- the record and report
-are written in every one of these cases; 4 HARNESS-ERROR (the harness could not observe
-the subject, e.g. its seam met a DeepSpeed optimizer without what it reads: no verdict,
-``harness-error.json`` names what the harness needed and the subject's version and commit,
-qualify/evidence/harness_error.py); 2 when the request is refused before any
-rank starts (a bad flag value, an unusable ``--out`` or ``--ledger``, an existing
-record without ``--force``, a missing optional package, a bucket size needing too
-many collectives, more ranks or memory than the machine has, a group size larger
-than a rank's shard, a DeepSpeed the seam cannot read), 130/143 when SIGINT/SIGTERM stopped
-it (every rank is killed, nothing is written); ``report`` 0, or 2 for a record that cannot
-be trusted; ``compare`` 0 no regression, 1 regression, 2 not comparable or invalid;
-``history`` 0, or 2 when a record under the directory cannot be loaded (it is listed);
-``promote`` 0, or 2 for a record that cannot be trusted or did not pass; ``matrix`` 0 every
-cell that ran passed, 1 a cell FAILed or crashed, 4 a HARNESS-ERROR cell (and none FAILed
-or crashed), 3 INCONCLUSIVE cells (or no verdict at all), 2 a refused spec or ``--out``,
-130/143 stopped (qualify/matrix/command.py); ``review`` the worst of its claims and runs: 0 PASS,
-1 FAIL, 3 INCONCLUSIVE, 4 HARNESS-ERROR, 2 refused, 130/143 stopped (qualify/pr_review/command.py);
-2 for usage errors everywhere.
+Exit statuses: one meaning per status across every command, [Note: exit statuses] in
+qualify/exit_codes.py (every ``--help`` prints the table); errors in one style, [Note: one
+error style] in qualify/cli_parser.py. ``run`` writes its record and report for PASS, FAIL
+and INCONCLUSIVE; ``harness-error.json`` for HARNESS-ERROR, ``timed-out.json`` when its
+``--timeout`` ran out, ``interrupted.json`` when SIGINT/SIGTERM stopped it (what ran, what
+did not; qualify/evidence/unfinished.py).
 """
 
 from __future__ import annotations
@@ -42,18 +28,20 @@ import os
 import pathlib
 import signal
 import sys
+import time
+from typing import Any
 
 from qwz.kernels import fused_available
-from qwz.qualify import preflight
+from qwz.qualify import exit_codes, preflight
+from qwz.qualify.cli_parser import Parser, refuse
 from qwz.qualify.files import atomic_write_text
 from qwz.qualify.settings import argparse_type
-from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, POSITIVE_FINITE, Boolean, Real
-
-EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
+from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, POSITIVE, POSITIVE_FINITE, Boolean, Real
 
 # Argument types: each refusal names the value and the rule (argparse prefixes the flag
 # and exits 2), never Python's "invalid literal for int()" (qualify/values.py's rules).
 _non_negative = argparse_type(NON_NEGATIVE)
+_positive = argparse_type(POSITIVE)
 _percentage = argparse_type(
     Real(lambda value: math.isfinite(value) and value >= 0, "a finite percentage >= 0")
 )
@@ -62,16 +50,13 @@ _positive_seconds = argparse_type(POSITIVE_FINITE)
 _path = argparse_type(PATH)
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` shows every default; where the default is None its help says what that means."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwz-qualify", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    """Every command's parser ([Note: one error style] in qualify/cli_parser.py)."""
+    from qwz import __version__
+
+    parser = Parser(prog="qwz-qualify", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"qwz-qualify {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_command(commands)
     _add_matrix_command(commands)
     _add_review_commands(commands)
@@ -85,63 +70,93 @@ def _add_run_command(commands) -> None:
     them from their declarations in qualify/plan.py)."""
     from qwz.qualify import settings
 
-    run = commands.add_parser(
-        "run",
-        help="qualify reference vs quantized arms; write evidence",
-        formatter_class=_DefaultsFormatter,
-        epilog="exit status: 0 PASS, 1 FAIL, 2 refused before any rank starts, "
-        "3 INCONCLUSIVE, 4 HARNESS-ERROR (the harness could not observe the subject: no "
-        "verdict; harness-error.json in --out names what it needed and the subject's "
-        "version and commit), 130/143 stopped by SIGINT/SIGTERM",
-    )
+    run = commands.add_parser("run", help="qualify reference vs quantized arms; write evidence")
     run.add_argument("--out", type=_path, required=True, help="output directory")
-    run.add_argument("--force", action="store_true", help="overwrite a record already in --out")
+    replacing = run.add_mutually_exclusive_group()
+    replacing.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier run in --out: its record and every other file a run writes "
+        "there are removed (qualify/evidence/run_dir.py)",
+    )
+    replacing.add_argument(
+        "--keep-previous",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="move an earlier run in --out aside to OUT.1 (OUT.1 to OUT.2, ...) and keep N "
+        "of them (default: none; an earlier record is refused without --force)",
+    )
+    run.add_argument(
+        "--allow-one-rank",
+        action="store_true",
+        help="let --world-size 1 run: one rank sends nothing to quantize, so the gather is "
+        "not judged and the run is INCONCLUSIVE at best (a smoke test of one device)",
+    )
     settings.add_flags(run, settings.run_settings())
 
 
 def _add_matrix_command(commands) -> None:
     """``matrix``: a spec of axes, one ``run`` per cell (qualify/matrix/)."""
     matrix = commands.add_parser(
-        "matrix",
-        help="run every cell of a TOML spec (resumable); write matrix.md and matrix.json",
-        formatter_class=_DefaultsFormatter,
+        "matrix", help="run every cell of a TOML spec (resumable); write matrix.md and matrix.json"
     )
     matrix.add_argument("spec", type=_path, help="the spec (qualify/matrix/spec.py)")
     matrix.add_argument(
-        "--out", type=_path, default=None, help="matrix directory (required unless --list)"
+        "--out",
+        type=_path,
+        default=None,
+        help="matrix directory (default: none; required unless --list)",
     )
-    matrix.add_argument("--ledger", type=_path, default=None, help="every cell's --ledger")
-    matrix.add_argument(
-        "--min-speedup", type=_finite, default=None, help="every cell's --min-speedup"
-    )
-    matrix.add_argument(
-        "--deepspeed-src", type=_path, default=None, help="every cell's --deepspeed-src"
-    )
+    for flag, what in (
+        ("--ledger", "none: no reproduction check"),
+        ("--min-speedup", "none: speed not gated"),
+        ("--deepspeed-src", "none: the installed DeepSpeed"),
+    ):
+        matrix.add_argument(
+            flag,
+            type=_finite if flag == "--min-speedup" else _path,
+            default=None,
+            help=f"every cell's {flag} (default: {what})",
+        )
     matrix.add_argument(
         "--list", action="store_true", help="print every cell's run arguments; run nothing"
     )
 
 
+RECORD_HELP = "a record.json, or the run directory holding it (run's --out)"
+
+
 def _add_review_commands(commands) -> None:
     """``report``, ``compare``, ``history`` and ``promote``: commands that read records."""
+    _add_report_and_compare(commands)
+    _add_history_and_promote(commands)
+
+
+def _add_report_and_compare(commands) -> None:
     report = commands.add_parser("report", help="print the markdown report of a record")
-    report.add_argument("record", type=pathlib.Path)
+    report.add_argument("record", type=_path, help=RECORD_HELP)
     report.add_argument(
         "--format",
         choices=("markdown", "junit", "summary"),
         default="markdown",
         help="markdown: the full report; junit: every check as a JUnit test case "
-        "(qualify/review/junit.py); summary: the short markdown of a CI job summary "
-        "(default: markdown)",
+        "(qualify/review/junit.py); summary: the short markdown of a CI job summary",
     )
 
     compare = commands.add_parser(
         "compare",
         help="regression gate between two records, or two matrix directories (cell by cell)",
     )
-    compare.add_argument("baseline", type=pathlib.Path)
-    compare.add_argument("candidate", type=pathlib.Path)
-    compare.add_argument("--memory-growth-pct", type=_percentage, default=10.0)
+    compare.add_argument("baseline", type=_path, help=f"{RECORD_HELP}, or a matrix directory")
+    compare.add_argument("candidate", type=_path, help="the same, compared with the baseline")
+    compare.add_argument(
+        "--memory-growth-pct",
+        type=_percentage,
+        default=10.0,
+        help="a candidate arm's peak memory may grow this many percent over the baseline's "
+        "before it is a regression",
+    )
     compare.add_argument(
         "--require-signature",
         action="store_true",
@@ -153,20 +168,24 @@ def _add_review_commands(commands) -> None:
         choices=("text", "junit", "summary"),
         default="text",
         help="text: one finding a line; junit: the gate as a JUnit test case; summary: "
-        "markdown for a CI job summary (default: text; the exit status is the same)",
+        "markdown for a CI job summary (the exit status is the same)",
     )
 
+
+def _add_history_and_promote(commands) -> None:
     history = commands.add_parser("history", help="trend of every record under a directory")
-    history.add_argument("directory", type=_path)
+    history.add_argument("directory", type=_path, help="searched for record.json files")
     history.add_argument(
-        "--out", type=_path, default=None, help="write history.md and history.png here"
+        "--out",
+        type=_path,
+        default=None,
+        help="write history.md and history.png here (default: none, print only)",
     )
     history.add_argument(
         "--format",
         choices=("markdown", "junit"),
         default="markdown",
-        help="what to print: the markdown table, or every record as a JUnit test case "
-        "(default: markdown)",
+        help="what to print: the markdown table, or every record as a JUnit test case",
     )
 
     promote = commands.add_parser(
@@ -174,8 +193,11 @@ def _add_review_commands(commands) -> None:
         help="make a passing record (or matrix directory) the baseline the nightly gate "
         "compares with",
     )
-    promote.add_argument("record", type=_path)
-    promote.add_argument("baseline_dir", type=_path)
+    promote.add_argument("record", type=_path, help=f"{RECORD_HELP}, or a matrix directory")
+    promote.add_argument("baseline_dir", type=_path, help="the baseline directory to write")
+    promote.add_argument(
+        "--force", action="store_true", help="replace a baseline already in BASELINE_DIR"
+    )
 
 
 class _ReviewSets(argparse.Action):
@@ -201,8 +223,7 @@ def _add_pr_review_command(commands) -> None:
         "review",
         help="review a DeepSpeed pull request: its base's reference arm and its head's every "
         "arm, the PR's own tests at its head, one claims table (exit 0 PASS, 1 FAIL, "
-        "2 refused, 3 INCONCLUSIVE, 4 HARNESS-ERROR)",
-        formatter_class=_DefaultsFormatter,
+        "2 refused, 3 INCONCLUSIVE, 4 HARNESS-ERROR, 5 CANNOT-RUN)",
     )
     review.add_argument("--repo", type=_path, required=True, help="the DeepSpeed repository")
     review.add_argument("--base", required=True, help="the PR's base: a branch, tag or commit")
@@ -294,8 +315,8 @@ def _add_bisect_commands(commands) -> None:
     for name, text in (
         (
             "bisect",
-            "find the first commit the qualification judges bad (exit 0 found, "
-            "1 nothing to find, 2 refused, 3 skipped commits hide it)",
+            "find the first commit the qualification judges bad (exit 0 found, 2 refused "
+            "or nothing to find, 3 skipped commits hide it)",
         ),
         (
             "bisect-step",
@@ -303,7 +324,14 @@ def _add_bisect_commands(commands) -> None:
             "(exit 0 good, 1 bad, 125 skip, 128 abort)",
         ),
     ):
-        command = commands.add_parser(name, help=text, formatter_class=_DefaultsFormatter)
+        command = commands.add_parser(
+            name,
+            help=text,
+            epilog=exit_codes.epilog(name),
+            usage_error_status=(
+                exit_codes.REFUSED if name == "bisect" else exit_codes.GIT_BISECT_ABORT
+            ),
+        )
         command.add_argument(
             "--repo",
             type=_path,
@@ -313,24 +341,7 @@ def _add_bisect_commands(commands) -> None:
         command.add_argument("--good", required=True, help="a good commit (the older end)")
         command.add_argument("--bad", required=True, help="a bad commit (the newer end)")
         command.add_argument("--out", type=_path, required=True, help="the bisect's directory")
-        oracle = command.add_mutually_exclusive_group()
-        oracle.add_argument(
-            "--check",
-            default=None,
-            metavar="NAME",
-            help="search for this check failing (a family or FAMILY[ARM]; "
-            "default: the checks that failed in the bad head's record)",
-        )
-        oracle.add_argument(
-            "--hash",
-            action="store_true",
-            help="search for the first final hash differing from the good head's",
-        )
-        oracle.add_argument(
-            "--speed",
-            action="store_true",
-            help="search for the first speed-up interval entirely below the good head's",
-        )
+        _add_bisect_oracle(command)
         command.add_argument(
             "--speed-retries",
             type=_non_negative,
@@ -341,7 +352,8 @@ def _add_bisect_commands(commands) -> None:
             "--setup",
             default=None,
             metavar="CMD",
-            help="a shell command run in each commit's worktree before it is qualified",
+            help="a shell command run in each commit's worktree before it is qualified "
+            "(default: none)",
         )
         command.add_argument(
             "run_args",
@@ -351,17 +363,37 @@ def _add_bisect_commands(commands) -> None:
         )
 
 
+def _add_bisect_oracle(command: argparse.ArgumentParser) -> None:
+    """What a bisect searches for: one of ``--check``, ``--hash``, ``--speed`` (default: the
+    checks that failed in the bad head's record)."""
+    oracle = command.add_mutually_exclusive_group()
+    oracle.add_argument(
+        "--check",
+        default=None,
+        metavar="NAME",
+        help="search for this check failing (a family or FAMILY[ARM]; "
+        "default: the checks that failed in the bad head's record)",
+    )
+    oracle.add_argument(
+        "--hash",
+        action="store_true",
+        help="search for the first final hash differing from the good head's",
+    )
+    oracle.add_argument(
+        "--speed",
+        action="store_true",
+        help="search for the first speed-up interval entirely below the good head's",
+    )
+
+
 def cmd_bisect(args: argparse.Namespace) -> int:
     from qwz.qualify.bisect import command
     from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
-    for flag in ("--out", "--force", "--deepspeed-src"):
+    # Whole flags only: the run parser takes no abbreviation ([Note: one error style]).
+    for flag in ("--out", "--force", "--keep-previous", "--deepspeed-src"):
         if any(item == flag or item.startswith(flag + "=") for item in args.run_args):
-            print(
-                f"qwz-qualify {args.command}: error: {flag} is the bisect's to set, not a run "
-                "argument",
-                file=sys.stderr,
-            )
+            refuse(args.command, f"{flag} is the bisect's to set, not a run argument")
             return 2 if args.command == "bisect" else command.STEP_ABORT
     try:  # the run arguments are checked before any commit is checked out
         run = build_parser().parse_args(["run", "--out", str(args.out), *args.run_args])
@@ -471,35 +503,77 @@ def _init_torchrun_group(timeout_s: float) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.evidence import machine
-    from qwz.qualify.run.launch import RankFailure
+    from qwz.qualify.evidence import machine, run_dir
+    from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
     problems = preflight.check_run_request(args)
     if problems:
-        for problem in problems:
-            print(f"qwz-qualify run: error: {problem}", file=sys.stderr)
-        return 2
+        return refuse("run", *problems)
     plan = _plan_to_run(args)
     world_size = preflight.run_world_size(args)
     invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
-    preload = _rank_imports(plan, world_size)
-    conformance = _conformance_table(plan)
+    if args.keep_previous is not None and _writes_the_files():  # [Note: results kept]
+        for line in run_dir.keep_previous(args.out, args.keep_previous):
+            print(f"qwz-qualify run: {line}", file=sys.stderr)
+    run = _Run(plan, world_size, invocation, args.out, time.monotonic())
     try:
-        observations = _run_ranks(plan, world_size, args, invocation, preload)
+        with signals_interrupt():  # from here on, a stopped run says how far it got
+            return _qualify(run, args)
+    except Interrupted as interrupted:
+        if _writes_the_files():
+            _write_interrupted(interrupted, run)
+        raise
+
+
+@dataclasses.dataclass
+class _Run:
+    """A run preflight accepted: what its files are written from."""
+
+    plan: Any
+    world_size: int
+    invocation: dict
+    out: pathlib.Path
+    started_s: float
+    """time.monotonic() when the request was accepted (durations)."""
+    started_at: float = dataclasses.field(default_factory=time.time)
+    """time.time() then (file times)."""
+    phase: str = "starting"
+    """What it is doing now, for interrupted.json."""
+
+
+def _qualify(run: _Run, args: argparse.Namespace) -> int:
+    """The conformance table, the ranks, then the run's files; the exit status."""
+    from qwz.qualify.evidence import build as evidence
+    from qwz.qualify.run.launch import RankFailure
+
+    run.phase = "running the PR's config rules through the subject's parser"
+    preload = _rank_imports(run.plan, run.world_size)
+    conformance = _conformance_table(run.plan)
+    run.phase = "training the arms"
+    try:
+        observations = _run_ranks(run.plan, run.world_size, args, run.invocation, preload)
     except RankFailure as failure:
-        return _write_failure(failure, plan, world_size, invocation, args.out, conformance)
+        run.phase = "writing what the failed ranks left"
+        return _write_failure(
+            failure, run.plan, run.world_size, run.invocation, run.out, conformance, run
+        )
     if observations is None:  # not rank 0
-        return 0
+        return exit_codes.PASS
+    run.phase = "judging the observations and writing the record"
     built = evidence.build_record(
-        plan,
+        run.plan,
         observations,
         ledger_dir=args.ledger,
         min_speedup=args.min_speedup,
-        invocation=invocation,
+        invocation=run.invocation,
         conformance=conformance,
     )
-    return _write_evidence(built, args.out)
+    return _write_evidence(built, run.out)
+
+
+def _writes_the_files() -> bool:
+    """Whether this process writes the run's files: always, but under torchrun rank 0 alone."""
+    return not preflight.under_torchrun() or os.environ.get("RANK") == "0"
 
 
 def _conformance_table(plan) -> dict | None:
@@ -577,22 +651,26 @@ def _run_ranks(
 
 
 def _write_failure(
-    failure, plan, world_size: int, invocation, out: pathlib.Path, conformance=None
+    failure, plan, world_size: int, invocation, out: pathlib.Path, conformance=None, run=None
 ) -> int:
     """A rank raised, died or hung ([Note: failures] in qualify/run/runner.py): the evidence
-    is a FAIL record naming the rank that failed first, the arm and the step; or, where the
-    harness could not observe the subject, no verdict ([Note: harness errors])."""
+    is a FAIL record naming the rank that failed first, the arm and the step; or no verdict:
+    where the harness could not observe the subject ([Note: harness errors]), or where the
+    run's own time limit ran out ([Note: unfinished runs])."""
     from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.evidence import harness_error
+    from qwz.qualify.evidence import harness_error, run_dir
 
     print(f"qwz-qualify: the ranks failed: {failure}", file=sys.stderr)
     if failure.cause is None:
         raise failure
+    if failure.cause.how == "timeout" and run is not None and failure.limit_s is not None:
+        return _write_timed_out(failure, run)
     unjudged = harness_error.unjudged(failure.cause)
     if unjudged is not None:
         verdict, exit_code = unjudged
         content = harness_error.report(failure.cause, plan.subject, invocation, verdict)
         path = harness_error.write(out, content)
+        run_dir.remove_stale(out, [harness_error.FILE_NAME])
         print(f"wrote {path}; {harness_error.summary(content)}")
         return exit_code
     built = evidence.build_failure_record(
@@ -601,9 +679,51 @@ def _write_failure(
     return _write_evidence(built, out)
 
 
+def _write_timed_out(failure, run: _Run) -> int:
+    """[Note: unfinished runs]: ``timed-out.json``, its own verdict naming the limit; exit 3."""
+    from qwz.qualify.evidence import unfinished
+
+    limit_s = failure.limit_s
+    ends = [failure.cause, *failure.context]
+    progress = unfinished.progress(
+        [arm.name for arm in run.plan.arms],
+        {rank: list(kept) for rank, kept in failure.results.items()},
+        {end.rank: end.where for end in ends},
+    )
+    seconds = time.monotonic() - run.started_s
+    content = unfinished.timed_out(limit_s, progress, seconds, run.invocation)
+    _write_unfinished(run.out, unfinished.TIMED_OUT_FILE, content)
+    return exit_codes.INCONCLUSIVE
+
+
+def _write_interrupted(interrupted, run: _Run) -> None:
+    """[Note: unfinished runs]: ``interrupted.json``, what ran and what did not; nothing where
+    the signal came after this run's record was written (the run is done: it is kept)."""
+    from qwz.qualify.evidence import run_dir, unfinished
+
+    record = run.out / run_dir.RECORD
+    if record.is_file() and record.stat().st_mtime >= run.started_at:
+        return
+    finished, where = interrupted.ranks or ({}, {})
+    progress = unfinished.progress([arm.name for arm in run.plan.arms], finished, where)
+    seconds = time.monotonic() - run.started_s
+    content = unfinished.interrupted(
+        interrupted.signal_name, run.phase, progress, seconds, run.invocation
+    )
+    _write_unfinished(run.out, unfinished.INTERRUPTED_FILE, content)
+
+
+def _write_unfinished(out: pathlib.Path, name: str, content: dict) -> None:
+    from qwz.qualify.evidence import run_dir, unfinished
+
+    path = unfinished.write(out, name, content)
+    run_dir.remove_stale(out, [name])
+    print(f"wrote {path}; {unfinished.summary(content)}")
+
+
 def _write_evidence(built, out: pathlib.Path) -> int:
     """The plots, the report and the record of a run in `out`; the run's exit code."""
-    from qwz.qualify.evidence import harness_error, signing
+    from qwz.qualify.evidence import run_dir, signing
     from qwz.qualify.review import outputs
 
     key = signing.configured_key()  # usable: check_run_request tried it
@@ -613,7 +733,9 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     # no record.json, or the previous one, never a partial one (qwz.qualify.files); a
     # plot that fails costs neither ([Note: nothing lost after a run], review/outputs.py).
     plots = outputs.write_run_outputs(built, out, key, _signature_section(built, key)).plots
-    (out / harness_error.FILE_NAME).unlink(missing_ok=True)  # an earlier run's, now moot
+    # An earlier run's files, now moot ([Note: results kept]): its plots that this run
+    # did not draw, a harness-error.json or timed-out.json.
+    run_dir.remove_stale(out, [run_dir.RECORD, run_dir.REPORT, *plots.values()])
     verdict = built.verdict
     status = verdict.status
     if verdict.failed:
@@ -626,7 +748,7 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     scheme = outputs.scheme_sentence(built)
     if scheme:
         print(f"scheme: {scheme}")
-    return EXIT_CODES[verdict.status]
+    return exit_codes.VERDICT_EXITS[verdict.status]
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -643,8 +765,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         key = signing.configured_key()
         loaded = record.load(args.record)
     except (schema.RecordError, signing.SigningKeyError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return refuse("report", str(error))
     if args.format == "junit":
         print(junit.record_junit(loaded), end="")
     elif args.format == "summary":
@@ -652,7 +773,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         print(report.render_markdown(loaded))
         print(_signature_section(loaded, key))
-    return 0
+    return exit_codes.PASS
 
 
 def _signature_section(built, key) -> str:
@@ -669,8 +790,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         key = signing.configured_key()
     except signing.SigningKeyError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return refuse("compare", str(error))
     judge = compare.compare_files
     if matrix.is_matrix_dir(args.baseline) or matrix.is_matrix_dir(args.candidate):
         judge = matrix_compare.compare_matrices  # cell by cell; each pair as below
@@ -693,6 +813,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(junit.comparison_junit(result), end="")
     elif args.format == "summary":
         print(summary.comparison_summary(result), end="")
+    elif result.status == compare.Status.NOT_COMPARABLE:  # [Note: one error style]
+        said = [line.removeprefix("NOT COMPARABLE: ") for line in result.lines]
+        return refuse("compare", *(line for line in said if line != "result: not comparable"))
     else:
         print(result.text())
     return result.status
@@ -700,16 +823,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_history(args: argparse.Namespace) -> int:
     from qwz.qualify.evidence import signing
+    from qwz.qualify.files import writable_directory_problem
     from qwz.qualify.review import history, junit, outputs
 
     if not args.directory.is_dir():
-        print(f"error: {args.directory}: not a directory", file=sys.stderr)
-        return 2
+        return refuse("history", f"{args.directory}: not a directory")
+    problem = args.out and writable_directory_problem(args.out, "--out")
     try:
         key = signing.configured_key()
     except signing.SigningKeyError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return refuse("history", *filter(None, [problem, str(error)]))
+    if problem:
+        return refuse("history", problem)
     nights, problems = history.collect(args.directory)
     plot, drawn = None, None
     if args.out is not None and nights:
@@ -722,54 +847,116 @@ def cmd_history(args: argparse.Namespace) -> int:
         atomic_write_text(args.out / "history.md", text)
     outputs.append_job_summary(text)
     print(junit.history_junit(nights, problems) if args.format == "junit" else text, end="")
-    return 2 if problems or not nights else 0
+    return exit_codes.REFUSED if problems or not nights else exit_codes.PASS
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from qwz.qualify.evidence import schema
+    from qwz.qualify.evidence import run_dir, schema
+    from qwz.qualify.files import writable_directory_problem
     from qwz.qualify.review import history, matrix
 
+    problem = writable_directory_problem(args.baseline_dir, "BASELINE_DIR")
+    if problem is None and not args.force and _holds_a_baseline(args.baseline_dir):
+        problem = (
+            f"{args.baseline_dir}: already holds a baseline; pass --force to replace it "
+            "(the nightly's gate compares with it), or choose another directory"
+        )
+    if problem:
+        return refuse("promote", problem)
     try:
         if matrix.is_matrix_dir(args.record):
             promoted_matrix = matrix.promote_matrix(args.record, args.baseline_dir)
             kept = sum(cell.record is not None for cell in promoted_matrix.cells)
             print(f"promoted {kept} cells of {args.record} to {args.baseline_dir}")
-            return 0
-        promoted = history.promote(args.record, args.baseline_dir)
+            return exit_codes.PASS
+        source = run_dir.record_in(args.record)
+        promoted = history.promote(source, args.baseline_dir)
     except schema.RecordError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return refuse("promote", str(error))
     print(
-        f"promoted {args.record} (head {promoted.head.sha[:12]}, {promoted.created_at}) "
+        f"promoted {source} (head {promoted.head.sha[:12]}, {promoted.created_at}) "
         f"to {args.baseline_dir / 'record.json'}"
     )
-    return 0
+    return exit_codes.PASS
+
+
+def _holds_a_baseline(directory: pathlib.Path) -> bool:
+    """A promoted record or matrix table is there (``promote`` writes one of them last)."""
+    from qwz.qualify.review import matrix
+
+    return (directory / "record.json").exists() or matrix.is_matrix_dir(directory)
+
+
+HANDLERS = {
+    "run": cmd_run,
+    "matrix": cmd_matrix,
+    "report": cmd_report,
+    "compare": cmd_compare,
+    "history": cmd_history,
+    "promote": cmd_promote,
+    "bisect": cmd_bisect,
+    "bisect-step": cmd_bisect,
+    "review": cmd_review,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, run the command, and turn what escapes it into its exit status
+    ([Note: exit statuses]): a signal into 130/143, a closed pipe into a quiet 141, a file
+    the command cannot read or write into one line and 2, and anything else -- a bug of the
+    harness, never the subject's failure -- into its traceback and 4."""
     from qwz.qualify.run.launch import Interrupted
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # [Note: reproduce]
-    handlers = {
-        "run": cmd_run,
-        "matrix": cmd_matrix,
-        "report": cmd_report,
-        "compare": cmd_compare,
-        "history": cmd_history,
-        "promote": cmd_promote,
-        "bisect": cmd_bisect,
-        "bisect-step": cmd_bisect,
-        "review": cmd_review,
-    }
     try:
-        return handlers[args.command](args)
+        return HANDLERS[args.command](args)
     except Interrupted as interrupted:
-        print(
-            f"qwz-qualify: {interrupted}; every rank was stopped and no record was written",
-            file=sys.stderr,
-        )
+        print(f"qwz-qualify {args.command}: {interrupted}; every rank was stopped",
+              file=sys.stderr)  # fmt: skip
         return interrupted.exit_code
+    except KeyboardInterrupt:
+        print(f"qwz-qualify {args.command}: interrupted by SIGINT", file=sys.stderr)
+        return exit_codes.INTERRUPTED_SIGINT
+    except BrokenPipeError:
+        _silence_stdout()
+        return exit_codes.OUTPUT_CLOSED
+    except OSError as error:
+        if error.filename is None:  # not about a file: the harness's own failure
+            return _harness_bug(args.command)
+        return refuse(args.command, _describe_os_error(error))
+    except Exception:
+        return _harness_bug(args.command)
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout went away (``| head``): nothing more is written there, not even
+    the interpreter's last flush (which would print its own BrokenPipeError)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _describe_os_error(error: OSError) -> str:
+    """``PATH: what went wrong`` (``[Errno 30] Read-only file system: 'x'`` -> ``x: read-only
+    file system``)."""
+    path = error.filename if error.filename2 is None else f"{error.filename} -> {error.filename2}"
+    reason = (error.strerror or type(error).__name__).lower()
+    return f"{path}: {reason}"
+
+
+def _harness_bug(command: str) -> int:
+    """An exception the command did not expect: its traceback for whoever fixes it, and the
+    one line that says it is the harness's, never the subject's ([Note: exit statuses])."""
+    import traceback
+
+    traceback.print_exc()
+    print(
+        f"qwz-qualify {command}: HARNESS-ERROR: a bug in qwz-qualify (the traceback above), "
+        "not a verdict on the subject",
+        file=sys.stderr,
+    )
+    return exit_codes.HARNESS_ERROR
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def writable_directory_problem(path: pathlib.Path, flag: str) -> str | None:
             return f"{flag} {path}: exists and is not a directory"
         if not os.access(path, os.W_OK | os.X_OK):
             return f"{flag} {path}: the directory is not writable"
-        return None
+        return _write_probe_problem(path, f"{flag} {path}: cannot write there")
     ancestor = path.absolute().parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -75,4 +75,17 @@ def writable_directory_problem(path: pathlib.Path, flag: str) -> str | None:
         return f"{flag} {path}: {ancestor} is not a directory"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"{flag} {path}: cannot create it, {ancestor} is not writable"
+    return _write_probe_problem(ancestor, f"{flag} {path}: cannot create it in {ancestor}")
+
+
+def _write_probe_problem(directory: pathlib.Path, what: str) -> str | None:
+    """Create and remove a file in `directory`: ``os.access`` says yes to root wherever
+    permissions would (``/proc``, some network mounts), and the work must not be done first."""
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=".qwz-write-probe-", dir=directory)
+    except OSError as error:
+        return f"{what} ({(error.strerror or str(error)).lower()})"
+    os.close(descriptor)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return None

@@ -1,8 +1,10 @@
 """Pre-flight: everything that can be known wrong about a ``run`` before the first rank
-starts -- the subject's flags, ``--out``, the ledger, the signing key, group sizes against
-the shards, the optional packages and the bucket size (requirements.py), local cores and
-host memory, GPU memory (gpu_memory.py) -- so a bad request
-costs nothing (exit 2), never a finished run's evidence; and the plan the arguments ask for.
+starts -- the subject's flags, repeated arms, a world size that cannot judge the gather,
+``--out`` (an earlier run there, [Note: results kept] in evidence/run_dir.py), the ledger,
+the signing key, group sizes against the shards, the optional packages and the bucket size
+(requirements.py), local cores and host memory, GPU memory (gpu_memory.py), a ``--timeout``
+shorter than the run can take (time_floor.py) -- so a bad request costs nothing (exit 2),
+never a finished run's evidence; and the plan the arguments ask for.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     problems = apply_ds_config(args)
     if problems:  # what follows reads the settings the file holds
         return problems
+    problems += _repeated_values(args)
+    problems += _one_rank_problems(args)
     if not args.qwz_gather and args.subject != "deepspeed":
         problems.append("--no-qwz-gather applies to --subject deepspeed only")
     if args.arm_set == "reference" and args.min_speedup is not None:
@@ -78,23 +82,82 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
     problems += requirements.bucket_size_problems(numel, world_size, args.allgather_bucket_size)
     if not under_torchrun():
         problems += _local_resource_problems(world_size, numel)
+        problems += _timeout_problems(args, world_size)
     problems += _gpu_memory_problems(args, world_size, numel)
     return problems
 
 
+def _repeated_values(args: argparse.Namespace) -> list[str]:
+    """A value given twice to a repeated flag (``--group-size 64 --group-size 64``): each is
+    one arm, and two arms of one name cannot be recorded (the matrix spec refuses it too)."""
+    problems = []
+    for name, setting in settings.run_settings().items():
+        values = getattr(args, name, None) or ()
+        if not setting.declaration.repeated or name not in args.given:
+            continue
+        repeated = sorted({value for value in values if list(values).count(value) > 1})
+        for value in repeated:
+            problems.append(
+                f"{setting.flag} {value} is given {list(values).count(value)} times: each value "
+                "is one arm; give it once"
+            )
+    return problems
+
+
+def _one_rank_problems(args: argparse.Namespace) -> list[str]:
+    """One rank sends nothing to quantize: the run could only end INCONCLUSIVE ([Note: one
+    rank] in qualify/evidence/checks.py), known now. ``--allow-one-rank`` runs it anyway (a
+    smoke test of the harness on one device)."""
+    if run_world_size(args) != 1 or getattr(args, "allow_one_rank", False):
+        return []
+    where = "torchrun's world is 1" if under_torchrun() else "--world-size 1"
+    return [
+        f"{where}: one rank sends nothing to quantize, so the gather cannot be judged (the run "
+        "would end INCONCLUSIVE); use 2 or more ranks, or --allow-one-rank for a smoke test"
+    ]
+
+
+def _timeout_problems(args: argparse.Namespace, world_size: int) -> list[str]:
+    """[Note: the time floor] (qualify/time_floor.py): local ranks only."""
+    from qwz.qualify.plan import ArmSpec
+    from qwz.qualify.run.launch import pick_backend
+    from qwz.qualify.time_floor import time_floor, timeout_problem
+
+    arms: list[ArmSpec] = plan_of(args).arms
+    floor = time_floor(
+        workload=args.workload,
+        arms=len(arms),
+        timed_candidates=sum(arm.timed for arm in arms),
+        steps=args.steps,
+        blocks=args.blocks,
+        warmup_steps=args.warmup_steps,
+        block_steps=args.block_steps,
+        on_cpu=pick_backend(world_size) == "gloo",
+    )
+    problem = timeout_problem(args.timeout, floor, args.workload)
+    return [problem] if problem else []
+
+
 def _output_problems(args: argparse.Namespace) -> list[str]:
     """``--out``, the ledger and the signing key: what the run writes and signs with."""
-    from qwz.qualify.evidence import ledger, signing
+    from qwz.qualify.evidence import ledger, run_dir, signing
     from qwz.qualify.files import writable_directory_problem
 
     problems = []
     out_problem = writable_directory_problem(args.out, "--out")
+    keep = getattr(args, "keep_previous", None)
     if out_problem:
         problems.append(out_problem)
-    elif (args.out / "record.json").exists() and not args.force:
+    elif keep is not None and under_torchrun():  # every rank starts writing into --out
+        problems.append("--keep-previous: not under torchrun; give each run its own --out")
+    elif keep is not None:
+        problems += filter(None, [run_dir.keep_previous_problem(args.out, keep)])
+    elif run_dir.holds_a_run(args.out) and not args.force:  # [Note: results kept]
+        found = [name for name in run_dir.RUN_FILES if (args.out / name).exists()]
         problems.append(
-            f"--out {args.out}: already holds a record.json; pass --force to overwrite it, "
-            "or choose another directory"
+            f"--out {args.out}: already holds an earlier run ({', '.join(found)}); pass "
+            "--force to replace it, --keep-previous N to move it aside, or choose another "
+            "directory"
         )
     if args.ledger is not None:
         problems += ledger.validate_directory(args.ledger)

@@ -90,7 +90,7 @@ class RankEnd(NamedTuple):
         if self.how == "exit":
             return f"died with exit code {self.exit_code}"
         if self.how == "timeout":
-            return "did not finish (a hang or a deadlock)"
+            return "did not finish (still running: a hang, or a run longer than the limit)"
         if self.how == "unreported":
             return "ended without a report (killed, or still inside a collective)"
         return f"raised {self.error}"
@@ -280,6 +280,16 @@ def unreported(directory: pathlib.Path, rank: int) -> RankEnd:
     """How `rank` ended as far as the side channel alone tells (no failure report): where it
     last said it was, no more."""
     return RankEnd(rank, "unreported", None, (), None, None, where(directory, rank), time.time())
+
+
+def result_keys(directory: pathlib.Path, world_size: int) -> dict[int, list[str]]:
+    """Every rank's report_result keys, sorted, without reading the values."""
+    found: dict[int, list[str]] = {rank: [] for rank in range(world_size)}
+    for path in sorted(directory.glob("rank*.result.*.pkl")):
+        rank_text, _, key = path.name.removesuffix(".pkl").partition(".result.")
+        with contextlib.suppress(ValueError):
+            found.setdefault(int(rank_text.removeprefix("rank")), []).append(key)
+    return found
 
 
 def results(directory: pathlib.Path, world_size: int) -> dict[int, dict[str, Any]]:

@@ -6,10 +6,10 @@ matrix (a cell's ``run``) and bisect (a trial's ``run``).
   alone, and asks the kernel for SIGTERM when the parent dies (Linux), so even a SIGKILLed
   parent leaves no run behind. SIGINT or SIGTERM to the parent, while :meth:`Stop.installed`,
   is recorded once and passed on to the running child once, or keeps the next child from
-  starting (``run`` then stops every rank and writes nothing: [Note: no orphaned ranks] in
-  qualify/run/launch.py); a child still running ``STOP_GRACE_S`` after the signal is
-  SIGKILLed with its whole session. The parent decides what a stop means (the matrix marks
-  the cells not reached; bisect ends).
+  starting (``run`` then stops every rank and writes no record, only ``interrupted.json``:
+  [Note: no orphaned ranks] in qualify/run/launch.py); a child still running
+  ``STOP_GRACE_S`` after the signal is SIGKILLed with its whole session. The parent decides
+  what a stop means (the matrix marks the cells not reached; bisect ends).
 """
 
 from __future__ import annotations

@@ -158,6 +158,7 @@ def test_a_killed_rank_is_named_with_its_signal_arm_and_last_step(tmp_path):
     out, reports = tmp_path / "out", tmp_path / "tmp"
     reports.mkdir()
     long_run = [*RUN[:2], "--steps", "100000", "--eval-every", "1000", *RUN[6:]]
+    long_run += ["--timeout", "86400"]  # a limit it could meet ([Note: the time floor])
     process = subprocess.Popen(
         [sys.executable, "-m", "qwz.qualify", "run", "--out", str(out), *long_run],
         stdout=subprocess.PIPE,

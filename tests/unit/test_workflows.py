@@ -575,3 +575,36 @@ def test_the_test_command_runs_each_file_on_one_worker(tmp_path):
     for name in ("test_a", "test_b"):
         workers = (tmp_path / f"{name}.workers").read_text().split()
         assert len(workers) == 4 and len(set(workers)) == 1, (name, workers)
+
+
+def _qwz_qualify_lines(script: str) -> list[str]:
+    """The ``qwz-qualify`` command lines of a ci/ script, continuation lines joined."""
+    text = (ROOT / "ci" / script).read_text().replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("qwz-qualify ")]
+
+
+def test_the_main_job_keeps_every_run_and_names_what_it_writes():
+    """Re-running the main job replaced the previous record (it passed --force); its header
+    listed two plots, it writes four ([Note: results kept], evidence/run_dir.py)."""
+    from qwz.qualify.evidence import run_dir
+
+    [run] = _qwz_qualify_lines("qualify-cpu.sh")
+    assert "--force" not in shlex.split(run) and "--keep-previous" in shlex.split(run), run
+    header = "".join(
+        line for line in (ROOT / "ci" / "qualify-cpu.sh").read_text().splitlines()
+        if line.startswith("#")
+    )  # fmt: skip
+    missing = [name for name in run_dir.RUN_FILES if name not in header]
+    assert not missing, f"ci/qualify-cpu.sh's header does not name {missing}"
+
+
+def test_the_nightly_replaces_its_baseline_only_where_asked_to():
+    """``promote`` refuses to replace a baseline without --force: the nightly passes it on
+    QWZ_PROMOTE=1 alone, not where it starts a spec's first baseline."""
+    promotes = [line for line in _qwz_qualify_lines("nightly.sh") if " promote " in line]
+    assert len(promotes) == 2, promotes
+    script = (ROOT / "ci" / "nightly.sh").read_text()
+    forced = script[script.index('"${QWZ_PROMOTE:-0}" = "1"') :].split("elif")[0]
+    assert "promote --force" in forced
+    first = script[script.index('"${QWZ_NEW_BASELINE:-0}" = "1"') :].split("else")[0]
+    assert "promote" in first and "--force" not in first

@@ -33,7 +33,8 @@ bisect.md) and ``command`` (the two commands, ``bisect`` and ``bisect-step``).
   commit did not import, the run was refused). The search is deterministic given those
   files, so a bisect started again over the same directory walks the same path, reuses every
   attempt it finds and runs only what is missing. An interrupted trial leaves neither (the
-  run writes its record atomically, and an interrupted one writes nothing), so it is the
-  one trial run again. Records do not depend on the oracle: a ``--hash`` bisect over the
-  directory of a finished check bisect runs only the commits its own path adds.
+  run writes its record atomically, and an interrupted one only ``interrupted.json``, which
+  is no record), so it is the one trial run again, over that file. Records do not depend on
+  the oracle: a ``--hash`` bisect over the directory of a finished check bisect runs only
+  the commits its own path adds.
 """

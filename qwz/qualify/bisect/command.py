@@ -1,11 +1,12 @@
 """``qwz-qualify bisect`` and ``qwz-qualify bisect-step``: the request checked, the oracle
 fixed by the good and bad heads, the search walked, the result written.
 
-Exit codes: ``bisect`` 0 the first bad commit was found, 1 nothing to find (the bad head is
-not bad for the oracle), 2 refused (with why: a bad revision, a range that is not first-parent
-history, a good head that is not good, a head that cannot be qualified, a directory of
-another request), 3 skipped commits hide the answer (bisect.md names the range),
-128 + signal when SIGINT/SIGTERM stopped it (every record is kept).
+Exit codes ([Note: exit statuses] in qualify/exit_codes.py): ``bisect`` 0 the first bad
+commit was found, 2 refused (with why: a bad revision, a range that is not first-parent
+history, a good head that is not good, a bad head that is not bad for the oracle -- "nothing
+to find", written to bisect.md --, a head that cannot be qualified, a directory of another
+request), 3 skipped commits hide the answer (bisect.md names the range), 128 + signal when
+SIGINT/SIGTERM stopped it (every record is kept).
 ``bisect-step`` (a ``git bisect run`` command): 0 good, 1 bad, 125 skip, 128 when the request
 is refused or there is nothing to find (git aborts the bisect on exit codes above 127).
 """
@@ -17,12 +18,19 @@ import sys
 import time
 from typing import Any, NamedTuple
 
+from qwz.qualify import exit_codes
 from qwz.qualify.bisect import history, oracle, result, search, state, trial, worktrees
 from qwz.qualify.evidence import record as records
 from qwz.qualify.evidence.schema import Record, RecordError
 
-FOUND, NOTHING, REFUSED, HIDDEN = 0, 1, 2, 3
-STEP_GOOD, STEP_BAD, STEP_SKIP, STEP_ABORT = 0, 1, 125, 128
+FOUND = exit_codes.PASS
+NOTHING = exit_codes.REFUSED
+"""The bad head is not bad: the request's premise is false, as with a good head that is not
+good (no command gives 1 but for the subject's failure)."""
+REFUSED = exit_codes.REFUSED
+HIDDEN = exit_codes.INCONCLUSIVE
+STEP_GOOD, STEP_BAD = exit_codes.GIT_BISECT_GOOD, exit_codes.GIT_BISECT_BAD
+STEP_SKIP, STEP_ABORT = exit_codes.GIT_BISECT_SKIP, exit_codes.GIT_BISECT_ABORT
 
 
 class Refused(Exception):
@@ -30,7 +38,7 @@ class Refused(Exception):
 
 
 class NothingToFind(Exception):
-    """The bad head is not bad for the oracle (exit 1)."""
+    """The bad head is not bad for the oracle (exit 2, "nothing to find")."""
 
 
 class Options(NamedTuple):
@@ -49,6 +57,11 @@ class Options(NamedTuple):
 
 def _say(text: str) -> None:
     print(f"qwz-qualify bisect: {text}", file=sys.stderr, flush=True)
+
+
+def _refuse(command: str, problem: object) -> None:
+    """[Note: one error style] (qualify/cli_parser.py), which this layer does not import."""
+    print(f"qwz-qualify {command}: error: {problem}", file=sys.stderr, flush=True)
 
 
 class Session:
@@ -128,13 +141,15 @@ def _resolve(options: Options) -> tuple[pathlib.Path, str, str]:
     must stay the same commits for every step.)"""
     try:
         repository = history.top_level(options.repository)
-        return (
-            repository,
-            history.commit_sha(repository, options.good),
-            history.commit_sha(repository, options.bad),
-        )
-    except history.GitError as error:
-        raise Refused(str(error)) from None
+    except history.GitError:
+        raise Refused(f"--repo {options.repository} is not a git repository") from None
+    shas = []
+    for flag, revision in (("--good", options.good), ("--bad", options.bad)):
+        try:
+            shas.append(history.commit_sha(repository, revision))
+        except history.GitError:
+            raise Refused(f"{flag} {revision} is not a commit in {repository}") from None
+    return repository, shas[0], shas[1]
 
 
 def _request(options: Options, repository: pathlib.Path, good: str, bad: str) -> dict[str, Any]:
@@ -236,7 +251,7 @@ def run_bisect(options: Options) -> int:
     try:
         request, session = _open(options)
     except Refused as error:
-        _say(f"refused: {error}")
+        _refuse("bisect", error)
         return REFUSED
     repository = pathlib.Path(request["repository"])
     summary = result.Summary(request, options.out, started)
@@ -264,7 +279,7 @@ def run_step(options: Options) -> int:
         judge_by = build_oracle(options, session, request["good"], request["bad"])
         sha = history.commit_sha(pathlib.Path(request["repository"]), "HEAD")
     except (Refused, NothingToFind, history.GitError) as error:
-        _say(f"step aborted: {error}")
+        _refuse("bisect-step", f"{error} (exit {STEP_ABORT}: git aborts the bisect)")
         return STEP_ABORT
     judgement = session.judge(sha, judge_by)
     _say(f"{sha[:12]} {judgement.verdict}: {judgement.why}")

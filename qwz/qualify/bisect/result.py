@@ -59,8 +59,8 @@ class Summary:
         }
         atomic_write_text(self.out / "bisect.json", json.dumps(payload, indent=2) + "\n")
         atomic_write_text(self.out / "bisect.md", render_markdown(payload))
-        if why:
-            print(f"qwz-qualify bisect: {status}: {why}", file=sys.stderr)
+        if why:  # a refusal in the one error style ([Note: one error style], cli_parser.py)
+            print(f"qwz-qualify bisect: error: {status}: {why}", file=sys.stderr)
         print(f"wrote {self.out / 'bisect.json'} and {self.out / 'bisect.md'}: {headline(payload)}")
         return exit_code
 

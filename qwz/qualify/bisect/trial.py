@@ -89,8 +89,10 @@ def run_trial(request: dict[str, Any], out: pathlib.Path, attempt: Attempt) -> d
     why = prepared if isinstance(prepared, str) else None
     if why is None:
         first_on_path = worktree if request["subject"] == "qwz" else QWZ_ROOT
+        # --force: the attempt directory is the bisect's; what an interrupted trial left
+        # there (interrupted.json, [Note: unfinished runs]) is replaced when it runs again.
         command = [sys.executable, "-m", "qwz.qualify", "run", "--out", str(attempt.directory),
-                   *prepared, *request["run_args"]]  # fmt: skip
+                   "--force", *prepared, *request["run_args"]]  # fmt: skip
         log = attempt.directory / "run.log"
         env = _environment(first_on_path, attempt.sha)
         exit_code = _run_logged(command, worktree, env, log)

@@ -6,7 +6,7 @@ A check judges the subject; a run in which the harness itself could not read the
 capability] in qwz/integrations/deepspeed/structure.py) has no evidence about the subject
 either way, so it must not end FAIL (a subject's verdict) nor become a crash record whose
 checks blame the arms. Such a run ends ``HARNESS-ERROR`` with its own exit code,
-:data:`HARNESS_ERROR_EXIT` (run's others: 0 PASS, 1 FAIL, 2 refused, 3 INCONCLUSIVE), and
+:data:`HARNESS_ERROR_EXIT` ([Note: exit statuses] in qualify/exit_codes.py), and
 instead of a record writes ``harness-error.json`` in ``--out``: what the harness needed (the
 error's message), the rank and where it was, and the subject's identity -- its version
 (a checkout's real one) and commit -- beside the harness's own head. A stale ``record.json``
@@ -31,13 +31,14 @@ import json
 import pathlib
 from typing import Any
 
+from qwz.qualify import exit_codes
 from qwz.qualify.rank_reports import RankEnd
 
 HARNESS_ERROR = "HARNESS-ERROR"
-HARNESS_ERROR_EXIT = 4
+HARNESS_ERROR_EXIT = exit_codes.HARNESS_ERROR
 FILE_NAME = "harness-error.json"
 CANNOT_RUN = "CANNOT-RUN"
-CANNOT_RUN_EXIT = 5
+CANNOT_RUN_EXIT = exit_codes.CANNOT_RUN_HERE
 CANNOT_RUN_TYPES = ("RunnerLacksCapability",)
 """Exception types of a subject that needs what this runner lacks ([Note: cannot run on this
 runner])."""

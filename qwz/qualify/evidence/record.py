@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from qwz import jsonio
 from qwz.qualify.evidence.rejudge import absent_inputs, rejudge
+from qwz.qualify.evidence.run_dir import record_in
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.seal import canonical_digest, verdict_of
 from qwz.qualify.evidence.signing import SigningKey, SigningKeyError, configured_key, sign, verifies
@@ -48,10 +49,12 @@ def save(record: Record, path: pathlib.Path, *, key: SigningKey | None = None) -
 def load(path: str | pathlib.Path) -> Record:
     """Read and verify a record; any problem is a RecordError of one line naming the file.
 
-    The file is read by ``qwz.jsonio`` ([Note: bounded JSON]: regular files only, size,
-    depth, integer and list bounds, no NaN/Infinity, no duplicate keys) and validated in
-    pydantic's strict mode: ``"2"`` is not an int, ``"false"`` not a bool."""
-    path = pathlib.Path(path)
+    `path` is the record's file or its run directory (run_dir.record_in: a directory whose
+    run left no record is refused naming the file that says why). The file is read by
+    ``qwz.jsonio`` ([Note: bounded JSON]: regular files only, size, depth, integer and list
+    bounds, no NaN/Infinity, no duplicate keys) and validated in pydantic's strict mode:
+    ``"2"`` is not an int, ``"false"`` not a bool."""
+    path = record_in(pathlib.Path(path))
     try:
         payload = jsonio.read_json_file(path, what="record")
     except jsonio.JsonInputError as error:

@@ -14,14 +14,17 @@
 [Note: matrix signals]
   Each cell's ``run`` is started in its own session, so a Ctrl-C reaches the matrix alone;
   the matrix forwards SIGINT or SIGTERM to the running cell once (``run`` then stops its
-  ranks and writes nothing), waits for it (SIGKILL after ``supervise.STOP_GRACE_S``), marks
-  the cells not reached as "not run", writes the table and exits 128 + the signal number.
+  ranks and writes no record, only ``interrupted.json``), waits for it (SIGKILL after
+  ``supervise.STOP_GRACE_S``), marks the cells not reached as "not run", writes the table
+  and exits 128 + the signal number.
   The child asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell
   running ([Note: supervising a run], qualify/supervise.py).
 
 How a cell's end reads: exit 0, 1 or 3 with a record that loads is its verdict (the
 record's own); exit 4 with ``harness-error.json`` is "HARNESS-ERROR" with what the harness
-needed (run again on the next start, like any cell without a record); exit 2 is "not run"
+needed (run again on the next start, like any cell without a record); exit 3 with
+``timed-out.json`` is INCONCLUSIVE without a record, naming the cell's ``--timeout``
+([Note: unfinished runs], run again on the next start); exit 2 is "not run"
 with ``run``'s refusal (its ``error:`` lines on stderr);
 130/143 while the matrix was being stopped is "not run" (interrupted); anything else, or a
 verdict exit without a loadable record of the cell's plan, is "crashed" with why.
@@ -44,8 +47,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qwz.kernels import fused_available
-from qwz.qualify import preflight, supervise
-from qwz.qualify.evidence import harness_error
+from qwz.qualify import exit_codes, preflight, supervise
+from qwz.qualify.evidence import harness_error, unfinished
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
@@ -56,8 +59,8 @@ from qwz.qualify.review.matrix import MatrixCell
 from qwz.qualify.supervise import Stop
 
 """Seconds a stopped cell's ``run`` has to stop its ranks before it is killed."""
-VERDICT_EXITS = {0: "PASS", 1: "FAIL", 3: "INCONCLUSIVE"}
-REFUSED_EXIT = 2
+VERDICT_EXITS = {code: status for status, code in exit_codes.VERDICT_EXITS.items()}
+REFUSED_EXIT = exit_codes.REFUSED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +209,10 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
             )
         reason = f"run exited {code} ({verdict}) but wrote no readable "
         reason += harness_error.FILE_NAME
+    elif code == exit_codes.INCONCLUSIVE and (timed_out := _timed_out(run.cell_dir)):
+        return _row(
+            cell, arguments, status="INCONCLUSIVE", kind="ran", reason=timed_out, wall_s=wall_s
+        )
     elif code in VERDICT_EXITS:
         record, why = finished_record(run.cell_dir, run.plan, run.world_size)
         if record is None:
@@ -228,6 +235,13 @@ def _ended(cell: Cell, arguments: list[str], code: int, run: _Launched, stop: St
         reason = f"run exited {code}, which run never gives for a finished run"
     reason += f" (last stderr line: {last.strip()})" if last else ""
     return _row(cell, arguments, status="crashed", kind="crashed", reason=reason, wall_s=wall_s)
+
+
+def _timed_out(cell_dir: pathlib.Path) -> str | None:
+    """The TIMED-OUT line of the cell's ``timed-out.json``, None without one."""
+    if not (cell_dir / unfinished.TIMED_OUT_FILE).is_file():
+        return None
+    return unfinished.read_summary(cell_dir)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from qwz.qualify import exit_codes
 from qwz.qualify.evidence.record import load
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import MACHINE_FIELDS, Check, Record, RecordError
@@ -74,9 +75,9 @@ from qwz.qualify.review.formatting import (
 class Status(enum.IntEnum):
     """The gate's answer, also the exit status of ``qwz-qualify compare``."""
 
-    NO_REGRESSION = 0
-    REGRESSION = 1
-    NOT_COMPARABLE = 2
+    NO_REGRESSION = exit_codes.PASS
+    REGRESSION = exit_codes.FAIL
+    NOT_COMPARABLE = exit_codes.REFUSED
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,8 @@ class RankFailure(RuntimeError):
         self.cause = cause
         self.context = context
         self.results = results or {}
+        self.limit_s: float | None = None
+        """The time limit that ran out, where that is how the ranks ended (else None)."""
 
 
 class Interrupted(BaseException):  # like KeyboardInterrupt: not caught by `except Exception`
@@ -108,7 +110,22 @@ class Interrupted(BaseException):  # like KeyboardInterrupt: not caught by `exce
     def __init__(self, signum: int):
         self.signum = signum
         self.exit_code = 128 + signum
+        self.ranks: RanksSoFar | None = None
+        """How far the ranks had got, where a LocalWorld was running them."""
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class RanksSoFar(NamedTuple):
+    """What the ranks had done when they were stopped (their side-channel reports)."""
+
+    finished: dict[int, list[str]]
+    """Per rank, the keys of its report_result values (qualify's runner: the arms it finished)."""
+    where: dict[int, dict[str, Any]]
+    """Per rank, where it last said it was (report_progress)."""
 
 
 @contextlib.contextmanager
@@ -289,6 +306,20 @@ class LocalWorld:
         rank_reports.clear(self.reports_dir)
         for task_queue in self._tasks:
             task_queue.put((fn, args, kwargs))
+        try:
+            return self._wait(fn)
+        except Interrupted as interrupted:  # read before leaving the world removes the reports
+            interrupted.ranks = RanksSoFar(
+                rank_reports.result_keys(self.reports_dir, self.world_size),
+                {
+                    rank: rank_reports.where(self.reports_dir, rank)
+                    for rank in range(self.world_size)
+                },
+            )
+            raise
+
+    def _wait(self, fn: Callable[..., Any]) -> list[Any]:
+        """The results of `fn` on every rank, or the RankFailure (see ``run``)."""
         outcomes: dict[int, tuple[bool, Any, float]] = {}
         died_at: dict[int, float] = {}
         deadline = time.monotonic() + self.timeout_s
@@ -298,7 +329,8 @@ class LocalWorld:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 ends = [self._timed_out(rank) for rank in missing]
-                failure = self._failure(fn, ends, outcomes, f" within {self.timeout_s:.0f} s")
+                failure = self._failure(fn, ends, outcomes, f" within {self.timeout_s:g} s")
+                failure.limit_s = self.timeout_s
                 self.close(kill=True)
                 raise failure
             self._poll(outcomes, died_at, POLL_S)

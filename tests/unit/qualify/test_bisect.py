@@ -274,6 +274,18 @@ def test_refusals_and_nothing_to_find(monkeypatch, tmp_path, capsys):
     assert "--steps: 0 is invalid" in capsys.readouterr().err
     assert cli.main([*argv[:-3], "--check", "no-such", "--", "--workload", "mlp"]) == 2
     assert "names no check" in capsys.readouterr().err
+    repository = tmp_path / "repo"
+    argv = ["bisect", "--repo", str(repository), "--good", "nosuchbase", "--bad", shas[1],
+            "--out", str(tmp_path / "o5"), "--", "--workload", "mlp"]  # fmt: skip
+    assert cli.main(argv) == 2  # a sentence, not the git command that failed
+    assert capsys.readouterr().err == (
+        f"qwz-qualify bisect: error: --good nosuchbase is not a commit in {repository}\n"
+    )
+    argv[2] = str(tmp_path)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"qwz-qualify bisect: error: --repo {tmp_path} is not a git repository\n"
+    )
 
 
 def test_a_good_head_off_the_first_parent_line_is_refused(tmp_path):
@@ -356,3 +368,32 @@ def test_a_qwz_commit_is_qualified_by_the_bisecting_harness(tmp_path):
     judge = worktree / "qwz" / "qualify"
     assert "the commit" not in (judge / "__init__.py").read_text()
     assert worktrees.harness_digest(judge) == worktrees.harness_digest()
+
+
+def test_an_interrupted_attempt_is_run_again_over_what_it_left(monkeypatch, tmp_path):
+    """An interrupted trial's run leaves interrupted.json ([Note: unfinished runs]), which run's
+    preflight refuses to replace without --force ([Note: results kept]): the trial's own run,
+    in the bisect's own attempt directory, replaces it, so a resumed bisect runs it again."""
+    from qwz.qualify import preflight
+    from qwz.qualify.bisect import state
+
+    out, sha = tmp_path / "out", "a" * 40
+    attempt = state.next_attempt(out, sha)
+    (attempt.directory / "interrupted.json").write_text('{"verdict": null}')
+    assert state.next_attempt(out, sha).directory == attempt.directory  # no record, no outcome
+    commands = []
+
+    def qualify(command_line, cwd, env, log):
+        commands.append(command_line)
+        return 2
+
+    monkeypatch.setattr(trial, "_prepare", lambda request, out, sha, attempt: (tmp_path, []))
+    monkeypatch.setattr(trial, "_run_logged", qualify)
+    monkeypatch.setattr(worktrees, "remove", lambda repository, worktree: None)
+    monkeypatch.setattr(trial, "_last_line", lambda log: "")
+    request = {"repository": str(tmp_path), "subject": "qwz", "setup": None,
+               "run_args": ["--workload", "mlp"]}  # fmt: skip
+    trial.run_trial(request, out, attempt)
+    [run] = commands
+    args = cli.build_parser().parse_args(run[run.index("qwz.qualify") + 1 :])
+    assert preflight._output_problems(args) == []

@@ -110,7 +110,7 @@ def test_promote_refuses_a_failing_or_corrupt_record(tmp_path, capsys, kind):
     baseline = tmp_path / "baseline"
     assert cli.main(["promote", str(source), str(baseline)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {source}: ")
+    assert err.startswith(f"qwz-qualify promote: error: {source}: ")
     assert "cannot become the baseline" in err if kind == "failing" else "not valid JSON" in err
     assert not (baseline / "record.json").exists()
 

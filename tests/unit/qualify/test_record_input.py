@@ -134,12 +134,14 @@ def test_report_and_compare_exit_2_with_the_line(tmp_path, capsys, corrupt, mess
     assert cli.main(["report", str(bad)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith(f"error: {bad}: ") and captured.err.count("\n") == 1
-    assert "Traceback" not in captured.err
+    assert captured.err.startswith(f"qwz-qualify report: error: {bad}: ")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert cli.main(["compare", str(good), str(bad)]) == 2
-    captured = capsys.readouterr()
-    assert f"candidate record rejected: {bad}: " in captured.out
-    assert "Traceback" not in captured.out + captured.err
+    captured = capsys.readouterr()  # [Note: one error style]: stderr, the program's name
+    assert captured.out == "" and captured.err.count("\n") == 1
+    said = f"qwz-qualify compare: error: candidate record rejected: {bad}: "
+    assert captured.err.startswith(said)
+    assert "Traceback" not in captured.err
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):

@@ -1,5 +1,7 @@
 """``qwz-qualify run`` refuses what it cannot do before any rank starts, writes atomically,
-and turns SIGINT/SIGTERM into exit 130/143 (issue 9, "run fails fast and cleans up").
+and turns SIGINT/SIGTERM into exit 130/143 (issue 9, "run fails fast and cleans up"); what
+is knowable before a rank starts is refused then, and a run that ends on its time limit or a
+signal says so in its own file (issue 49).
 
 No training here: flags go through ``build_parser`` and ``check_run_request`` (the
 ``mlp`` workload, counted on the meta device); ``launch`` is replaced where ``cmd_run``
@@ -10,6 +12,8 @@ must get past the checks. The real SIGTERM of a running ``run`` is in
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
 import pathlib
 import signal
@@ -20,6 +24,7 @@ from hypothesis import strategies as st
 
 from qwz.qualify import cli, files, preflight
 from qwz.qualify.evidence import ledger
+from qwz.qualify.rank_reports import RankEnd
 from qwz.qualify.run import launch
 from tests.extras import NEEDS_TRANSFORMERS
 
@@ -128,13 +133,104 @@ def test_out_that_is_not_writable(tmp_path, monkeypatch):
     ]
 
 
+def test_out_where_nothing_can_be_written_though_permissions_allow(tmp_path, monkeypatch):
+    """Root passes os.access in /proc or on some network mounts; the run then trained for
+    nothing and failed writing its record. A file is created and removed there first."""
+
+    def cannot_write(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", cannot_write)
+    assert problems(tmp_path) == [
+        f"--out {tmp_path / 'out'}: cannot create it in {tmp_path} (read-only file system)"
+    ]
+    (tmp_path / "out").mkdir()
+    assert problems(tmp_path) == [
+        f"--out {tmp_path / 'out'}: cannot write there (read-only file system)"
+    ]
+
+
 def test_an_existing_record_needs_force(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "record.json").write_text("{}")
     found = problems(tmp_path)
-    assert len(found) == 1 and "already holds a record.json; pass --force" in found[0]
+    assert (
+        len(found) == 1 and "already holds an earlier run (record.json); pass --force" in (found[0])
+    )
     assert problems(tmp_path, "--force") == []
+    assert problems(tmp_path, "--keep-previous", "3") == []
+
+
+@pytest.mark.parametrize("left", ["harness-error.json", "timed-out.json", "interrupted.json"])
+def test_an_earlier_run_without_a_record_needs_force_too(tmp_path, left):
+    """Its file would be removed when the new run writes its own ([Note: results kept])."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / left).write_text("{}")
+    assert problems(tmp_path) == [
+        f"--out {tmp_path / 'out'}: already holds an earlier run ({left}); pass --force to "
+        "replace it, --keep-previous N to move it aside, or choose another directory"
+    ]
+    (tmp_path / "out" / left).unlink()
+    (tmp_path / "out" / "notes.txt").write_text("the user's, no run's")
+    assert problems(tmp_path) == []
+
+
+def test_keep_previous_and_force_are_one_choice(capsys):
+    last = usage_error(capsys, "--out", "x", "--force", "--keep-previous", "2")
+    assert "not allowed with argument" in last
+    assert "--keep-previous: 0 is invalid" in usage_error(
+        capsys, "--out", "x", "--keep-previous", "0"
+    )
+
+
+def test_keep_previous_is_refused_under_torchrun(tmp_path, monkeypatch):
+    """Every torchrun rank writes into --out (its rank reports) while rank 0 would move it."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    found = problems(tmp_path, "--keep-previous", "2")
+    assert "--keep-previous: not under torchrun; give each run its own --out" in found
+
+
+def test_keep_previous_refuses_a_file_in_the_way(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out.2").write_text("x")
+    assert problems(tmp_path, "--keep-previous", "1") == []
+    assert problems(tmp_path, "--keep-previous", "2") == [
+        f"--keep-previous: {tmp_path / 'out.2'} exists and is not a directory"
+    ]
+
+
+def test_a_repeated_group_size_is_refused_before_any_rank_starts(tmp_path):
+    """Before: five arms trained, then `RecordError: arm names repeat`, exit 1, no record."""
+    found = problems(tmp_path, "--group-size", "64", "--group-size", "64")
+    assert found == ["--group-size 64 is given 2 times: each value is one arm; give it once"]
+    found = problems(tmp_path, *["--group-size", "64"] * 3, "--group-size", "8192")
+    assert found == ["--group-size 64 is given 3 times: each value is one arm; give it once"]
+
+
+def test_one_rank_is_refused_unless_asked_for(tmp_path):
+    """One rank sends nothing to quantize: INCONCLUSIVE is known before it starts."""
+    assert problems(tmp_path, "--world-size", "1") == [
+        "--world-size 1: one rank sends nothing to quantize, so the gather cannot be judged "
+        "(the run would end INCONCLUSIVE); use 2 or more ranks, or --allow-one-rank for a "
+        "smoke test"
+    ]
+    assert problems(tmp_path, "--world-size", "1", "--allow-one-rank") == []
+
+
+def test_a_timeout_shorter_than_the_run_can_take_is_refused(tmp_path, monkeypatch):
+    """[Note: the time floor]: the mlp workload's default run (4 arms of 20 steps, one timed
+    candidate in 4 blocks of 2 + 5 steps per arm) on CPU ranks."""
+    monkeypatch.setattr(launch, "pick_backend", lambda world_size: "gloo")
+    found = problems(tmp_path, "--timeout", "3")
+    assert len(found) == 1 and found[0].startswith(
+        "--timeout 3: shorter than this run can take (at least 3.7 s: 136 steps of mlp at "
+        "0.020 s or more each on a CPU rank, after 1 s to start the ranks)"
+    ), found
+    assert found[0].endswith("give more, e.g. --timeout 40")
+    assert problems(tmp_path, "--timeout", "4") == []
+    assert problems(tmp_path, "--timeout", "3", "--steps", "1", "--blocks", "0") == []
 
 
 def test_ledger_that_is_a_file(tmp_path):
@@ -206,19 +302,92 @@ def test_cmd_run_refuses_with_exit_2_before_launching(tmp_path, monkeypatch, cap
     )
 
 
+RUN = ["--workload", "mlp", "--kernels", "eager"]
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_an_interrupted_run_exits_128_plus_signal_and_writes_nothing(
+def test_an_interrupted_run_exits_128_plus_signal_and_says_how_far_it_got(
     tmp_path, monkeypatch, capsys, signum, code
 ):
+    """[Note: unfinished runs]: interrupted.json, what ran and what did not; no record."""
+
     def interrupted(*args, **kwargs):
-        raise launch.Interrupted(signum)
+        stopped = launch.Interrupted(signum)
+        stopped.ranks = launch.RanksSoFar(
+            {0: ["reference"], 1: ["reference"]},
+            {0: {"arm": "calibration-g64", "step": 3}, 1: {"arm": "calibration-g64", "step": 2}},
+        )
+        raise stopped
 
     monkeypatch.setattr(launch, "launch", interrupted)
     out = tmp_path / "out"
-    argv = ["run", "--out", str(out), "--workload", "mlp", "--kernels", "eager"]
-    assert cli.main(argv) == code
-    assert not out.exists()
-    assert f"interrupted by {signal.Signals(signum).name}" in capsys.readouterr().err
+    assert cli.main(["run", "--out", str(out), *RUN]) == code
+    assert sorted(path.name for path in out.iterdir()) == ["interrupted.json"]
+    written = json.loads((out / "interrupted.json").read_text())
+    name = signal.Signals(signum).name
+    assert written["verdict"] is None and written["interrupted"] == name
+    assert written["phase"] == "training the arms"
+    assert written["arms"]["finished"] == ["reference"]
+    assert written["arms"]["running"] == "calibration-g64"
+    assert written["arms"]["not_started"] == ["candidate-g64", "candidate-g64-chunked"]
+    captured = capsys.readouterr()
+    assert f"interrupted by {name}" in captured.err
+    assert (
+        f"INTERRUPTED (no verdict): interrupted by {name} while training the arms in arm "
+        "calibration-g64 at step 2; arms finished: reference"
+    ) in captured.out
+    assert cli.main(["report", str(out)]) == 2  # never read as a verdict
+    assert "its run left no record: INTERRUPTED (no verdict)" in capsys.readouterr().err
+
+
+def test_a_signal_after_the_record_is_written_keeps_it(tmp_path, monkeypatch, capsys):
+    """The run is done once its record is written: a late Ctrl-C must not replace it."""
+    from qwz.qualify.evidence import build, record
+
+    from ..records import make_record
+
+    def written_then_interrupted(built, out):
+        record.save(make_record(), out / "record.json")
+        raise launch.Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(launch, "launch", lambda *args, **kwargs: [[]])
+    monkeypatch.setattr(build, "build_record", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cli, "_write_evidence", written_then_interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli.main(["run", "--out", str(out), *RUN]) == 130
+    assert sorted(path.name for path in out.iterdir()) == ["record.json"]
+
+
+def test_a_run_that_outlasts_its_timeout_has_its_own_verdict_naming_the_limit(
+    tmp_path, monkeypatch, capsys
+):
+    """Before: exit 1, a FAIL record, `FAIL: finite[reference]`, "a hang or a deadlock"."""
+
+    def times_out(*args, **kwargs):
+        ends = [
+            RankEnd(rank, "timeout", "still running", (), None, None, where, 0.0)
+            for rank, where in enumerate([{"arm": "reference", "step": 15}] * 2)
+        ]
+        failure = launch.rank_failure(ends, 2, "qualify_rank", " within 8 s", {}, tmp_path)
+        failure.limit_s = 8.0
+        raise failure
+
+    monkeypatch.setattr(launch, "launch", times_out)
+    out = tmp_path / "out"
+    assert cli.main(["run", "--out", str(out), *RUN, "--timeout", "8"]) == 3
+    assert sorted(path.name for path in out.iterdir()) == ["timed-out.json"]
+    written = json.loads((out / "timed-out.json").read_text())
+    assert (written["verdict"], written["limit_s"]) == ("TIMED-OUT", 8.0)
+    assert written["arms"]["running"] == "reference" and written["arms"]["finished"] == []
+    said = capsys.readouterr().out
+    assert (
+        "TIMED-OUT: the run's time limit, --timeout 8 s, ran out in arm reference at step 15"
+        in (said)
+    )
+    assert "FAIL" not in said
+    assert cli.main(["report", str(out)]) == 2
+    assert "its run left no record: TIMED-OUT" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -151,7 +151,7 @@ def test_require_signature_refuses_a_resealed_record(no_key, monkeypatch, tmp_pa
     use_key(monkeypatch)
     capsys.readouterr()
     assert _compare(str(baseline), str(candidate), "--require-signature") == 2
-    assert "does not verify" in capsys.readouterr().out
+    assert "does not verify" in capsys.readouterr().err
 
 
 def test_require_signature_refuses_a_record_whose_signature_was_dropped(
@@ -161,8 +161,9 @@ def test_require_signature_refuses_a_record_whose_signature_was_dropped(
     resealed(candidate, lambda payload: (faster(payload), payload.pop("signature")))
     use_key(monkeypatch)
     assert _compare(str(baseline), str(candidate), "--require-signature") == 2
-    out = capsys.readouterr().out
-    assert f"candidate record {candidate}: a verified signature is required; it is unsigned" in out
+    err = capsys.readouterr().err
+    assert err.startswith("qwz-qualify compare: error: ")
+    assert f"candidate record {candidate}: a verified signature is required; it is unsigned" in err
 
 
 def test_require_signature_refuses_another_key(no_key, monkeypatch, tmp_path, capsys):
@@ -170,13 +171,13 @@ def test_require_signature_refuses_another_key(no_key, monkeypatch, tmp_path, ca
     candidate = signed(tmp_path / "b.json", key_hex=OTHER_HEX)
     key = use_key(monkeypatch)
     assert _compare(str(baseline), str(candidate), "--require-signature") == 2
-    assert f"the configured key is {key.key_id}" in capsys.readouterr().out
+    assert f"the configured key is {key.key_id}" in capsys.readouterr().err
 
 
 def test_require_signature_without_a_key_refuses(no_key, tmp_path, capsys):
     baseline, candidate = signed(tmp_path / "a.json"), signed(tmp_path / "b.json")
     assert _compare(str(baseline), str(candidate), "--require-signature") == 2
-    assert "no key configured" in capsys.readouterr().out
+    assert "no key configured" in capsys.readouterr().err
 
 
 def test_report_and_compare_label_unsigned_records(no_key, tmp_path, capsys):

@@ -39,6 +39,8 @@ QUALIFY_TOP = {
     "qwz.qualify.values": "qualify.base",
     "qwz.qualify.rank_reports": "qualify.base",
     "qwz.qualify.supervise": "qualify.base",
+    "qwz.qualify.exit_codes": "qualify.base",
+    "qwz.qualify.time_floor": "qualify.preflight",
     "qwz.qualify.preflight": "qualify.preflight",
     "qwz.qualify.gpu_memory": "qualify.preflight",
     "qwz.qualify.kernel_check": "qualify.preflight",
@@ -47,6 +49,7 @@ QUALIFY_TOP = {
     "qwz.qualify.presets": "qualify.preflight",
     "qwz.qualify.settings": "qualify.preflight",
     "qwz.qualify.cli": "qualify.cli",
+    "qwz.qualify.cli_parser": "qualify.cli",
     "qwz.qualify.__main__": "qualify.cli",
 }
 
