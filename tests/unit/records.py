@@ -92,6 +92,8 @@ def _memory(arm: str) -> list[dict[str, Any]]:
             "kind": "cuda",
             "peak_allocated_bytes": 61_341_696 + 4_096 * rank,
             "peak_reserved_bytes": 81_788_928,
+            "staging_peak_bytes": 0 if arm == REFERENCE else 98_816,
+            "staging_largest": [] if arm == REFERENCE else [[16_384, "zero/gather.py:95 in run"]],
         }
         for rank in range(2)
     ]

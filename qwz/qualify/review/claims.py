@@ -44,6 +44,8 @@ GROUP_SIZE_KEY = "zero_quantized_weights_group_size"
 SCHEME_CLAIM = "int8 codes from a scheme the contract names (the PR: DeepSpeed's ZeRO++ quantizer)"
 """The row that names the scheme the head wrote and what it cost ([Note: one scheme per run],
 qualify/evidence/contract.py; [Note: what a scheme costs])."""
+BOUNDED_CLAIM = "bounded staging"
+"""The row that shows, per candidate, the wire's figure and the memory's side by side."""
 
 ARMS = {
     "candidates": "every candidate arm",
@@ -85,7 +87,7 @@ CLAIMS: tuple[Claim, ...] = (
         (Decider("probe", "key-omitted"), _conformance("8513-default")),
     ),
     Claim(SCHEME_CLAIM, (Decider("own-shard"),)),
-    Claim("bounded staging", (Decider("bounded"),)),
+    Claim(BOUNDED_CLAIM, (Decider("bounded"),)),
     Claim("small parameters exact", (Decider("own-shard"),)),
     Claim("replicas identical", (Decider("replicas", "every arm"),)),
     Claim("group sizes: positive multiples of 8", (_conformance("8513-multiple-of-8"),)),
@@ -316,6 +318,33 @@ def _scheme_row(claim: Claim, head: Record) -> ClaimRow:
     return row._replace(detail=scheme_report(head).sentence())
 
 
+def _bounded_figures(check: Check) -> str:
+    numbers = check.numbers
+    wire = (
+        f"largest collective {numbers['largest_output_bytes']:,} B of {numbers['bound_bytes']:,} B"
+        if {"largest_output_bytes", "bound_bytes"} <= numbers.keys()
+        else "wire not judged"
+    )
+    memory = (
+        f"gather memory {numbers['staging_excess_bytes']:,} B of "
+        f"{numbers['staging_allowance_bytes']:,} B"
+        if {"staging_excess_bytes", "staging_allowance_bytes"} <= numbers.keys()
+        else "gather memory not observed"
+    )
+    return f"{_arm_of(check.name)}: {wire}; {memory}"
+
+
+def _bounded_row(claim: Claim, head: Record) -> ClaimRow:
+    """``bounded`` decides it; the detail shows each candidate's wire figure beside its
+    memory figure ([Note: the gather's memory, exactly], qualify/evidence/staging.py), and a
+    failing check's own words."""
+    row = _decided_row(claim, head, None, None)
+    checks = [check for check in selected(head, claim.deciders[0]) if check.status == "pass"]
+    if row.verdict != PASS or not checks:
+        return row
+    return row._replace(detail="; ".join(_bounded_figures(check) for check in checks))
+
+
 def claims_table(
     head: Record, base: Record | None, default_path: DefaultPath | None
 ) -> list[ClaimRow]:
@@ -326,6 +355,8 @@ def claims_table(
             rows.append(_speed_row(claim, head, base))
         elif claim.claim == SCHEME_CLAIM:
             rows.append(_scheme_row(claim, head))
+        elif claim.claim == BOUNDED_CLAIM:
+            rows.append(_bounded_row(claim, head))
         else:
             rows.append(_decided_row(claim, head, base, default_path))
     return rows

@@ -237,3 +237,35 @@ def test_an_arm_that_failed_before_a_gather_is_not_judged():
     trajectory["failure"] = non_finite_failure(1, 0, "NonFiniteStep: step 1: loss nan")
     check = bounded_check(payload)
     assert check.status == "n/a" and check.detail.startswith("the arm failed before"), check
+
+
+def _with_staging(candidate_peak: int | None, reference_peak: int | None = 0):
+    payload = make_payload()
+    for item in payload["memory"]:
+        peak = reference_peak if item["arm"] == REFERENCE else candidate_peak
+        item["staging_peak_bytes"] = peak
+        item["staging_largest"] = [] if peak is None else [[peak, "runtime/utils.py:1116 in f"]]
+    return make_record(memory=payload["memory"])
+
+
+def _bounded(record):
+    return next(check for check in record.checks if check.name == f"bounded[{CANDIDATE}]")
+
+
+def test_the_gathers_memory_within_its_allowance_passes_and_one_byte_over_fails():
+    """[Note: the gather's memory, exactly]: the storage held at once in a step's window, over
+    the reference's on the same rank, against the allowance of the candidate's bucket."""
+    within = _bounded(_with_staging(1000, reference_peak=1000))
+    allowance = within.numbers["staging_allowance_bytes"]
+    assert within.status == "pass" and within.numbers["staging_excess_bytes"] == 0
+    at = _bounded(_with_staging(allowance + 5000, reference_peak=5000))
+    assert at.status == "pass" and at.numbers["staging_excess_bytes"] == allowance
+    over = _bounded(_with_staging(allowance + 5001, reference_peak=5000))
+    assert over.status == "fail" and "beyond the allowance" in over.detail
+    assert f"{allowance + 5001:,} B at runtime/utils.py:1116 in f" in over.detail
+
+
+def test_a_record_without_the_gathers_memory_is_judged_on_the_wire_alone():
+    check = _bounded(_with_staging(None, reference_peak=None))
+    assert check.status == "pass" and "gather memory: not observed" in check.detail
+    assert "staging_excess_bytes" not in check.numbers

@@ -118,6 +118,10 @@ def test_a_passing_head_decides_every_claim_it_has_the_checks_for():
     assert scheme.verdict == PASS and scheme.checks == rows["small parameters exact"].checks
     assert scheme.detail.startswith("the subject quantizes with absmax/127")
     assert "its decode error is worst 0.394%" in scheme.detail
+    bounded = rows[claims.BOUNDED_CLAIM]
+    assert bounded.verdict == PASS
+    assert f"{CANDIDATE}: largest collective " in bounded.detail
+    assert "; gather memory 98,816 B of " in bounded.detail
     replicas = rows["replicas identical"]
     assert replicas.verdict == PASS and len(replicas.checks) == 3  # every arm
     path = rows["default path unchanged"]
