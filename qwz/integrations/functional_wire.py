@@ -31,11 +31,12 @@ class Measured(NamedTuple):
     output: int
 
 
-def _bytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor or of the tensors in (nested) lists of them; 0 for anything else."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(_bytes(item) for item in value)
+        return sum(tensor_bytes(item) for item in value)
     return 0
 
 
@@ -62,7 +63,7 @@ def _all_gather(args: tuple, kwargs: dict, name_position: int = 2) -> Measured:
     inputs = _argument(args, kwargs, 0, "input" if "input" in kwargs else "inputs")
     group = resolve(_argument(args, kwargs, name_position, "group_name"))
     world = group.size()
-    sent = _bytes(inputs)
+    sent = tensor_bytes(inputs)
     pieces = len(inputs) if isinstance(inputs, (list, tuple)) else 1
     return Measured(group, sent, sent * (world - 1), (world - 1) * pieces, sent * world)
 
@@ -72,7 +73,7 @@ def _broadcast(args: tuple, kwargs: dict) -> Measured:
     tensor = _argument(args, kwargs, 0, "input")
     root = int(_argument(args, kwargs, 1, "src"))
     group = resolve(_argument(args, kwargs, 2, "group_name"))
-    size = _bytes(tensor)
+    size = tensor_bytes(tensor)
     if group.rank() == root:
         return Measured(group, size, 0, 0, size)
     return Measured(group, 0, size, 1, size)
@@ -85,8 +86,8 @@ def _all_to_all_single(args: tuple, kwargs: dict) -> Measured:
     in_splits = _argument(args, kwargs, 2, "input_split_sizes")
     group = resolve(_argument(args, kwargs, 3, "group_name"))
     me, world = group.rank(), group.size()
-    row = _bytes(tensor) // max(1, tensor.shape[0]) if tensor.dim() else 0
-    sent = _bytes(tensor)
+    row = tensor_bytes(tensor) // max(1, tensor.shape[0]) if tensor.dim() else 0
+    sent = tensor_bytes(tensor)
     output = row * sum(int(size) for size in out_splits) if out_splits else sent
     own_in = row * int(in_splits[me]) if in_splits else sent // max(1, world)
     own_out = row * int(out_splits[me]) if out_splits else output // max(1, world)
@@ -96,13 +97,13 @@ def _all_to_all_single(args: tuple, kwargs: dict) -> Measured:
 def _send(args: tuple, kwargs: dict) -> Measured:
     """``isend(tensor, dst, tag, group_name)``."""
     group = resolve(_argument(args, kwargs, 3, "group_name"))
-    return Measured(group, _bytes(_argument(args, kwargs, 0, "tensor")), 0, 0, 0)
+    return Measured(group, tensor_bytes(_argument(args, kwargs, 0, "tensor")), 0, 0, 0)
 
 
 def _receive(args: tuple, kwargs: dict) -> Measured:
     """``irecv(tensor, src, tag, group_name)``."""
     group = resolve(_argument(args, kwargs, 3, "group_name"))
-    size = _bytes(_argument(args, kwargs, 0, "tensor"))
+    size = tensor_bytes(_argument(args, kwargs, 0, "tensor"))
     return Measured(group, 0, size, 1, size)
 
 
@@ -112,7 +113,7 @@ def _reduction(args: tuple, kwargs: dict, name_position: int = 2) -> Measured:
     anything: a reduction is never the weight gather)."""
     tensor = _argument(args, kwargs, 0, "input" if "input" in kwargs else "inputs")
     group = resolve(_argument(args, kwargs, name_position, "group_name"))
-    size = _bytes(tensor)
+    size = tensor_bytes(tensor)
     return Measured(group, size, size, 0, size)
 
 

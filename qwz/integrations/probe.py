@@ -66,13 +66,7 @@ GatherMethod = Callable[..., tuple[int, int, int, int]]
 """(group, args, kwargs) -> (sent, received, rows, output) bytes/rows of one call."""
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor or of the tensors in (nested) lists of them; 0 for anything else."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(item) for item in value)
-    return 0
+tensor_bytes = functional_wire.tensor_bytes
 
 
 def _tensors_count(value: Any) -> int:
@@ -378,21 +372,29 @@ class WireProbe:
         if kind == "gather":
             self.largest_gather_output_bytes = max(self.largest_gather_output_bytes, output)
 
-    def _counted(self, kind: str, name: str, original: Any, measure: GatherMethod) -> Any:
-        probe = self
+    def _once(self, original: Any, count: Callable[[tuple, dict], None]) -> Any:
+        """`original` wrapped so that `count(args, kwargs)` runs for the outermost call of a
+        thread only: a counted call that reaches another patched one counts once."""
+        local = self._local
 
         @functools.wraps(original)
-        def counted(group: Any, *args: Any, **kwargs: Any) -> Any:
-            local = probe._local
-            if getattr(local, "depth", 0) == 0:  # an outer counted call counts once
-                probe._count(kind, name, measure, group, args, kwargs)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if getattr(local, "depth", 0) == 0:
+                count(args, kwargs)
             local.depth = getattr(local, "depth", 0) + 1
             try:
-                return original(group, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 local.depth -= 1
 
         return counted
+
+    def _counted(self, kind: str, name: str, original: Any, measure: GatherMethod) -> Any:
+        """A ``ProcessGroup`` method: counted for its group."""
+        return self._once(
+            original,
+            lambda args, kwargs: self._count(kind, name, measure, args[0], args[1:], kwargs),
+        )
 
     def _unattributed(self, label: str, kind: str) -> None:
         """A call no group can be named for: a reduction, or data moved before the step
@@ -409,23 +411,16 @@ class WireProbe:
         self.traffic[kind].setdefault(None, Traffic()).calls += 1
         self.calls[kind] += 1
 
+    def _uncountable(self, label: str, original: Any, kind: str = "gather") -> Any:
+        """What no group can be named for: :meth:`_unattributed`."""
+        return self._once(original, lambda args, kwargs: self._unattributed(label, kind))
+
     def _functional(self, label: str, op: str, original: Any, kind: str) -> Any:
         """A functional op, counted by the group it names where functional_wire measures it."""
-        probe = self
         measure = functional_wire.MEASURES.get(op)
-
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            local = probe._local
-            if getattr(local, "depth", 0) == 0:
-                probe._count_named(label, kind, measure, args, kwargs)
-            local.depth = getattr(local, "depth", 0) + 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                local.depth -= 1
-
-        return counted
+        return self._once(
+            original, lambda args, kwargs: self._count_named(label, kind, measure, args, kwargs)
+        )
 
     def _count_named(self, label: str, kind: str, measure: Any, args: tuple, kwargs: dict):
         if getattr(self._local, "excluded", 0):
@@ -443,41 +438,15 @@ class WireProbe:
     def _backend_method(self, name: str, original: Any, kind: str, measure: GatherMethod):
         """A ``Backend`` method called directly: counted for the process group whose backend
         it is, else uncounted (named)."""
-        probe = self
-        label = f"Backend.{name}"
 
-        @functools.wraps(original)
-        def counted(backend: Any, *args: Any, **kwargs: Any) -> Any:
-            local = probe._local
-            if getattr(local, "depth", 0) == 0:
-                group = _group_of_backend(backend)
-                if group is None:
-                    probe._unattributed(label, kind)
-                else:
-                    probe._count(kind, name, measure, group, args, kwargs)
-            local.depth = getattr(local, "depth", 0) + 1
-            try:
-                return original(backend, *args, **kwargs)
-            finally:
-                local.depth -= 1
+        def count(args: tuple, kwargs: dict) -> None:
+            group = _group_of_backend(args[0])
+            if group is None:
+                self._unattributed(f"Backend.{name}", kind)
+            else:
+                self._count(kind, name, measure, group, args[1:], kwargs)
 
-        return counted
-
-    def _uncountable(self, label: str, original: Any, kind: str = "gather") -> Any:
-        probe = self
-
-        @functools.wraps(original)
-        def uncounted(*args: Any, **kwargs: Any) -> Any:
-            local = probe._local
-            if getattr(local, "depth", 0) == 0:
-                probe._unattributed(label, kind)
-            local.depth = getattr(local, "depth", 0) + 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                local.depth -= 1
-
-        return uncounted
+        return self._once(original, count)
 
     # ---- patching ------------------------------------------------------------------------
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:

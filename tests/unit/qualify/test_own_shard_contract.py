@@ -87,13 +87,13 @@ def assert_partition(result) -> None:
 
 
 @st.composite
-def shards(draw):
+def shards(draw, magnitudes=(1e-3, 0.02, 1.0, 300.0)):
     """A master shard (several groups, a partial last one) and the group size."""
     group_size = draw(st.sampled_from([8, 64]))
     num_groups = draw(st.integers(2, 12))
     numel = num_groups * group_size - draw(st.integers(0, group_size - 1))
     seed = draw(st.integers(0, 2**16))
-    magnitude = draw(st.sampled_from([1e-3, 0.02, 1.0, 300.0]))
+    magnitude = draw(st.sampled_from(magnitudes))
     master = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * magnitude
     return master, group_size, draw(st.integers(0, 2**16))
 

@@ -15,10 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwz.qualify.evidence import contract
-from qwz.qualify.run.observers import own_shard
-from qwz.shards import ShardSlot, make_own_shard
-
-LARGE = 1 << 20
+from tests.unit.qualify.test_own_shard_contract import judged, shards
 
 
 def _moved(values: torch.Tensor, ulps: torch.Tensor) -> torch.Tensor:
@@ -69,29 +66,11 @@ def kernel(
     return written.reshape(-1)[:numel].to(dtype)
 
 
-def judged(master, working, group_size, result=None):
-    numel = master.numel()
-    exact = torch.zeros(numel, dtype=torch.bool)
-    shard = make_own_shard("s", master, working, group_size, exact, [ShardSlot("w", 0, numel, 0)])
-    masks = own_shard.exact_masks([shard], group_size, {"w": LARGE}, gather_ranks=[2])
-    result = result or own_shard.OwnShardResult()
-    own_shard.check_own_shards([shard], masks, group_size, step=1, rank=0, result=result)
-    return result
-
-
-@st.composite
-def shards(draw):
-    group_size = draw(st.sampled_from([8, 64]))
-    num_groups = draw(st.integers(2, 12))
-    numel = num_groups * group_size - draw(st.integers(0, group_size - 1))
-    seed = draw(st.integers(0, 2**16))
-    magnitude = draw(st.sampled_from([1e-6, 1e-3, 0.02, 1.0, 300.0]))
-    master = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * magnitude
-    return master, group_size, draw(st.integers(0, 2**16))
-
-
 @settings(deadline=None, max_examples=80)
-@given(shards(), st.sampled_from([torch.bfloat16, torch.float16]))
+@given(
+    shards(magnitudes=(1e-6, 1e-3, 0.02, 1.0, 300.0)),
+    st.sampled_from([torch.bfloat16, torch.float16]),
+)
 def test_every_way_the_kernel_may_write_a_group_passes_as_zeropp(case, dtype):
     master, group_size, choice_seed = case
     count = -(-master.numel() // group_size)
