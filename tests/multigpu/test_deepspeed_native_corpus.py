@@ -273,6 +273,7 @@ args = cli.build_parser().parse_args(["run", *sys.argv[1:-1]])
 plan = dataclasses.replace(preflight.plan_of(args), arm_hook=sys.argv[-1])
 use_deepspeed_source(plan.deepspeed_src)
 observations = launch(qualify_rank, args.world_size, plan, timeout_s=900)[0]
+pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
 record.save(build.build_record(plan, observations), pathlib.Path(args.out) / "record.json")
 """
 

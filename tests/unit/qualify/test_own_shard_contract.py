@@ -259,5 +259,7 @@ def test_stopping_at_the_reference_gives_the_verdict_of_weighing_every_choice(
             assert torch.equal(value, getattr(weighed, name)), name
     assert stopped.scheme_only.keys() == weighed.scheme_only.keys() == {contract.ABSMAX_127}
     assert torch.equal(stopped.scheme_only[contract.ABSMAX_127], ~exact)
-    if tied and away:
-        assert bool(stopped.near_tie.any())  # the neighbour of a tie was taken and counted
+    if tied and away:  # where away-from-zero and half-to-even part, the neighbour is counted
+        even = decode(quantized, group_size, dtype=dtype)
+        parted = (working != even) & ~exact
+        assert torch.equal(stopped.near_tie, parted), (stopped.near_tie, parted)

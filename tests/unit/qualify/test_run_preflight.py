@@ -495,7 +495,8 @@ def test_a_renamed_flag_is_refused_naming_its_replacement(capsys, argv, replacem
 def test_each_bucket_is_its_own_setting():
     """``--allgather-bucket-size`` no longer sets the reduce bucket too."""
     plan = preflight.plan_of(parse("--out", "x", "--allgather-bucket-size", "65536"))
-    zero = plan.arm_config(plan.arms[-1])["zero_optimization"]
+    candidate = next(arm for arm in plan.arms if arm.name == "candidate-g64")
+    zero = plan.arm_config(candidate)["zero_optimization"]
     assert (zero["allgather_bucket_size"], zero["reduce_bucket_size"]) == (65536, 500_000_000)
     plan = preflight.plan_of(parse("--out", "x", "--reduce-bucket-size", "4096"))
     zero = plan.arm_config(plan.arms[0])["zero_optimization"]
