@@ -313,9 +313,11 @@ def _scheme_row(claim: Claim, head: Record) -> ClaimRow:
     from qwz.qualify.evidence.schemes import scheme_report
 
     row = _decided_row(claim, head, None, None)
+    # [Note: a CUDA-only subject on a CPU runner]: the verdict covers the plumbing only.
+    substituted = "".join(f"{op}; " for op in head.subject.substituted_ops)
     if row.verdict != PASS:
-        return row
-    return row._replace(detail=scheme_report(head).sentence())
+        return row._replace(detail=substituted + row.detail)
+    return row._replace(detail=substituted + scheme_report(head).sentence())
 
 
 def _bounded_figures(check: Check) -> str:

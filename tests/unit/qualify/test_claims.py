@@ -143,6 +143,9 @@ def test_the_scheme_row_names_deepspeeds_scheme_and_fails_with_own_shard():
     row = {row.claim: row for row in claims_table(head, None, None)}[claims.SCHEME_CLAIM]
     assert row.verdict == PASS and "DeepSpeed's ZeRO++ quantizer" in row.detail
     assert "127/128 of itself" in row.detail
+    payload["subject"] = dict(payload["subject"], substituted_ops=["the quantizer ran on CPU"])
+    substituted = {row.claim: row for row in claims_table(seal.seal(payload), None, None)}
+    assert substituted[claims.SCHEME_CLAIM].detail.startswith("the quantizer ran on CPU; ")
     candidate |= {"scheme_by_rank": ["absmax/127", "zeropp"]}
     mixed = seal.seal(payload)
     row = {row.claim: row for row in claims_table(mixed, None, None)}[claims.SCHEME_CLAIM]
