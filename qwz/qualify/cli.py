@@ -10,7 +10,7 @@ rank runs it and rank 0 writes the files::
         --workload qwen3-0.6b --group-size 64 --group-size 8192
 
 Exit statuses: one meaning per status across every command, [Note: exit statuses] in
-qualify/exit_codes.py (every ``--help`` prints the table); errors in one style, [Note: one
+qualify/base/exit_codes.py (every ``--help`` prints the table); errors in one style, [Note: one
 error style] in qualify/cli_parser.py. ``run`` writes its record and report for PASS, FAIL
 and INCONCLUSIVE; ``harness-error.json`` for HARNESS-ERROR, ``timed-out.json`` when its
 ``--timeout`` ran out, ``interrupted.json`` when SIGINT/SIGTERM stopped it (what ran, what
@@ -32,14 +32,23 @@ import time
 from typing import Any
 
 from qwz.kernels import fused_available
-from qwz.qualify import exit_codes, preflight
+from qwz.qualify.base import exit_codes
+from qwz.qualify.base.files import atomic_write_text
+from qwz.qualify.base.values import (
+    FINITE,
+    NON_NEGATIVE,
+    PATH,
+    POSITIVE,
+    POSITIVE_FINITE,
+    Boolean,
+    Real,
+)
 from qwz.qualify.cli_parser import Parser, refuse
-from qwz.qualify.files import atomic_write_text
-from qwz.qualify.settings import argparse_type
-from qwz.qualify.values import FINITE, NON_NEGATIVE, PATH, POSITIVE, POSITIVE_FINITE, Boolean, Real
+from qwz.qualify.request import preflight
+from qwz.qualify.request.settings import argparse_type
 
 # Argument types: each refusal names the value and the rule (argparse prefixes the flag
-# and exits 2), never Python's "invalid literal for int()" (qualify/values.py's rules).
+# and exits 2), never Python's "invalid literal for int()" (qualify/base/values.py's rules).
 _non_negative = argparse_type(NON_NEGATIVE)
 _positive = argparse_type(POSITIVE)
 _percentage = argparse_type(
@@ -66,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_run_command(commands) -> None:
-    """``run``: its output flags, then a flag per run setting (qualify/settings.py generates
-    them from their declarations in qualify/plan.py)."""
-    from qwz.qualify import settings
+    """``run``: its output flags, then a flag per run setting (qualify/request/settings.py generates
+    them from their declarations in qualify/base/plan.py)."""
+    from qwz.qualify.request import settings
 
     run = commands.add_parser("run", help="qualify reference vs quantized arms; write evidence")
     run.add_argument("--out", type=_path, required=True, help="output directory")
@@ -216,8 +225,8 @@ class _ReviewSets(argparse.Action):
 def _add_pr_review_command(commands) -> None:
     """``review``: a DeepSpeed pull request against its base (qualify/pr_review/); the run
     options are ``run``'s own flags, generated from the same declarations, or follow ``--``."""
-    from qwz.qualify import settings
     from qwz.qualify.pr_review import request
+    from qwz.qualify.request import settings
 
     review = commands.add_parser(
         "review",
@@ -427,7 +436,7 @@ def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
     """This rank's part of a run torchrun started; rank 0 gets every rank's observations.
 
     [Note: a crash under torchrun]
-    A rank's own failure ends it through qwz.qualify.rank_reports.crash, as with local ranks
+    A rank's own failure ends it through qwz.qualify.base.rank_reports.crash, as with local ranks
     ([Note: failures], qualify/run/runner.py), and torchrun's agent then stops the others;
     no process outlives the ranks to read their reports, as a local launcher does. So the
     rank that fails first to claim the run's record writes it, from crash()'s hook, before it
@@ -442,7 +451,7 @@ def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
     or die leaves only their reports (torchrun's agent has their exit statuses)."""
     import torch.distributed as dist
 
-    from qwz.qualify import rank_reports
+    from qwz.qualify.base import rank_reports
     from qwz.qualify.run.launch import torchrun_failure
     from qwz.qualify.run.runner import qualify_rank
 
@@ -475,8 +484,8 @@ def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
 
 def _torchrun_reports(out: pathlib.Path) -> pathlib.Path:
     """This torchrun run's reports directory ([Note: a crash under torchrun]), set for the
-    side channel (qwz.qualify.rank_reports) unless ``QWZ_RANK_REPORTS`` names one."""
-    from qwz.qualify import rank_reports
+    side channel (qwz.qualify.base.rank_reports) unless ``QWZ_RANK_REPORTS`` names one."""
+    from qwz.qualify.base import rank_reports
 
     if rank_reports.REPORTS_ENV not in os.environ:
         run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "run")
@@ -601,9 +610,9 @@ def _conformance_table(plan) -> dict | None:
 
 def _plan_to_run(args: argparse.Namespace):
     """The plan of a request preflight accepted, with the kernels this machine can run
-    ([Note: fused kernels checked before a run], qualify/kernel_check.py)."""
-    from qwz.qualify import kernel_check
-    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    ([Note: fused kernels checked before a run], qualify/request/kernel_check.py)."""
+    from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.request import kernel_check
     from qwz.qualify.run.subjects import use_deepspeed_source
 
     if args.kernels == "fused" and not fused_available():
@@ -730,7 +739,7 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     if key is not None:
         built = built.model_copy(update={"signature": signing.sign(built.digest, key)})
     # Plots, then the report, then the record, each atomically: a run cut short leaves
-    # no record.json, or the previous one, never a partial one (qwz.qualify.files); a
+    # no record.json, or the previous one, never a partial one (qwz.qualify.base.files); a
     # plot that fails costs neither ([Note: nothing lost after a run], review/outputs.py).
     plots = outputs.write_run_outputs(built, out, key, _signature_section(built, key)).plots
     # An earlier run's files, now moot ([Note: results kept]): its plots that this run
@@ -822,8 +831,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
+    from qwz.qualify.base.files import writable_directory_problem
     from qwz.qualify.evidence import signing
-    from qwz.qualify.files import writable_directory_problem
     from qwz.qualify.review import history, junit, outputs
 
     if not args.directory.is_dir():
@@ -851,8 +860,8 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
+    from qwz.qualify.base.files import writable_directory_problem
     from qwz.qualify.evidence import run_dir, schema
-    from qwz.qualify.files import writable_directory_problem
     from qwz.qualify.review import history, matrix
 
     problem = writable_directory_problem(args.baseline_dir, "BASELINE_DIR")

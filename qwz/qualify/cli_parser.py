@@ -4,7 +4,7 @@
 Every refusal, whichever command and whichever layer finds it (argparse, the preflight, a
 record that cannot be trusted, a file that cannot be written), is one line on stderr,
 ``qwz-qualify COMMAND: error: MESSAGE``, and the exit status 2 ([Note: exit statuses] in
-qualify/exit_codes.py). :func:`refuse` prints it for the commands; :class:`Parser` for
+qualify/base/exit_codes.py). :func:`refuse` prints it for the commands; :class:`Parser` for
 argparse, with three more rules:
 
 - No abbreviated flags (``allow_abbrev=False``): ``--ou DIR`` is not ``--out DIR``. A
@@ -23,7 +23,7 @@ import difflib
 import sys
 from typing import Any
 
-from qwz.qualify import exit_codes
+from qwz.qualify.base import exit_codes
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

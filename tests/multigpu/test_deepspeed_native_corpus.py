@@ -264,7 +264,8 @@ def test_without_the_cpu_implementation_a_cuda_only_pr_cannot_run_here(checkout,
 
 PLANTED = """
 import dataclasses, pathlib, sys
-from qwz.qualify import cli, preflight
+from qwz.qualify import cli
+from qwz.qualify.request import preflight
 from qwz.qualify.evidence import build, record
 from qwz.qualify.run.launch import launch
 from qwz.qualify.run.runner import qualify_rank

@@ -1,5 +1,5 @@
 """End to end: ``qwz-qualify run --ds-config FILE`` ([Note: the user's DeepSpeed config],
-qwz/qualify/ds_config.py) on 2 spawned ranks, the tiny ``mlp`` workload, 4 steps, no speed
+qwz/qualify/request/ds_config.py) on 2 spawned ranks, the tiny ``mlp`` workload, 4 steps, no speed
 blocks: each arm's recorded config carries exactly the file's optimizer, buckets and
 clipping, the update check re-derives the Adam the file asks for (DeepSpeed's FusedAdam
 included: [Note: float32 hyperparameters]) and the run PASSes; an optimizer the check does

@@ -13,9 +13,9 @@ import os
 
 import pytest
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
 from qwz.qualify.evidence import record as records
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload
 from tests import warm_python

@@ -1,7 +1,7 @@
 """A rank that fails on its own never hangs the others, and the record names it
 ([Note: failures] in qwz/qualify/run/runner.py, [Note: the rank that failed first] in
-qwz/qualify/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with exit 1
-and a FAIL record naming the rank, the arm, the last completed step and the exception or
+qwz/qualify/base/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with
+exit 1 and a FAIL record naming the rank, the arm, the last completed step and the exception or
 signal; the arms every rank finished are judged, the ones after are "not run"."""
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def raise_on_rank_1_at_step_3(arm, engine, plan):
 def _cli_with_hook(out: pathlib.Path) -> list[str]:
     """`qwz-qualify run` with the plan's arm_hook set (the CLI has no flag for the seam)."""
     code = (
-        "import dataclasses, sys; from qwz.qualify import cli, preflight; "
+        "import dataclasses, sys; from qwz.qualify import cli; "
+        "from qwz.qualify.request import preflight; "
         "plan = preflight.plan_of; "
         f"preflight.plan_of = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
         f"sys.exit(cli.main(['run', '--out', {str(out)!r}, *{RUN!r}]))"
@@ -217,7 +218,8 @@ def test_a_killed_rank_is_named_with_its_signal_arm_and_last_step(tmp_path):
 
 
 if __name__ == "__main__":  # one rank under torchrun: `qwz-qualify <argv>` with the hook set
-    from qwz.qualify import cli, preflight
+    from qwz.qualify import cli
+    from qwz.qualify.request import preflight
 
     plan_of = preflight.plan_of
     preflight.plan_of = lambda args: dataclasses.replace(plan_of(args), arm_hook=HOOK)

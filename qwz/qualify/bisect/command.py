@@ -1,7 +1,7 @@
 """``qwz-qualify bisect`` and ``qwz-qualify bisect-step``: the request checked, the oracle
 fixed by the good and bad heads, the search walked, the result written.
 
-Exit codes ([Note: exit statuses] in qualify/exit_codes.py): ``bisect`` 0 the first bad
+Exit codes ([Note: exit statuses] in qualify/base/exit_codes.py): ``bisect`` 0 the first bad
 commit was found, 2 refused (with why: a bad revision, a range that is not first-parent
 history, a good head that is not good, a bad head that is not bad for the oracle -- "nothing
 to find", written to bisect.md --, a head that cannot be qualified, a directory of another
@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from qwz.qualify import exit_codes
+from qwz.qualify.base import exit_codes
 from qwz.qualify.bisect import history, oracle, result, search, state, trial, worktrees
 from qwz.qualify.evidence import record as records
 from qwz.qualify.evidence.schema import Record, RecordError

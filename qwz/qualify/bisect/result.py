@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any
 
+from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.bisect import history
-from qwz.qualify.files import atomic_write_text
 
 
 def _commit(repository: pathlib.Path, sha: str) -> dict[str, str]:

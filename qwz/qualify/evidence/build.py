@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from qwz.qualify.base.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
+from qwz.qualify.base.rank_reports import RankEnd
 from qwz.qualify.evidence import checks as derived
 from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
@@ -24,8 +26,6 @@ from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of
 from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.evidence.tolerance import master_drift_bound
-from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
-from qwz.qualify.rank_reports import RankEnd
 
 LEDGER_LEAVES_OUT = ("role", "allgather_bucket_size")
 """Arm fields the ledger's key leaves out: the role, and the bucket its config already holds."""

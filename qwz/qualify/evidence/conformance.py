@@ -179,7 +179,7 @@ DIFFERENCES: dict[str, dict[str, Difference]] = {
         for stage in (1, 2)
     },
 }
-"""Subject -> row -> its deliberate difference from the PR (subjects: qualify/plan.py)."""
+"""Subject -> row -> its deliberate difference from the PR (subjects: qualify/base/plan.py)."""
 
 NORMATIVE = {
     "rows": {row.name: [row.claim, row.config, row.expected, row.control] for row in ROWS},

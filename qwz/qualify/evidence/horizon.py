@@ -5,7 +5,7 @@ The 20-step rule ([Note: learning margin], checks.py) asks whether the worst gap
 evaluation stays within a margin; early in training the held-out loss falls fast, so
 the calibration arm's early gaps are large and so is the margin, and a bug whose harm
 builds up slowly stays inside it. Over a long horizon (the ``long`` preset,
-qualify/presets.py) the question becomes: is the candidate, once trained, worse than the
+qualify/base/presets.py) the question becomes: is the candidate, once trained, worse than the
 reference by more than quantization may make it? Stated as a test of non-inferiority::
 
     H0: gap > margin        H1: gap <= margin     (the candidate passes only on H1)

@@ -770,7 +770,7 @@ class Judge(_Model):
 
 class DeepSpeedConfigFile(_Model):
     """``--ds-config``: the user's DeepSpeed config file, the base of every arm's config
-    ([Note: the user's DeepSpeed config], qualify/ds_config.py); each arm's ``config`` is
+    ([Note: the user's DeepSpeed config], qualify/request/ds_config.py); each arm's ``config`` is
     what ran."""
 
     path: str = Field(description="The file, resolved")
@@ -784,7 +784,7 @@ class DeepSpeedConfigFile(_Model):
 
 
 class Plan(BaseModel):
-    """The run plan (qwz.qualify.plan.RunPlan) as data; the keys a check or a reader relies
+    """The run plan (qwz.qualify.base.plan.RunPlan) as data; the keys a check or a reader relies
     on are typed."""
 
     model_config = ConfigDict(extra="allow", frozen=True)

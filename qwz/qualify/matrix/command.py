@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 
-from qwz.qualify.files import writable_directory_problem
+from qwz.qualify.base.files import writable_directory_problem
 from qwz.qualify.matrix import runner
 from qwz.qualify.matrix.spec import SpecError, load
 

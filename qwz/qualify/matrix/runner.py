@@ -18,7 +18,7 @@
   ``supervise.STOP_GRACE_S``), marks the cells not reached as "not run", writes the table
   and exits 128 + the signal number.
   The child asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell
-  running ([Note: supervising a run], qualify/supervise.py).
+  running ([Note: supervising a run], qualify/base/supervise.py).
 
 How a cell's end reads: exit 0, 1 or 3 with a record that loads is its verdict (the
 record's own); exit 4 with ``harness-error.json`` is "HARNESS-ERROR" with what the harness
@@ -47,16 +47,17 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qwz.kernels import fused_available
-from qwz.qualify import exit_codes, preflight, supervise
+from qwz.qualify.base import exit_codes, supervise
+from qwz.qualify.base.plan import plan_dict
+from qwz.qualify.base.supervise import Stop
 from qwz.qualify.evidence import harness_error, unfinished
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.matrix.spec import Cell, Declared, Spec
-from qwz.qualify.plan import plan_dict
+from qwz.qualify.request import preflight
 from qwz.qualify.review import matrix as table
 from qwz.qualify.review.matrix import MatrixCell
-from qwz.qualify.supervise import Stop
 
 """Seconds a stopped cell's ``run`` has to stop its ranks before it is killed."""
 VERDICT_EXITS = {code: status for status, code in exit_codes.VERDICT_EXITS.items()}
@@ -75,7 +76,8 @@ Launcher = Callable[[list[str], CellLogs, "Stop"], int]
 
 
 def subprocess_launcher(argv: list[str], logs: CellLogs, stop: Stop) -> int:
-    """``python -m qwz.qualify <argv>``, supervised ([Note: supervising a run], supervise.py)."""
+    """``python -m qwz.qualify <argv>``, supervised ([Note: supervising a run],
+    base/supervise.py)."""
     with logs.stdout.open("w") as stdout, logs.stderr.open("w") as stderr:
         command = [sys.executable, "-m", "qwz.qualify", *argv]
         return supervise.run(command, stop, stdout=stdout, stderr=stderr)

@@ -38,7 +38,7 @@ group whose axes have one value each. Two cells with the same id (the same axis 
 ``Cell.id``) are refused, even across groups: the id is the cell's directory.
 
 Keys: the axes and the settings are ``run``'s settings by their one name
-([Note: one declaration per setting], qualify/values.py): an axis (``AXES``) is part of a
+([Note: one declaration per setting], qualify/base/values.py): an axis (``AXES``) is part of a
 cell's id; every other run setting (``matrix_settings()``: ``steps``, ``kernels``,
 ``allgather_bucket_size``, ...) takes one value per group, passed as its ``run`` flag.
 A path (``ds_config = "pr.json"``) is relative to the spec file.
@@ -64,8 +64,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qwz.qualify import settings as run_settings
-from qwz.qualify.settings import RunSetting
+from qwz.qualify.request import settings as run_settings
+from qwz.qualify.request.settings import RunSetting
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -92,7 +92,7 @@ def _axes() -> dict[str, RunSetting]:
 
 AXES = _axes()
 """Axis name -> its run setting, in ``Cell.id`` order ([Note: one declaration per
-setting], qualify/values.py)."""
+setting], qualify/base/values.py)."""
 
 
 def matrix_settings() -> dict[str, RunSetting]:

@@ -47,6 +47,6 @@ and names the same commit is reused, re-judged by today's rules (as ``matrix`` r
 cell: [Note: matrix resume], qualify/matrix/runner.py); every other run runs. A request
 that differs (a ref now names another commit, other run options) is refused naming what
 differs; ``--restart`` discards the earlier runs and starts over. SIGINT or SIGTERM stops
-the running child ([Note: supervising a run], qualify/supervise.py), keeps every finished
+the running child ([Note: supervising a run], qualify/base/supervise.py), keeps every finished
 record and exits 128 + the signal.
 """

@@ -1,5 +1,5 @@
 """One of the review's two runs: its finished record reused, or ``qwz-qualify run`` as a
-supervised child process ([Note: supervising a run], qualify/supervise.py) and how it ended.
+supervised child process ([Note: supervising a run], qualify/base/supervise.py) and how it ended.
 
 How a run's end reads (as a matrix cell's, qualify/matrix/runner.py): exit 0, 1 or 3 with a
 record of the plan asked for and the commit asked for is its record's verdict under today's
@@ -18,16 +18,16 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from qwz.qualify import supervise
+from qwz.qualify.base import supervise
+from qwz.qualify.base.supervise import Stop
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.matrix.runner import VERDICT_EXITS, expected_plan, finished_record, refusal_reason
 from qwz.qualify.pr_review import checkout
-from qwz.qualify.preflight import run_world_size
+from qwz.qualify.request.preflight import run_world_size
 from qwz.qualify.review.pr_review import REFUSED, Side
-from qwz.qualify.supervise import Stop
 
 
 class Logs(NamedTuple):

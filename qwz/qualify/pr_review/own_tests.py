@@ -39,15 +39,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qwz import jsonio
-from qwz.qualify import supervise
+from qwz.qualify.base import supervise
+from qwz.qualify.base.files import atomic_write_text
+from qwz.qualify.base.supervise import Stop
 from qwz.qualify.bisect.history import GitError, git
 from qwz.qualify.evidence.harness_error import HARNESS_ERROR
-from qwz.qualify.files import atomic_write_text
 from qwz.qualify.pr_review import checkout, test_files, test_log
 from qwz.qualify.pr_review.test_files import TestFiles
 from qwz.qualify.review import own_tests as results
 from qwz.qualify.review.own_tests import FileRun, OwnTests, SideTests
-from qwz.qualify.supervise import Stop
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent / "pytest_plugin"
 PLUGIN = "qwz_own_tests_log"

@@ -26,11 +26,11 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from qwz.qualify.base.plan import PROPOSAL_GROUP_SIZE, REFERENCE
 from qwz.qualify.evidence.default_path import DefaultPath
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Arm, Check, Record
-from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, REFERENCE
 from qwz.qualify.review.formatting import format_interval, format_sig, format_speedup
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"

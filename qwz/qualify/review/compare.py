@@ -57,12 +57,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from qwz.qualify import exit_codes
+from qwz.qualify.base import exit_codes
+from qwz.qualify.base.plan import CHUNKED_SUFFIX
 from qwz.qualify.evidence.record import load
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.schema import MACHINE_FIELDS, Check, Record, RecordError
 from qwz.qualify.evidence.signing import SigningKey, describe, verifies
-from qwz.qualify.plan import CHUNKED_SUFFIX
 from qwz.qualify.review.formatting import (
     format_bytes,
     format_interval,

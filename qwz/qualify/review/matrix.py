@@ -24,10 +24,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qwz import jsonio
+from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.evidence.harness_error import CANNOT_RUN, CANNOT_RUN_EXIT, HARNESS_ERROR_EXIT
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.schema import Record, RecordError
-from qwz.qualify.files import atomic_write_text
 
 MATRIX_FORMAT = "qwz-matrix/1"
 MATRIX_JSON = "matrix.json"

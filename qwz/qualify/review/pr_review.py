@@ -15,6 +15,7 @@ import json
 import pathlib
 from typing import Any, NamedTuple
 
+from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.evidence.default_path import DefaultPath
 from qwz.qualify.evidence.harness_error import (
     CANNOT_RUN,
@@ -22,7 +23,6 @@ from qwz.qualify.evidence.harness_error import (
     HARNESS_ERROR,
     HARNESS_ERROR_EXIT,
 )
-from qwz.qualify.files import atomic_write_text
 from qwz.qualify.review import own_tests
 from qwz.qualify.review.claims import FAIL, INCONCLUSIVE, PASS, ClaimRow
 from qwz.qualify.review.formatting import table

@@ -297,7 +297,7 @@ def _arms_section(record: Record) -> list[str]:
         ],
     )  # fmt: skip
     ds_config = record.plan.ds_config
-    if ds_config is not None:  # [Note: the user's DeepSpeed config] (qualify/ds_config.py)
+    if ds_config is not None:  # [Note: the user's DeepSpeed config] (qualify/request/ds_config.py)
         lines += [
             "",
             f"Every arm is built on the DeepSpeed config `{ds_config.path}` (sha256 "

@@ -72,7 +72,7 @@ def table(
         subject, qwz_gather=qwz_gather, deepspeed_src=deepspeed_src, cpu_quantizer=cpu_quantizer
     )
     if path is not None and section["error"] is None:
-        from qwz.qualify.files import atomic_write_text
+        from qwz.qualify.base.files import atomic_write_text
 
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(section, sort_keys=True))

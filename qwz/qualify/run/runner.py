@@ -51,7 +51,7 @@ Two kinds, told apart by who sees them:
   inside a collective this rank will never enter, so no collective may follow:
   the rank reports the exception and where it was (``_Progress.at``: arm, phase,
   step, last completed step) through the launcher's side channel and aborts the
-  process group (qwz.qualify.rank_reports.crash). The launcher stops the others and
+  process group (qwz.qualify.base.rank_reports.crash). The launcher stops the others and
   names the rank that failed first ([Note: the rank that failed first]); the
   CLI writes a "crash" record, keeping the arms every rank finished (reported
   with rank_reports.report_result) and marking those never started "not run".
@@ -78,11 +78,11 @@ from qwz import devices
 from qwz.integrations.deepspeed import structure
 from qwz.integrations.probe import WireProbe
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
-from qwz.qualify import rank_reports
+from qwz.qualify.base import rank_reports
+from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.evidence import machine, provenance, spec, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
-from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.run import (
     calibration_noise,
     determinism,

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import qwz
-from qwz.qualify.plan import DEEPSPEED_SUBJECTS, SUBJECTS
+from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS, SUBJECTS
 from qwz.qualify.run import child
 from qwz.shards import OwnShard
 

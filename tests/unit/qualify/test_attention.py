@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwz.qualify import cli, preflight
+from qwz.qualify import cli
+from qwz.qualify.request import preflight
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
 

@@ -374,8 +374,8 @@ def test_an_interrupted_attempt_is_run_again_over_what_it_left(monkeypatch, tmp_
     """An interrupted trial's run leaves interrupted.json ([Note: unfinished runs]), which run's
     preflight refuses to replace without --force ([Note: results kept]): the trial's own run,
     in the bisect's own attempt directory, replaces it, so a resumed bisect runs it again."""
-    from qwz.qualify import preflight
     from qwz.qualify.bisect import state
+    from qwz.qualify.request import preflight
 
     out, sha = tmp_path / "out", "a" * 40
     attempt = state.next_attempt(out, sha)

@@ -211,10 +211,10 @@ def test_a_crashed_run_is_a_fail_record_naming_the_rank_arm_and_step(tmp_path):
     it): the arm it crashed in names the rank, the signal and the last completed step, the
     arms after it are "not run" (not failures), and it loads, reports and compares like any
     other."""
+    from qwz.qualify.base.plan import RunPlan
+    from qwz.qualify.base.rank_reports import RankEnd
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.evidence import record
-    from qwz.qualify.plan import RunPlan
-    from qwz.qualify.rank_reports import RankEnd
     from qwz.qualify.review import report
     from qwz.qualify.run.workloads import get_workload
 

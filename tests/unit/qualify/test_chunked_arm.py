@@ -9,9 +9,10 @@ import math
 
 import pytest
 
-from qwz.qualify import cli, preflight
+from qwz.qualify import cli
+from qwz.qualify.base.plan import CHUNKED_SUFFIX
 from qwz.qualify.evidence import staging
-from qwz.qualify.plan import CHUNKED_SUFFIX
+from qwz.qualify.request import preflight
 from qwz.qualify.review.compare import Status, compare
 from qwz.qualify.run import chunked_arm
 from qwz.qualify.run.workloads import get_workload

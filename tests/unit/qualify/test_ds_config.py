@@ -1,5 +1,5 @@
 """``qwz-qualify run --ds-config FILE`` ([Note: the user's DeepSpeed config],
-qwz/qualify/ds_config.py): the file is the base of every arm, contradictions are refused
+qwz/qualify/request/ds_config.py): the file is the base of every arm, contradictions are refused
 before any rank starts naming the key, and the record's plan keeps the file and its digest.
 
 No training here: flags go through ``build_parser``, ``check_run_request`` and
@@ -15,10 +15,11 @@ import pathlib
 
 import pytest
 
-from qwz.qualify import cli, preflight
+from qwz.qualify import cli
+from qwz.qualify.base.plan import DeepSpeedConfigFile, RunPlan, plan_dict
 from qwz.qualify.evidence import schema
 from qwz.qualify.matrix import spec as matrix_spec
-from qwz.qualify.plan import DeepSpeedConfigFile, RunPlan, plan_dict
+from qwz.qualify.request import preflight
 from qwz.qualify.run import launch
 
 PR_CONFIG = {

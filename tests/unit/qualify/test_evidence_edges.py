@@ -16,11 +16,12 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 import torch
 
-from qwz.qualify import cli, preflight, requirements
+from qwz.qualify import cli
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import checks, gather_speed, machine, record
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.evidence.seal import seal
-from qwz.qualify.plan import RunPlan
+from qwz.qualify.request import preflight, requirements
 from qwz.qualify.review import banner, history, junit, outputs, plots, report
 from qwz.qualify.run import gather_timing, timing
 from qwz.qualify.run.subjects import make_arm

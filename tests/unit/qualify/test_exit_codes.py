@@ -1,5 +1,5 @@
 """One meaning per exit status across every command ([Note: exit statuses] in
-qwz/qualify/exit_codes.py; issue 49: exit 1 meant a FAIL, the user's timeout, a harness crash
+qwz/qualify/base/exit_codes.py; issue 49: exit 1 meant a FAIL, the user's timeout, a harness crash
 and tracebacks from three commands). Each command's own statuses are read from its code
 here, so a command that starts giving another status fails this file."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from qwz.qualify import exit_codes
+from qwz.qualify.base import exit_codes
 from qwz.qualify.bisect import command as bisect
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.matrix import runner

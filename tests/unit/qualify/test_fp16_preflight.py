@@ -13,7 +13,8 @@ import pathlib
 import pytest
 import torch
 
-from qwz.qualify import cli, preflight
+from qwz.qualify import cli
+from qwz.qualify.request import preflight
 from tests.extras import NEEDS_TRANSFORMERS
 from tests.unit.qualify.test_run_preflight import parse, problems
 

@@ -1,12 +1,13 @@
 """``qwz-qualify run`` refuses, before any rank starts, a run whose arms cannot fit on a GPU
-([Note: GPU memory estimate], qwz/qualify/gpu_memory.py), with the estimate in the message.
+([Note: GPU memory estimate], qwz/qualify/request/gpu_memory.py), with the estimate in the message.
 No GPU here: the GPUs the run would use and their free memory are faked."""
 
 from __future__ import annotations
 
 import pytest
 
-from qwz.qualify import cli, gpu_memory, preflight
+from qwz.qualify import cli
+from qwz.qualify.request import gpu_memory, preflight
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
 

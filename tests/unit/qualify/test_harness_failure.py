@@ -18,10 +18,10 @@ import sys
 import pytest
 
 from qwz.qualify import cli
+from qwz.qualify.base.rank_reports import RankEnd
 from qwz.qualify.bisect import command, trial, worktrees
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence import record as records
-from qwz.qualify.rank_reports import RankEnd
 
 from ..records import make_record
 from .test_bisect import _history, _own_shard_broken
@@ -187,8 +187,8 @@ def test_a_seam_that_cannot_observe_ends_harness_error_not_fail(tmp_path):
 def test_a_crash_record_is_judged_at_the_ranks_world_size_not_the_launchers():
     """The launcher writes a crash record outside any process group: judged as one rank it
     said "one rank: nothing was quantized or sent" of arms that ran on two."""
+    from qwz.qualify.base.plan import RunPlan
     from qwz.qualify.evidence import build as evidence
-    from qwz.qualify.plan import RunPlan
     from qwz.qualify.run.workloads import get_workload
 
     where = {"phase": "train", "arm": "reference", "step": 1, "last_completed_step": 0}

@@ -1,5 +1,5 @@
 """The launcher's CUDA check of the fused kernels ([Note: fused kernels checked before a
-run], qwz/qualify/kernel_check.py): asked in a child process, reported, never an error and
+run], qwz/qualify/request/kernel_check.py): asked in a child process, reported, never an error and
 never a change of the plan (each rank's own GPU decides, and the record names it)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwz.qualify import cli, kernel_check
-from qwz.qualify.plan import RunPlan
+from qwz.qualify import cli
+from qwz.qualify.base.plan import RunPlan
+from qwz.qualify.request import kernel_check
 from qwz.qualify.run import launch
 from qwz.qualify.run.workloads import get_workload
 

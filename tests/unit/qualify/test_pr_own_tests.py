@@ -425,7 +425,7 @@ def test_an_expected_failure_is_no_pass_and_a_torn_log_line_no_event(tmp_path):
 
 def test_a_killed_file_kills_what_it_started(tmp_path):
     """``supervise.run_within``: at the limit the whole session goes, not the child alone."""
-    from qwz.qualify.supervise import Stop, run_within
+    from qwz.qualify.base.supervise import Stop, run_within
 
     pid_file = tmp_path / "pid"
     script = f"sleep 600 & echo $! > {pid_file}; wait"

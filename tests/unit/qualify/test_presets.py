@@ -1,4 +1,4 @@
-"""``qwz-qualify run --preset``: qualify/presets.py through the parser and the plan."""
+"""``qwz-qualify run --preset``: qualify/base/presets.py through the parser and the plan."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import pathlib
 
 import pytest
 
-from qwz.qualify import cli, preflight, presets, requirements, settings
+from qwz.qualify import cli
+from qwz.qualify.base import presets
+from qwz.qualify.base.plan import Launch, RunPlan
+from qwz.qualify.base.values import POSITIVE_FINITE, setting
 from qwz.qualify.matrix import spec as matrix_spec
-from qwz.qualify.plan import Launch, RunPlan
+from qwz.qualify.request import preflight, requirements, settings
 from qwz.qualify.run.workloads import get_workload
-from qwz.qualify.values import POSITIVE_FINITE, setting
 from tests.extras import NEEDS_TRANSFORMERS
 
 

@@ -22,9 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qwz.qualify import cli, files, preflight
+from qwz.qualify import cli
+from qwz.qualify.base import files
+from qwz.qualify.base.rank_reports import RankEnd
 from qwz.qualify.evidence import ledger
-from qwz.qualify.rank_reports import RankEnd
+from qwz.qualify.request import preflight
 from qwz.qualify.run import launch
 from tests.extras import NEEDS_TRANSFORMERS
 

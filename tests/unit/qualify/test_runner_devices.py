@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qwz import devices
-from qwz.qualify.plan import RunPlan
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.run import runner, subjects
 from qwz.qualify.run.observers import own_shard
 from qwz.qualify.run.workloads import get_workload

@@ -20,38 +20,21 @@ LAYERS = {
     "qualify.evidence": 3,
     "qualify.run": 4,
     "qualify.review": 4,
-    "qualify.preflight": 5,
+    "qualify.request": 5,
     "qualify.matrix": 6,
     "qualify.bisect": 6,
     "qualify.pr_review": 7,
-    "qualify.cli": 8,
+    "qualify": 8,
 }
-"""A module may import its own group and any group of a lower layer: run and review are
-siblings (neither imports the other), the matrix runs ``run`` cells (it is handed the CLI's
+"""Each layer is a folder of ``qwz/qualify/`` (a module's layer is its folder's; the modules at
+``qualify/``'s top -- the CLI -- are the top layer, ``qualify``). A module may import its own
+folder and any folder of a lower layer: run and review are siblings (neither imports the
+other), the request (the resolved ``run`` request and its preflight) reads the run's
+workloads and the evidence's rules, the matrix runs ``run`` cells (it is handed the CLI's
 parser, never imports it), bisect drives whole runs (as subprocesses) and judges their
 records, matrix and bisect are siblings, the review of a pull request runs two ``run``s as a
 matrix runs its cells and checks out commits as bisect does (it reuses both), the CLI sits on
 top."""
-QUALIFY_TOP = {
-    "qwz.qualify": "qualify.base",
-    "qwz.qualify.files": "qualify.base",
-    "qwz.qualify.plan": "qualify.base",
-    "qwz.qualify.values": "qualify.base",
-    "qwz.qualify.rank_reports": "qualify.base",
-    "qwz.qualify.supervise": "qualify.base",
-    "qwz.qualify.exit_codes": "qualify.base",
-    "qwz.qualify.time_floor": "qualify.preflight",
-    "qwz.qualify.preflight": "qualify.preflight",
-    "qwz.qualify.gpu_memory": "qualify.preflight",
-    "qwz.qualify.kernel_check": "qualify.preflight",
-    "qwz.qualify.ds_config": "qualify.preflight",
-    "qwz.qualify.requirements": "qualify.preflight",
-    "qwz.qualify.presets": "qualify.preflight",
-    "qwz.qualify.settings": "qualify.preflight",
-    "qwz.qualify.cli": "qualify.cli",
-    "qwz.qualify.cli_parser": "qualify.cli",
-    "qwz.qualify.__main__": "qualify.cli",
-}
 
 
 def _modules(root: pathlib.Path = PACKAGE_DIR) -> dict[str, pathlib.Path]:
@@ -136,15 +119,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def group_of(module: str) -> str:
-    if module in QUALIFY_TOP:
-        return QUALIFY_TOP[module]
+def group_of(module: str, root: pathlib.Path = PACKAGE_DIR) -> str:
+    """The layer folder `module` lives in: ``qualify.<folder>`` for a module in a folder of
+    ``qwz/qualify/``, ``qualify`` for one at its top, ``integrations`` or ``core``."""
     parts = module.split(".")
     if parts[1:2] == ["integrations"]:
         return "integrations"
-    if parts[1:2] == ["qualify"]:
+    if parts[1:2] != ["qualify"]:
+        return "core"
+    if len(parts) > 3 or (len(parts) == 3 and (root / "qualify" / parts[2]).is_dir()):
         return f"qualify.{parts[2]}"
-    return "core"
+    return "qualify"
 
 
 def long_functions(root: pathlib.Path = PACKAGE_DIR) -> list[tuple[int, str]]:
@@ -265,3 +250,13 @@ def test_the_top_level_check_catches_a_tool_there(tmp_path):
         target.write_text(path.read_text())
     (tmp_path / "qwz" / "probe_tool.py").write_text("import torch\n")
     assert top_level_tools(tmp_path / "qwz") == {"qwz.probe_tool"}
+
+
+FRONT_DOOR = {"qwz.qualify", "qwz.qualify.__main__", "qwz.qualify.cli", "qwz.qualify.cli_parser"}
+"""The modules at ``qualify/``'s top: the commands' parser and handlers; every other module of
+the harness lives in the folder of its layer."""
+
+
+def test_qualify_top_holds_the_cli_only():
+    top = {module for module in _modules() if group_of(module) == "qualify"}
+    assert top <= FRONT_DOOR, f"put these in the folder of their layer: {top - FRONT_DOOR}"

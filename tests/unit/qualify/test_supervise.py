@@ -1,4 +1,4 @@
-"""[Note: supervising a run] (qualify/supervise.py): the one supervisor of the matrix's cells
+"""[Note: supervising a run] (qualify/base/supervise.py): the one supervisor of the matrix's cells
 and bisect's trials, on real child processes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from qwz.qualify import supervise
+from qwz.qualify.base import supervise
 
 SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(60)\n"
 STUBBORN = (

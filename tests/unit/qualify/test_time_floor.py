@@ -1,13 +1,19 @@
-"""[Note: the time floor] (qwz/qualify/time_floor.py): a ``--timeout`` the run cannot meet is
-refused before any rank starts (issue 49: ``--timeout 8`` trained for 8 s, then ended
+"""[Note: the time floor] (qwz/qualify/request/time_floor.py): a ``--timeout`` the run cannot
+meet is refused before any rank starts (issue 49: ``--timeout 8`` trained for 8 s, then ended
 ``FAIL: finite[reference]``), and no run's own default limit ever is."""
 
 from __future__ import annotations
 
 import pytest
 
-from qwz.qualify import presets, settings
-from qwz.qualify.time_floor import CPU_STEP_FLOOR_S, RANKS_START_S, time_floor, timeout_problem
+from qwz.qualify.base import presets
+from qwz.qualify.request import settings
+from qwz.qualify.request.time_floor import (
+    CPU_STEP_FLOOR_S,
+    RANKS_START_S,
+    time_floor,
+    timeout_problem,
+)
 
 DEFAULT_RUN = {"arms": 4, "timed_candidates": 1, "steps": 20, "blocks": 4, "warmup_steps": 2,
                "block_steps": 5}  # fmt: skip

@@ -24,7 +24,7 @@ probe saw (64 and 8192), its 100M-element reduce bucket, DeepSpeed's fused AdamW
 (``torch_adam`` false: the DeepSpeed subjects build FusedAdam; qwz's engine runs torch's
 AdamW either way) and SDPA attention, as the model trains (the eager attention of the other
 presets keeps 27 GiB of probabilities at this shape, [Note: activation estimate] in
-qualify/gpu_memory.py). The subject is DeepSpeed's own code (``deepspeed-native``;
+qualify/request/gpu_memory.py). The subject is DeepSpeed's own code (``deepspeed-native``;
 ``--deepspeed-src`` names the PR's checkout). Its GPU memory preflight counts the
 activations and holds one arm at a time where two do not fit. The speed blocks run under the
 rank's deterministic settings ([Note: deterministic ranks], qualify/run/determinism.py),
@@ -44,7 +44,7 @@ DEFAULT = "default"
 @dataclass(frozen=True)
 class Preset:
     """The values a preset gives the run settings left unset, by the settings' names
-    (qualify/plan.py declares them; qualify/settings.py checks a preset's values)."""
+    (qualify/base/plan.py declares them; qualify/request/settings.py checks a preset's values)."""
 
     name: str
     values: Mapping[str, Any]
@@ -53,7 +53,7 @@ class Preset:
     description: str = ""
     every_local_gpu: bool = False
     """``world_size`` left unset: one rank per local GPU where there is one ([Note: the PR's
-    evidence]); qualify/preflight.py counts them."""
+    evidence]); qualify/request/preflight.py counts them."""
 
     def values_for(self, gpu_per_rank: bool) -> dict[str, Any]:
         return {**self.values, **(self.gpu_values if gpu_per_rank else {})}

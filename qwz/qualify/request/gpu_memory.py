@@ -13,7 +13,7 @@ estimate is a lower bound: a run it refuses cannot fit, and a run it lets throug
 still run out of memory. Timing keeps the reference and one candidate resident (two arms)
 unless ``--one-arm-at-a-time``; where two arms do not fit and one does, and the command
 line did not say ``--no-one-arm-at-a-time``, the preflight chooses one arm at a time and
-says so (qualify/preflight.py), and the record's plan shows it.
+says so (qualify/request/preflight.py), and the record's plan shows it.
 
 [Note: activation estimate]
 What a Qwen3 step saves for its backward, per token (micro-batch x sequence), with w the

@@ -98,6 +98,6 @@ def bucket_size_problems(numel: int, world_size: int, bucket_size: int) -> list[
         f"--allgather-bucket-size {bucket_size}: the reference's weight gather would need about "
         f"{calls:,} collectives per step for a shard of {shard_numel:,} elements on "
         f"{world_size} ranks (at most {MAX_GATHER_COLLECTIVES_PER_STEP:,}: [Note: "
-        f"collectives per step], qwz/qualify/requirements.py); use at least "
+        f"collectives per step], qwz/qualify/request/requirements.py); use at least "
         f"{smallest_bucket_size(shard_numel, world_size):,}"
     ]

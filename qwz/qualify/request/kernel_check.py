@@ -27,7 +27,7 @@ import torch
 
 from qwz.kernels import self_test
 from qwz.optimizer import WORKING_DTYPES
-from qwz.qualify.plan import RunPlan
+from qwz.qualify.base.plan import RunPlan
 
 CUDA_CHECK_TIMEOUT_S = 900.0
 """How long the child process may take (a cold compile of the kernels included)."""

@@ -42,9 +42,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from qwz import jsonio
+from qwz.qualify.base.plan import DeepSpeedConfigFile
 from qwz.qualify.evidence import loss_scaling
 from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of
-from qwz.qualify.plan import DeepSpeedConfigFile
 
 QUANTIZED_WEIGHTS = "zero_optimization.zero_quantized_weights"
 GROUP_SIZE = "zero_optimization.zero_quantized_weights_group_size"
@@ -188,7 +188,7 @@ def mapped_values(
     """For each ``MAPPED`` setting: the value the run takes (the file's, else DeepSpeed's
     default; never for one given), the keys set from flags the file leaves out, and one
     refusal per setting the file contradicts. `given`: the settings given on the command
-    line; `settings`: name -> its ``RunSetting`` (qualify/settings.py)."""
+    line; `settings`: name -> its ``RunSetting`` (qualify/request/settings.py)."""
     values: dict[str, Any] = {}
     from_flags: dict[str, Any] = {}
     problems: list[str] = []
@@ -230,7 +230,7 @@ def resolve(args: argparse.Namespace, micro_batch: int, world_size: int) -> list
     ``args.ds_config`` becomes the ``DeepSpeedConfigFile``. One line per refusal."""
     if args.ds_config is None or isinstance(args.ds_config, DeepSpeedConfigFile):
         return []
-    from qwz.qualify.settings import run_settings
+    from qwz.qualify.request.settings import run_settings
 
     path = args.ds_config
     try:

@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 
-from qwz.qualify import settings
-from qwz.qualify.plan import RunPlan
-from qwz.qualify.presets import DEFAULT, PRESETS, Preset
+from qwz.qualify.base.plan import RunPlan
+from qwz.qualify.base.presets import DEFAULT, PRESETS, Preset
+from qwz.qualify.request import settings
 
 RANKS_PER_CORE = 4
 """Local ranks allowed per CPU core: beyond this a run only thrashes (gloo ranks spin)."""
@@ -31,7 +31,7 @@ def check_run_request(args: argparse.Namespace) -> list[str]:
 
     Called before any rank starts, so a bad ``--out``, a corrupt ledger or an impossible
     resource request costs nothing (exit 2), never a finished run's evidence."""
-    from qwz.qualify import requirements
+    from qwz.qualify.request import requirements
 
     apply_preset(args)
     wanted = requirements.needed(
@@ -118,10 +118,10 @@ def _one_rank_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _timeout_problems(args: argparse.Namespace, world_size: int) -> list[str]:
-    """[Note: the time floor] (qualify/time_floor.py): local ranks only."""
-    from qwz.qualify.plan import ArmSpec
+    """[Note: the time floor] (qualify/request/time_floor.py): local ranks only."""
+    from qwz.qualify.base.plan import ArmSpec
+    from qwz.qualify.request.time_floor import time_floor, timeout_problem
     from qwz.qualify.run.launch import pick_backend
-    from qwz.qualify.time_floor import time_floor, timeout_problem
 
     arms: list[ArmSpec] = plan_of(args).arms
     floor = time_floor(
@@ -140,8 +140,8 @@ def _timeout_problems(args: argparse.Namespace, world_size: int) -> list[str]:
 
 def _output_problems(args: argparse.Namespace) -> list[str]:
     """``--out``, the ledger and the signing key: what the run writes and signs with."""
+    from qwz.qualify.base.files import writable_directory_problem
     from qwz.qualify.evidence import ledger, run_dir, signing
-    from qwz.qualify.files import writable_directory_problem
 
     problems = []
     out_problem = writable_directory_problem(args.out, "--out")
@@ -169,10 +169,10 @@ def _output_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _gpu_memory_problems(args: argparse.Namespace, world_size: int, numel: int) -> list[str]:
-    """[Note: GPU memory estimate] (qualify/gpu_memory.py) on every GPU the ranks use; where
+    """[Note: GPU memory estimate] (qualify/request/gpu_memory.py) on every GPU the ranks use; where
     two arms do not fit and one does, one arm at a time unless the command line said
     otherwise (then ``args.one_arm_at_a_time`` is set, and the record's plan says so)."""
-    from qwz.qualify import gpu_memory
+    from qwz.qualify.request import gpu_memory
     from qwz.qualify.run.workloads import get_workload
 
     params = get_workload(args.workload, attention=args.attention).params
@@ -201,7 +201,7 @@ def _deepspeed_problems(args: argparse.Namespace) -> list[str]:
     the harness's seam can read (run/seam_check.py); for
     ``deepspeed-native``, DeepSpeed's own config accepts every arm's config (checked in a
     subprocess with the ranks' import path, qualify/run/subjects.py)."""
-    from qwz.qualify.plan import DEEPSPEED_SUBJECTS
+    from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.run.seam_check import seam_problems
     from qwz.qualify.run.subjects import deepspeed_native_problems
 
@@ -332,8 +332,8 @@ def _has_gpu_per_rank(world_size: int) -> bool:
 
 
 def apply_preset(args: argparse.Namespace) -> Preset:
-    """Every setting left unset from ``--preset`` (qualify/presets.py), else its declared
-    default (qualify/settings.py); idempotent."""
+    """Every setting left unset from ``--preset`` (qualify/base/presets.py), else its declared
+    default (qualify/request/settings.py); idempotent."""
     preset = PRESETS[getattr(args, "preset", None) or DEFAULT]
     unset = [name for name in preset.gpu_values if getattr(args, name, None) is None]
     resolved = settings.resolve(args, bool(unset) and _has_gpu_per_rank(run_world_size(args)))
@@ -351,8 +351,8 @@ def _local_gpu_count() -> int:
 
 def apply_ds_config(args: argparse.Namespace) -> list[str]:
     """``--ds-config``, read and applied to the resolved `args` ([Note: the user's DeepSpeed
-    config], qualify/ds_config.py); idempotent. One line per refusal."""
-    from qwz.qualify import ds_config
+    config], qualify/request/ds_config.py); idempotent. One line per refusal."""
+    from qwz.qualify.request import ds_config
     from qwz.qualify.run.workloads import get_workload
 
     micro_batch = get_workload(args.workload).params["micro_batch"]

@@ -1,5 +1,5 @@
 """The run settings, read from their one declaration (``RunPlan`` and ``Launch`` in
-qualify/plan.py, [Note: one declaration per setting] in qualify/values.py) and turned into
+qualify/base/plan.py, [Note: one declaration per setting] in qualify/base/values.py) and turned into
 what each interface needs: the ``run`` flags and their help, the resolution of a parsed
 command line (given, else the preset's, else the field's default), a preset's overrides and
 the matrix spec's keys and cell arguments.
@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qwz.qualify import presets
-from qwz.qualify.plan import Launch, RunPlan
-from qwz.qualify.values import (
+from qwz.qualify.base import presets
+from qwz.qualify.base.plan import Launch, RunPlan
+from qwz.qualify.base.values import (
     SETTING,
     Boolean,
     GroupSize,

@@ -1,9 +1,9 @@
 """What a qualification run does, as data: the plan, its arms and the settings they share.
 
-A ``RunPlan`` is built by the CLI from its settings (preflight.py refuses what cannot run),
-pickled to every rank (run/runner.py) and written into the record (evidence/build.py):
+A ``RunPlan`` is built by the CLI from its settings (request/preflight.py refuses what cannot
+run), pickled to every rank (run/runner.py) and written into the record (evidence/build.py):
 nothing here runs a rank or reads a record. ``RunPlan`` and ``Launch`` declare every setting
-of ``qwz-qualify run`` once ([Note: one declaration per setting], qualify/values.py).
+of ``qwz-qualify run`` once ([Note: one declaration per setting], qualify/base/values.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Protocol
 
-from qwz.qualify.values import (
+from qwz.qualify.base.values import (
     BOOLEAN,
     FINITE,
     NON_NEGATIVE,
@@ -79,7 +79,7 @@ class DeepSpeedConfigFile:
 
     def arm_config(self, harness: dict[str, Any]) -> dict[str, Any]:
         """The file with what the harness sets over it ([Note: the user's DeepSpeed config],
-        qualify/ds_config.py), from the harness's own config of the arm, `harness`
+        qualify/request/ds_config.py), from the harness's own config of the arm, `harness`
         (``RunPlan.arm_config`` without a file)."""
         config = copy.deepcopy(self.content)
         for dotted, value in self.from_flags.items():
@@ -145,7 +145,7 @@ class RunPlan:
 
     A field declared with ``setting()`` is a run setting: its name is the ``run`` flag, the
     matrix spec's key, a preset's key and the record's plan key ([Note: one declaration per
-    setting], qualify/values.py). The other fields are the harness's own (sample counts, the
+    setting], qualify/base/values.py). The other fields are the harness's own (sample counts, the
     test seams)."""
 
     workload: NamedWorkload = setting(
@@ -216,7 +216,8 @@ class RunPlan:
         "a DeepSpeed config JSON file, the base of every arm's config: the harness sets the "
         "quantization keys per arm, the stage, the dtype and the micro-batch over it; the "
         "optimizer, buckets, clipping and loss scaling are the file's; a file that contradicts "
-        "an arm or a flag is refused ([Note: the user's DeepSpeed config], qualify/ds_config.py)",
+        "an arm or a flag is refused ([Note: the user's DeepSpeed config], "
+        "qualify/request/ds_config.py)",
     )
     chunked_allgather_bucket_size: int | None = None
     """[Note: the chunked arm] (run/chunked_arm.py): the bucket of one more candidate arm,
@@ -240,7 +241,7 @@ class RunPlan:
     preset: str = setting(
         "default",
         OneOf.vocabulary("preset"),
-        "defaults for the settings left unset (qualify/presets.py)",
+        "defaults for the settings left unset (qualify/base/presets.py)",
         matrix="axis",
     )
     learning_rule: str = setting(
@@ -351,7 +352,7 @@ class RunPlan:
         0.19 trains and FAILs ``in-effect``); any other G is written, and a DeepSpeed whose
         config refuses the key is refused before training. With ``--ds-config`` this config
         supplies only what the harness sets over the user's file ([Note: the user's
-        DeepSpeed config], qualify/ds_config.py)."""
+        DeepSpeed config], qualify/request/ds_config.py)."""
         zero: dict[str, Any] = {
             "stage": self.stage,
             "zero_quantized_weights": arm.quantized,

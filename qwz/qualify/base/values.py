@@ -1,18 +1,18 @@
 """The rules a run setting's value follows, and ``setting()``, which declares one.
 
 [Note: one declaration per setting]
-Every setting of ``qwz-qualify run`` is one dataclass field (qualify/plan.py: ``RunPlan`` for
+Every setting of ``qwz-qualify run`` is one dataclass field (qualify/base/plan.py: ``RunPlan`` for
 what the run trains and judges, ``Launch`` for how it is launched) declared with
 ``setting(default, rule, help)``. The field's name is the setting's one name: the ``run``
 flag (``--allgather-bucket-size``), the attribute of the parsed arguments, the matrix spec's
 key (``allgather_bucket_size = 65536``), a preset's key and the record's plan key. Its rule
 (below) refuses a bad value with one message wherever the value comes from: command-line
-text (``parse``) or a TOML or Python value (``check``). qualify/settings.py generates the
+text (``parse``) or a TOML or Python value (``check``). qualify/request/settings.py generates the
 ``run`` flags, the presets' overrides and the matrix spec's keys from these fields, so adding
 a setting is adding one field.
 
 A rule knows nothing of the fields it serves; ``OneOf`` may name its choices by a vocabulary
-(``OneOf.vocabulary("workload")``) that qualify/settings.py supplies, where the names are
+(``OneOf.vocabulary("workload")``) that qualify/request/settings.py supplies, where the names are
 known (the workloads and presets live above this module's layer).
 """
 
@@ -106,7 +106,8 @@ class Real(Rule):
 
 
 class OneOf(Rule):
-    """One of a tuple of names; or of a vocabulary's names, supplied by qualify/settings.py."""
+    """One of a tuple of names; or of a vocabulary's names, supplied by
+    qualify/request/settings.py."""
 
     def __init__(self, choices: tuple[str, ...] = (), vocabulary: str | None = None) -> None:
         self.choices = tuple(choices)
@@ -203,7 +204,7 @@ PATH = Path()
 
 @dataclass(frozen=True)
 class Setting:
-    """What ``setting()`` records of a field (qualify/settings.py reads it)."""
+    """What ``setting()`` records of a field (qualify/request/settings.py reads it)."""
 
     rule: Rule
     help: str
