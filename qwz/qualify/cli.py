@@ -31,7 +31,6 @@ import sys
 import time
 from typing import Any
 
-from qwz.kernels import fused_available
 from qwz.qualify.base import exit_codes
 from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.base.values import (
@@ -44,7 +43,7 @@ from qwz.qualify.base.values import (
     Real,
 )
 from qwz.qualify.cli_parser import Parser, refuse
-from qwz.qualify.request import preflight
+from qwz.qualify.request import preflight, run_request
 from qwz.qualify.request.settings import argparse_type
 
 # Argument types: each refusal names the value and the rule (argparse prefixes the flag
@@ -408,7 +407,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         run = build_parser().parse_args(["run", "--out", str(args.out), *args.run_args])
     except SystemExit:  # argparse said why
         return 2 if args.command == "bisect" else command.STEP_ABORT
-    preflight.apply_preset(run)  # the subject may come from the preset or the declared default
+    subject = run_request.preset_values(run)["subject"]  # given, the preset's or the default
     kind = "check" if args.check else "hash" if args.hash else "speed" if args.speed else "default"
     options = command.Options(
         args.repo,
@@ -419,7 +418,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         args.check,
         args.speed_retries if args.speed else 0,
         args.setup,
-        run.subject,
+        subject,
         list(args.run_args),
     )
     try:
@@ -432,7 +431,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         return interrupted.exit_code
 
 
-def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
+def _run_torchrun(request, invocation):
     """This rank's part of a run torchrun started; rank 0 gets every rank's observations.
 
     [Note: a crash under torchrun]
@@ -455,16 +454,17 @@ def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
     from qwz.qualify.run.launch import torchrun_failure
     from qwz.qualify.run.runner import qualify_rank
 
+    plan, world_size, out = request.plan, request.world_size, request.out
     running = f"{qualify_rank.__module__}.{qualify_rank.__qualname__}"
-    reports = _torchrun_reports(args.out)
+    reports = _torchrun_reports(out)
 
     def write_record() -> None:  # crash()'s hook on a rank with peers
         if rank_reports.claim("record"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             failure = torchrun_failure(reports, world_size, running)
-            _write_failure(failure, plan, world_size, invocation, args.out)
+            _write_failure(failure, plan, world_size, invocation, out)
 
-    _init_torchrun_group(args.timeout)
+    _init_torchrun_group(request.launch.timeout)
     rank_reports.on_crash(write_record)
     try:
         observations = qualify_rank(plan)
@@ -478,7 +478,7 @@ def _run_torchrun(plan, world_size: int, args: argparse.Namespace, invocation):
         dist.destroy_process_group()
     rank_reports.forget()  # this rank finished: its reports are moot
     with contextlib.suppress(OSError):
-        (args.out / "rank-reports").rmdir()
+        (out / "rank-reports").rmdir()
     return observations
 
 
@@ -512,24 +512,35 @@ def _init_torchrun_group(timeout_s: float) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``run``: the request resolved once ([Note: a request resolved once] in
+    qualify/request/run_request.py) and checked, then the run and its files."""
     from qwz.qualify.evidence import machine, run_dir
     from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
-    problems = preflight.check_run_request(args)
+    try:
+        request = run_request.resolve(args)
+    except run_request.Refused as refused:
+        return refuse("run", *refused.problems)
+    problems = preflight.problems(request)
+    if request.one_arm_chosen:
+        print(
+            "qwz-qualify run: two arms do not fit on the GPUs with their activations; "
+            "holding one arm at a time (--one-arm-at-a-time)",
+            file=sys.stderr,
+        )
     if problems:
         return refuse("run", *problems)
-    plan = _plan_to_run(args)
-    world_size = preflight.run_world_size(args)
-    invocation = machine.invocation(getattr(args, "argv", sys.argv[1:]))
-    if args.keep_previous is not None and _writes_the_files():  # [Note: results kept]
-        for line in run_dir.keep_previous(args.out, args.keep_previous):
+    _prepare(request)
+    invocation = machine.invocation(list(request.argv))
+    if request.keep_previous is not None and _writes_the_files(request):  # [Note: results kept]
+        for line in run_dir.keep_previous(request.out, request.keep_previous):
             print(f"qwz-qualify run: {line}", file=sys.stderr)
-    run = _Run(plan, world_size, invocation, args.out, time.monotonic())
+    run = _Run(request, invocation, time.monotonic())
     try:
         with signals_interrupt():  # from here on, a stopped run says how far it got
-            return _qualify(run, args)
+            return _qualify(run)
     except Interrupted as interrupted:
-        if _writes_the_files():
+        if _writes_the_files(request):
             _write_interrupted(interrupted, run)
         raise
 
@@ -538,10 +549,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 class _Run:
     """A run preflight accepted: what its files are written from."""
 
-    plan: Any
-    world_size: int
+    request: Any
     invocation: dict
-    out: pathlib.Path
     started_s: float
     """time.monotonic() when the request was accepted (durations)."""
     started_at: float = dataclasses.field(default_factory=time.time)
@@ -549,22 +558,32 @@ class _Run:
     phase: str = "starting"
     """What it is doing now, for interrupted.json."""
 
+    @property
+    def plan(self):
+        return self.request.plan
 
-def _qualify(run: _Run, args: argparse.Namespace) -> int:
+    @property
+    def out(self) -> pathlib.Path:
+        return self.request.out
+
+
+def _qualify(run: _Run) -> int:
     """The conformance table, the ranks, then the run's files; the exit status."""
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.run.launch import RankFailure
 
+    request = run.request
+    world_size = request.world_size
     run.phase = "running the PR's config rules through the subject's parser"
-    preload = _rank_imports(run.plan, run.world_size)
-    conformance = _conformance_table(run.plan)
+    preload = _rank_imports(request)
+    conformance = _conformance_table(request)
     run.phase = "training the arms"
     try:
-        observations = _run_ranks(run.plan, run.world_size, args, run.invocation, preload)
+        observations = _run_ranks(request, run.invocation, preload)
     except RankFailure as failure:
         run.phase = "writing what the failed ranks left"
         return _write_failure(
-            failure, run.plan, run.world_size, run.invocation, run.out, conformance, run
+            failure, run.plan, world_size, run.invocation, run.out, conformance, run
         )
     if observations is None:  # not rank 0
         return exit_codes.PASS
@@ -572,28 +591,29 @@ def _qualify(run: _Run, args: argparse.Namespace) -> int:
     built = evidence.build_record(
         run.plan,
         observations,
-        ledger_dir=args.ledger,
-        min_speedup=args.min_speedup,
+        ledger_dir=request.launch.ledger,
+        min_speedup=request.launch.min_speedup,
         invocation=run.invocation,
         conformance=conformance,
     )
     return _write_evidence(built, run.out)
 
 
-def _writes_the_files() -> bool:
+def _writes_the_files(request) -> bool:
     """Whether this process writes the run's files: always, but under torchrun rank 0 alone."""
-    return not preflight.under_torchrun() or os.environ.get("RANK") == "0"
+    return not request.under_torchrun or os.environ.get("RANK") == "0"
 
 
-def _conformance_table(plan) -> dict | None:
+def _conformance_table(request) -> dict | None:
     """The PR's config rules through the subject's own parser and engine, before any rank
     trains ([Note: conformance run] in qualify/run/conformance.py); only where the record is
     written (under torchrun: rank 0). Where ``QWZ_CONFORMANCE_CACHE`` is set, a table of the
     same code may be reused ([Note: reused conformance tables] in run/conformance_cache.py)."""
     from qwz.qualify.run import conformance_cache
 
-    if preflight.under_torchrun() and os.environ.get("RANK") != "0":
+    if not _writes_the_files(request):
         return None
+    plan = request.plan
     table, reused = conformance_cache.table(
         plan.subject,
         qwz_gather=plan.qwz_gather,
@@ -608,55 +628,53 @@ def _conformance_table(plan) -> dict | None:
     return table
 
 
-def _plan_to_run(args: argparse.Namespace):
-    """The plan of a request preflight accepted, with the kernels this machine can run
-    ([Note: fused kernels checked before a run], qualify/request/kernel_check.py)."""
+def _prepare(request) -> None:
+    """Before the ranks: say where the kernels fall back ([Note: fused kernels checked before
+    a run], qualify/request/kernel_check.py), and import the subject's DeepSpeed here."""
     from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS
     from qwz.qualify.request import kernel_check
     from qwz.qualify.run.subjects import use_deepspeed_source
 
-    if args.kernels == "fused" and not fused_available():
+    plan = request.plan
+    if request.eager_fallback:
         print(
             "qwz-qualify: the fused kernels are not usable here (no C compiler?); "
             "the arms use the eager kernels, and the record says so",
             file=sys.stderr,
         )
-        args.kernels = "eager"
-    plan = preflight.plan_of(args)
-    kernel_check.cuda_failure(plan, preflight.run_world_size(args), preflight.under_torchrun())
-    if args.subject in DEEPSPEED_SUBJECTS:
+    kernel_check.cuda_failure(plan, request.world_size, request.under_torchrun)
+    if plan.subject in DEEPSPEED_SUBJECTS:
         # Here too: local ranks start from this sys.path (forked ones from the deepspeed
         # imported here), and the failure record's identity is read in this process.
         use_deepspeed_source(plan.deepspeed_src)
-    return plan
 
 
-def _rank_imports(plan, world_size: int) -> tuple[str, ...]:
+def _rank_imports(request) -> tuple[str, ...]:
     """The modules local ranks import, imported here now where they will be forked from this
     process ([Note: forked ranks] in qualify/run/launch.py), so the conformance table's child,
     forked before them, starts from them too; none under torchrun."""
-    from qwz.qualify.run.launch import import_for_fork, pick_backend
+    from qwz.qualify.run.launch import import_for_fork
     from qwz.qualify.run.subjects import rank_imports
 
-    if preflight.under_torchrun():
+    if request.under_torchrun:
         return ()
-    preload = rank_imports(plan.subject)
-    import_for_fork(pick_backend(world_size), preload)
+    preload = rank_imports(request.plan.subject)
+    import_for_fork(request.backend, preload)
     return preload
 
 
-def _run_ranks(
-    plan, world_size: int, args: argparse.Namespace, invocation, preload: tuple[str, ...]
-):
+def _run_ranks(request, invocation, preload: tuple[str, ...]):
     """Every rank's observations on rank 0 (None on the others): this process's rank under
-    torchrun, else `world_size` local ranks, forked after importing `preload` where they
+    torchrun, else the request's local ranks, forked after importing `preload` where they
     can be."""
     from qwz.qualify.run.launch import launch
     from qwz.qualify.run.runner import qualify_rank
 
-    if preflight.under_torchrun():
-        return _run_torchrun(plan, world_size, args, invocation)
-    return launch(qualify_rank, world_size, plan, timeout_s=args.timeout, preload=preload)[0]
+    if request.under_torchrun:
+        return _run_torchrun(request, invocation)
+    timeout_s = request.launch.timeout
+    return launch(qualify_rank, request.world_size, request.plan, timeout_s=timeout_s,
+                  preload=preload)[0]  # fmt: skip
 
 
 def _write_failure(
@@ -735,7 +753,7 @@ def _write_evidence(built, out: pathlib.Path) -> int:
     from qwz.qualify.evidence import run_dir, signing
     from qwz.qualify.review import outputs
 
-    key = signing.configured_key()  # usable: check_run_request tried it
+    key = signing.configured_key()  # usable: preflight tried it
     if key is not None:
         built = built.model_copy(update={"signature": signing.sign(built.digest, key)})
     # Plots, then the report, then the record, each atomically: a run cut short leaves

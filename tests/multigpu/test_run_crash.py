@@ -57,13 +57,26 @@ def raise_on_rank_1_at_step_3(arm, engine, plan):
     return engine
 
 
+def with_hook() -> None:
+    """This process's ``run`` resolves its request with the plan's arm_hook set (the CLI has
+    no flag for the seam)."""
+    from qwz.qualify.request import run_request
+
+    resolve = run_request.resolve
+
+    def resolve_with_hook(args):
+        request = resolve(args)
+        plan = dataclasses.replace(request.plan, arm_hook=HOOK)
+        return dataclasses.replace(request, plan=plan)
+
+    run_request.resolve = resolve_with_hook
+
+
 def _cli_with_hook(out: pathlib.Path) -> list[str]:
     """`qwz-qualify run` with the plan's arm_hook set (the CLI has no flag for the seam)."""
     code = (
-        "import dataclasses, sys; from qwz.qualify import cli; "
-        "from qwz.qualify.request import preflight; "
-        "plan = preflight.plan_of; "
-        f"preflight.plan_of = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
+        "import sys; from qwz.qualify import cli; "
+        "from tests.multigpu.test_run_crash import with_hook; with_hook(); "
         f"sys.exit(cli.main(['run', '--out', {str(out)!r}, *{RUN!r}]))"
     )
     return [sys.executable, "-c", code]
@@ -219,8 +232,6 @@ def test_a_killed_rank_is_named_with_its_signal_arm_and_last_step(tmp_path):
 
 if __name__ == "__main__":  # one rank under torchrun: `qwz-qualify <argv>` with the hook set
     from qwz.qualify import cli
-    from qwz.qualify.request import preflight
 
-    plan_of = preflight.plan_of
-    preflight.plan_of = lambda args: dataclasses.replace(plan_of(args), arm_hook=HOOK)
+    with_hook()
     sys.exit(cli.main(sys.argv[1:]))

@@ -222,8 +222,9 @@ class RunPlan:
     chunked_allgather_bucket_size: int | None = None
     """[Note: the chunked arm] (run/chunked_arm.py): the bucket of one more candidate arm,
     ``candidate-g<G>-chunked`` at the smallest G, sized from the workload so that its gather
-    spans several chunks per rank with edges inside parameters; set by the CLI
-    (preflight.plan_of) where the run's own bucket does not already chunk; None: no such arm."""
+    spans several chunks per rank with edges inside parameters; set where a request is resolved
+    (request/run_request.py) where the run's own bucket does not already chunk; None: no such
+    arm."""
     samples_per_param: int = 64
     """Drift context: sampled elements per parameter compared with the reference."""
     update_samples: int = 512

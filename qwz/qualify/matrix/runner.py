@@ -4,7 +4,7 @@
   A cell is finished when ``DIR/cells/<id>/record.json`` loads and verifies
   (``record.load``: schema, digest, checks re-derived, signature) and its plan and world
   size are the ones the cell asks for now: the plan ``run`` would build from the cell's
-  arguments (``expected_plan``: this build's parser and ``preflight.plan_of``, the same
+  arguments (``expected_plan``: this build's parser and ``run_request.resolve``, the same
   code ``run`` uses). A finished cell is never run again, whatever its verdict; every other
   cell -- no record, a record that does not load, a record of another plan (the spec or
   the code changed), a refusal, a crash -- runs (with ``--force`` over a stale record).
@@ -46,7 +46,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from qwz.kernels import fused_available
 from qwz.qualify.base import exit_codes, supervise
 from qwz.qualify.base.plan import plan_dict
 from qwz.qualify.base.supervise import Stop
@@ -55,7 +54,8 @@ from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.matrix.spec import Cell, Declared, Spec
-from qwz.qualify.request import preflight
+from qwz.qualify.request import run_request
+from qwz.qualify.request.run_request import RunRequest
 from qwz.qualify.review import matrix as table
 from qwz.qualify.review.matrix import MatrixCell
 
@@ -86,18 +86,28 @@ def subprocess_launcher(argv: list[str], logs: CellLogs, stop: Stop) -> int:
 def expected_plan(parser: argparse.ArgumentParser, arguments: list[str]) -> dict | None:
     """The plan (as the record stores it) that ``run <arguments>`` would build here; None
     where this build's ``run`` refuses the arguments (then no record can be this cell's)."""
+    request = expected_request(parser, arguments, pathlib.Path(os.devnull))
+    return None if request is None else recorded_plan(request)
+
+
+def recorded_plan(request: RunRequest) -> dict:
+    """The plan of `request` as its record stores it."""
+    data = plan_dict(request.plan) | {"min_speedup": request.launch.min_speedup}
+    return json.loads(json.dumps(data))
+
+
+def expected_request(
+    parser: argparse.ArgumentParser, arguments: list[str], out: pathlib.Path
+) -> RunRequest | None:
+    """The request ``run <arguments> --out OUT`` resolves to here ([Note: a request resolved
+    once]); None where this build's ``run`` refuses the arguments."""
     refusals = io.StringIO()
     try:
         with contextlib.redirect_stderr(refusals):
-            namespace = parser.parse_args(["run", *arguments, "--out", os.devnull])
-        preflight.apply_preset(namespace)
-        if namespace.kernels == "fused" and not fused_available():  # as cmd_run does
-            namespace.kernels = "eager"
-        plan = preflight.plan_of(namespace)
+            namespace = parser.parse_args(["run", *arguments, "--out", str(out)])
+        return run_request.resolve(namespace)
     except (SystemExit, ValueError):
         return None
-    data = plan_dict(plan) | {"min_speedup": namespace.min_speedup}
-    return json.loads(json.dumps(data))
 
 
 def finished_record(cell_dir: pathlib.Path, plan: dict | None, world_size: int):

@@ -24,9 +24,14 @@ from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Record
-from qwz.qualify.matrix.runner import VERDICT_EXITS, expected_plan, finished_record, refusal_reason
+from qwz.qualify.matrix.runner import (
+    VERDICT_EXITS,
+    expected_request,
+    finished_record,
+    recorded_plan,
+    refusal_reason,
+)
 from qwz.qualify.pr_review import checkout
-from qwz.qualify.request.preflight import run_world_size
 from qwz.qualify.review.pr_review import REFUSED, Side
 
 
@@ -65,9 +70,12 @@ class Run(NamedTuple):
 
 
 def _expected(run: Run, parser: argparse.ArgumentParser) -> tuple[dict | None, int]:
-    plan = expected_plan(parser, run.arguments)
-    namespace = parser.parse_args(["run", *run.arguments, "--out", str(run.directory)])
-    return plan, run_world_size(namespace)
+    """The plan and world size of the record ``run`` would write ([Note: a request resolved
+    once]); no plan where this build's ``run`` refuses the arguments."""
+    request = expected_request(parser, run.arguments, run.directory)
+    if request is None:
+        return None, 0
+    return recorded_plan(request), request.world_size
 
 
 def finished(run: Run, parser: argparse.ArgumentParser) -> tuple[Record | None, str]:

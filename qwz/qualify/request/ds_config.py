@@ -35,7 +35,6 @@ record's plan keeps its path, the sha256 of its bytes and its JSON content (``ds
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import pathlib
 from collections.abc import Mapping
@@ -192,7 +191,7 @@ def mapped_values(
     values: dict[str, Any] = {}
     from_flags: dict[str, Any] = {}
     problems: list[str] = []
-    defaults = _effective_optimizer(content)
+    adam_defaults = []  # left out, and DeepSpeed's default is the file's Adam's
     for name, (dotted, default) in MAPPED.items():
         section = dotted.split(".")[0]
         if "." in dotted and section != "zero_optimization" and section not in content:
@@ -201,8 +200,10 @@ def mapped_values(
         if not has:
             if name in given:
                 from_flags[dotted] = given[name]
-            elif (default if default is not None else defaults.get(name)) is not None:
-                values[name] = default if default is not None else defaults[name]
+            elif default is not None:
+                values[name] = default
+            else:
+                adam_defaults.append(name)
             continue
         try:
             value = settings[name].check(_as_setting(value, default))
@@ -213,6 +214,8 @@ def mapped_values(
             flag = " ".join(settings[name].arguments(given[name]))
             problems.append(f"{dotted} is {_shown(value)} in the file; {flag} was given")
         values[name] = value
+    defaults = _effective_optimizer(content) if adam_defaults else {}
+    values.update({name: defaults[name] for name in adam_defaults if name in defaults})
     return values, from_flags, problems
 
 
@@ -224,57 +227,61 @@ def _as_setting(value: Any, default: Any) -> Any:
     return value
 
 
-def resolve(args: argparse.Namespace, micro_batch: int, world_size: int) -> list[str]:
-    """Read ``args.ds_config`` and apply [Note: the user's DeepSpeed config] to the resolved
-    arguments `args` (idempotent): the settings the file holds take its values, and
-    ``args.ds_config`` becomes the ``DeepSpeedConfigFile``. One line per refusal."""
-    if args.ds_config is None or isinstance(args.ds_config, DeepSpeedConfigFile):
-        return []
-    from qwz.qualify.request.settings import run_settings
-
-    path = args.ds_config
+def apply(
+    values: Mapping[str, Any], given: Mapping[str, Any], micro_batch: int, world_size: int
+) -> tuple[dict[str, Any], list[str]]:
+    """[Note: the user's DeepSpeed config] over the run's settings `values` (name -> value;
+    `given`: those given on the command line), as ``run_request.resolve`` reads them: the
+    settings the file holds take its values, and ``ds_config`` becomes the
+    ``DeepSpeedConfigFile``; and one line per refusal."""
+    path = values["ds_config"]
+    if path is None:
+        return dict(values), []
     try:
         loaded = read(path)
         dtype = file_dtype(loaded.content)
     except ValueError as error:
         text = str(error)
-        return [text if text.startswith("--ds-config") else f"--ds-config {path}: {text}"]
+        return dict(values), [
+            text if text.startswith("--ds-config") else f"--ds-config {path}: {text}"
+        ]
     content = loaded.content
-    given = {name: getattr(args, name) for name in args.given}
+    from qwz.qualify.request.settings import run_settings
+
     settings = run_settings()
+    arms = ["reference", *(f"candidate-g{size}" for size in values["group_sizes"])]
+    quantization_problems = arm_problems(content, arms)
     problems = batch_problems(content, micro_batch, world_size)
-    problems += _axis_problems(args, content, dtype, given, settings["stage"].check)
-    values, from_flags, mapped_problems = mapped_values(content, given, settings)
-    problems += mapped_problems
-    arms = ["reference", *(f"candidate-g{size}" for size in args.group_sizes)]
-    problems += arm_problems(content, arms)
+    axes, axis_problems = _axis_values(content, dtype, given, settings["stage"].check)
+    mapped, from_flags, mapped_problems = mapped_values(content, given, settings)
+    problems += axis_problems + mapped_problems + quantization_problems
     if problems:
-        return [f"--ds-config {path}: {problem}" for problem in problems]
-    for name, value in values.items():
-        setattr(args, name, value)
-    args.ds_config = DeepSpeedConfigFile(loaded.path, loaded.sha256, content, from_flags)
-    return []
+        return dict(values), [f"--ds-config {path}: {problem}" for problem in problems]
+    ds_file = DeepSpeedConfigFile(loaded.path, loaded.sha256, content, from_flags)
+    return {**values, **axes, **mapped, "ds_config": ds_file}, []
 
 
-def _axis_problems(
-    args: argparse.Namespace,
+def _axis_values(
     content: Mapping[str, Any],
     dtype: str | None,
     given: Mapping[str, Any],
     check_stage: Any,
-) -> list[str]:
-    """The stage and the dtype: the file's where the command line gives none (set on
-    `args`), refused where it gives another."""
+) -> tuple[dict[str, Any], list[str]]:
+    """The stage and the dtype: the file's where the command line gives none, refused where
+    it gives another."""
+    values: dict[str, Any] = {}
     problems = []
     has, stage = _lookup(content, STAGE)
     if has:
         try:
             stage = check_stage(stage)
         except ValueError:
-            return [f"{STAGE} is {_shown(stage)} in the file; the run qualifies ZeRO stage 1 or 2"]
+            return {}, [
+                f"{STAGE} is {_shown(stage)} in the file; the run qualifies ZeRO stage 1 or 2"
+            ]
         if "stage" in given and given["stage"] != stage:
             problems.append(f"{STAGE} is {stage} in the file; --stage {given['stage']} was given")
-        args.stage = stage
+        values["stage"] = stage
     if dtype is not None:
         if "dtype" in given and given["dtype"] != dtype:
             said = {
@@ -283,5 +290,5 @@ def _axis_problems(
                 "fp32": "neither bf16.enabled nor fp16.enabled is true in the file",
             }[dtype]
             problems.append(f"{said} (dtype {dtype}); --dtype {given['dtype']} was given")
-        args.dtype = dtype
-    return problems
+        values["dtype"] = dtype
+    return values, problems

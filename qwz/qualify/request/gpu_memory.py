@@ -165,14 +165,14 @@ def _refusal(
     return line + "; use more ranks or a smaller workload"
 
 
-def indices_for_run(world_size: int, under_torchrun: bool) -> list[int]:
+def indices_for_run(world_size: int, under_torchrun: bool, backend: str) -> list[int]:
     """The GPUs this process's run puts ranks on: cuda:LOCAL_RANK under torchrun, cuda:0..W-1
-    for local NCCL ranks, none for gloo."""
+    for local NCCL ranks (`backend`: theirs, run/launch.py's ``pick_backend``), none for
+    gloo."""
     import torch
 
     from qwz.devices import uses_cuda
-    from qwz.qualify.run.launch import pick_backend
 
     if under_torchrun:
         return [int(os.environ.get("LOCAL_RANK", "0"))] if torch.cuda.is_available() else []
-    return list(range(world_size)) if uses_cuda(pick_backend(world_size)) else []
+    return list(range(world_size)) if uses_cuda(backend) else []

@@ -8,7 +8,7 @@ eager kernels (the same bytes), every rank follows it (collectives.agree_on_kern
 the record's ``kernels`` names the fallback and its reason on every rank. The launcher
 checks first, so a run that will not use them says so before it trains:
 
-- the CPU's native build, in this process (cli.py): where the fused kernels cannot serve
+- the CPU's native build, in this process (run_request.py): where the fused kernels cannot serve
   on the CPU, the run asks for the eager ones and its plan says so;
 - with CUDA ranks, the self-test on the first GPU (:func:`cuda_failure`), in a child
   process: the launcher must hold no CUDA context, which would take memory on that GPU for

@@ -1,7 +1,8 @@
 """What a ``run`` needs that only a finished run would otherwise find missing.
 
-Called by ``check_run_request`` before any rank starts, so a missing optional package or a
-bucket size that would take hours costs nothing (exit 2), never a finished run's evidence.
+Asked when a request is resolved and checked (run_request.py, preflight.py), before any rank
+starts, so a missing optional package or a bucket size that would take hours costs nothing
+(exit 2), never a finished run's evidence.
 
 [Note: optional dependencies]
 ``pip install qwz`` installs the engine; the harness's plots (matplotlib), its paired test

@@ -1,8 +1,7 @@
 """The run settings, read from their one declaration (``RunPlan`` and ``Launch`` in
-qualify/base/plan.py, [Note: one declaration per setting] in qualify/base/values.py) and turned into
-what each interface needs: the ``run`` flags and their help, the resolution of a parsed
-command line (given, else the preset's, else the field's default), a preset's overrides and
-the matrix spec's keys and cell arguments.
+qualify/base/plan.py, [Note: one declaration per setting] in qualify/base/values.py) and
+turned into what each interface needs: the ``run`` flags and their help, a preset's overrides
+and the matrix spec's keys and cell arguments (run_request.py resolves a parsed command line).
 """
 
 from __future__ import annotations
@@ -171,10 +170,10 @@ def add_flags(
     settings: Mapping[str, RunSetting],
     shown_defaults: Mapping[str, str] | None = None,
 ) -> None:
-    """A flag per setting (every default None: resolve() tells given from unset), and the
-    renamed flags of earlier versions, refused naming their replacement. `shown_defaults`:
-    the default a command's help shows for a setting where the command sets its own (name
-    -> text)."""
+    """A flag per setting (every default None: run_request.given_settings tells given from
+    unset), and the renamed flags of earlier versions, refused naming their replacement.
+    `shown_defaults`: the default a command's help shows for a setting where the command sets
+    its own (name -> text)."""
     for setting in settings.values():
         shown = (shown_defaults or {}).get(setting.name)
         options: dict[str, Any] = {
@@ -194,27 +193,3 @@ def add_flags(
         parser.add_argument(
             flag, action=_Renamed, nargs=nargs, dest=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
-
-
-def resolve(args: argparse.Namespace, gpu_per_rank: bool) -> presets.Preset:
-    """Fill every setting left unset: the preset's value, else the declared default. The
-    settings given on the command line are kept in ``args.given`` (a first call sets it;
-    later calls change nothing). Returns the preset."""
-    settings = run_settings()
-    if not hasattr(args, "given"):
-        args.given = frozenset(name for name in settings if getattr(args, name, None) is not None)
-    preset = presets.PRESETS[getattr(args, "preset", None) or presets.DEFAULT]
-    values = preset.values_for(gpu_per_rank)
-    for name, setting in settings.items():
-        if getattr(args, name, None) is None:
-            value = values.get(name, setting.default)
-            setattr(args, name, tuple(value) if setting.declaration.repeated else value)
-        elif setting.declaration.repeated:
-            setattr(args, name, tuple(getattr(args, name)))
-    return preset
-
-
-def plan_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``RunPlan`` fields that the resolved `args` set (names only; preflight.plan_of
-    turns the workload's name into its workload and the checkout into its resolved path)."""
-    return {name: getattr(args, name) for name, item in run_settings().items() if item.in_plan}

@@ -123,6 +123,12 @@ class Workload:
     name: str
     params: dict[str, Any] = field(default_factory=dict)
 
+    def numel(self, seed: int) -> int:
+        """Parameters of the workload's model, counted on the meta device (no memory)."""
+        with torch.device("meta"):
+            model = self.build_model(seed)
+        return sum(parameter.numel() for parameter in model.parameters())
+
     def build_model(
         self,
         seed: int,

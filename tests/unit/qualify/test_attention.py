@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from qwz.qualify import cli
-from qwz.qualify.request import preflight
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
+from tests.unit.run_requests import plan_of
 
 pytestmark = NEEDS_TRANSFORMERS
 
@@ -19,7 +19,7 @@ def test_eager_is_the_default_and_leaves_the_workload_s_params_as_they_were():
     eager = get_workload("qwen3-tiny")
     assert "attention" not in eager.params and eager == get_workload("qwen3-tiny", "eager")
     assert eager.build_model(0).config._attn_implementation == "eager"
-    planned = preflight.plan_of(cli.build_parser().parse_args(["run", "--out", "x"]))
+    planned = plan_of(cli.build_parser().parse_args(["run", "--out", "x"]))
     assert planned.attention == "eager" and planned.workload == eager
 
 
@@ -28,9 +28,7 @@ def test_sdpa_is_recorded_and_computes_the_eager_loss():
     through SDPA gives every parameter a finite gradient."""
     sdpa = get_workload("qwen3-tiny", attention="sdpa")
     assert sdpa.params["attention"] == "sdpa"
-    planned = preflight.plan_of(
-        cli.build_parser().parse_args(["run", "--out", "x", "--attention", "sdpa"])
-    )
+    planned = plan_of(cli.build_parser().parse_args(["run", "--out", "x", "--attention", "sdpa"]))
     assert planned.workload == sdpa
     batch = sdpa.batch(seed=0, step=1, rank=0)
     losses = {}

@@ -375,7 +375,7 @@ def test_an_interrupted_attempt_is_run_again_over_what_it_left(monkeypatch, tmp_
     preflight refuses to replace without --force ([Note: results kept]): the trial's own run,
     in the bisect's own attempt directory, replaces it, so a resumed bisect runs it again."""
     from qwz.qualify.bisect import state
-    from qwz.qualify.request import preflight
+    from qwz.qualify.request import preflight, run_request
 
     out, sha = tmp_path / "out", "a" * 40
     attempt = state.next_attempt(out, sha)
@@ -396,4 +396,4 @@ def test_an_interrupted_attempt_is_run_again_over_what_it_left(monkeypatch, tmp_
     trial.run_trial(request, out, attempt)
     [run] = commands
     args = cli.build_parser().parse_args(run[run.index("qwz.qualify") + 1 :])
-    assert preflight._output_problems(args) == []
+    assert preflight._output_problems(run_request.resolve(args)) == []

@@ -11,17 +11,17 @@ import pytest
 
 from qwz.qualify import cli
 from qwz.qualify.base.plan import CHUNKED_SUFFIX
-from qwz.qualify.evidence import staging
-from qwz.qualify.request import preflight
+from qwz.qualify.evidence import chunking, staging
 from qwz.qualify.review.compare import Status, compare
 from qwz.qualify.run import chunked_arm
 from qwz.qualify.run.workloads import get_workload
 from tests.unit.records import CANDIDATE, make_payload, make_record
+from tests.unit.run_requests import plan_of as resolved_plan
 
 DEFAULT_BUCKET = 500_000_000
 
 
-def pr_chunks_per_rank(group: chunked_arm.GatheredGroup, bucket: int, group_size: int) -> int:
+def pr_chunks_per_rank(group: chunking.GatheredGroup, bucket: int, group_size: int) -> int:
     """Chunks per rank of the PR's chunking (``bucket // (W * G)`` groups per rank)."""
     per_rank = max(1, bucket // (group.world_size * group_size)) * group_size
     partition = math.ceil(sum(group.numels) / group.world_size)
@@ -47,8 +47,8 @@ def test_the_sized_bucket_chunks_every_gather_within_the_bound(
     element_bytes = chunked_arm.ELEMENT_BYTES[dtype]
     for group in chunked_arm.gathered_groups(get_workload(workload), world_size, 0):
         assert pr_chunks_per_rank(group, bucket, group_size) >= 3
-        assert chunked_arm.edges_inside_parameters(group, bucket, group_size)
-        fewest = chunked_arm.fewest_wire_bytes(group, group_size, element_bytes)
+        assert chunking.edges_inside_parameters(group, bucket, group_size)
+        fewest = chunking.fewest_wire_bytes(group, group_size, element_bytes)
         exact = sum(numel for numel in group.numels if numel <= 65_536)
         bound = staging.collective_bound(
             bucket=bucket,
@@ -58,7 +58,7 @@ def test_the_sized_bucket_chunks_every_gather_within_the_bound(
             rank_exact_numel=exact,
         )
         if bucket > world_size * group_size:  # not the one-group-per-rank floor
-            assert chunked_arm.CHUNK_TARGET * bound.bound_bytes <= fewest
+            assert chunking.CHUNK_TARGET * bound.bound_bytes <= fewest
 
 
 def test_the_expert_groups_are_gathered_over_the_expert_data_parallel_ranks():
@@ -77,15 +77,15 @@ def test_the_expert_groups_are_gathered_over_the_expert_data_parallel_ranks():
 
 
 def test_an_edge_on_a_parameter_s_first_element_or_in_padding_is_not_inside():
-    inside = chunked_arm.GatheredGroup((100, 156), 1)  # edges 64, 128, 192
-    assert chunked_arm.edges_inside_parameters(inside, 64, 64)
-    on_a_start = chunked_arm.GatheredGroup((128, 128), 1)  # edge 128: the second's first element
-    assert not chunked_arm.edges_inside_parameters(on_a_start, 64, 64)
-    padded = chunked_arm.GatheredGroup((100,), 2)  # partitions of 50: rank 1's edge 48 -> 98
-    assert chunked_arm.edges_inside_parameters(padded, 2 * 8, 8)  # 8-element chunks
-    tail = chunked_arm.GatheredGroup((90,), 2)  # partitions of 45: rank 1's edge 40 -> 85
-    assert chunked_arm.edges_inside_parameters(tail, 2 * 40, 8)
-    assert not chunked_arm.edges_inside_parameters(chunked_arm.GatheredGroup((81,), 2), 80, 8)
+    inside = chunking.GatheredGroup((100, 156), 1)  # edges 64, 128, 192
+    assert chunking.edges_inside_parameters(inside, 64, 64)
+    on_a_start = chunking.GatheredGroup((128, 128), 1)  # edge 128: the second's first element
+    assert not chunking.edges_inside_parameters(on_a_start, 64, 64)
+    padded = chunking.GatheredGroup((100,), 2)  # partitions of 50: rank 1's edge 48 -> 98
+    assert chunking.edges_inside_parameters(padded, 2 * 8, 8)  # 8-element chunks
+    tail = chunking.GatheredGroup((90,), 2)  # partitions of 45: rank 1's edge 40 -> 85
+    assert chunking.edges_inside_parameters(tail, 2 * 40, 8)
+    assert not chunking.edges_inside_parameters(chunking.GatheredGroup((81,), 2), 80, 8)
 
 
 def test_a_run_whose_bucket_already_chunks_or_one_rank_gets_no_chunked_arm():
@@ -106,7 +106,7 @@ def test_a_run_whose_bucket_already_chunks_or_one_rank_gets_no_chunked_arm():
 
 
 def plan_of(*argv: str):
-    return preflight.plan_of(cli.build_parser().parse_args(["run", "--out", "x", *argv]))
+    return resolved_plan(cli.build_parser().parse_args(["run", "--out", "x", *argv]))
 
 
 def test_the_default_plan_has_the_chunked_arm_with_its_own_bucket_untimed():

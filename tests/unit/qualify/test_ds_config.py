@@ -2,8 +2,8 @@
 qwz/qualify/request/ds_config.py): the file is the base of every arm, contradictions are refused
 before any rank starts naming the key, and the record's plan keeps the file and its digest.
 
-No training here: flags go through ``build_parser``, ``check_run_request`` and
-``plan_of`` (the ``mlp`` workload, counted on the meta device); the runs are in
+No training here: flags go through ``build_parser``, ``run_request.resolve`` and
+``preflight.problems`` (the ``mlp`` workload, counted on the meta device); the runs are in
 tests/multigpu/test_qualify_ds_config.py.
 """
 
@@ -19,8 +19,8 @@ from qwz.qualify import cli
 from qwz.qualify.base.plan import DeepSpeedConfigFile, RunPlan, plan_dict
 from qwz.qualify.evidence import schema
 from qwz.qualify.matrix import spec as matrix_spec
-from qwz.qualify.request import preflight
 from qwz.qualify.run import launch
+from tests.unit.run_requests import plan_of, problems_of
 
 PR_CONFIG = {
     "optimizer": {
@@ -47,12 +47,12 @@ def parse(tmp_path: pathlib.Path, *argv: str):
 
 
 def plan(tmp_path: pathlib.Path, content, *argv: str) -> RunPlan:
-    return preflight.plan_of(parse(tmp_path, "--ds-config", str(write(tmp_path, content)), *argv))
+    return plan_of(parse(tmp_path, "--ds-config", str(write(tmp_path, content)), *argv))
 
 
 def refusals(tmp_path: pathlib.Path, content, *argv: str) -> list[str]:
     path = write(tmp_path, content)
-    return preflight.check_run_request(parse(tmp_path, "--ds-config", str(path), *argv))
+    return problems_of(parse(tmp_path, "--ds-config", str(path), *argv))
 
 
 # --------------------------------------------------------------------------- the arms
@@ -150,7 +150,7 @@ def test_an_fp16_file_keeps_its_loss_scaling_and_the_run_fills_none_of_it(tmp_pa
 def test_the_plan_keeps_the_file_its_digest_and_its_content(tmp_path):
     text = json.dumps(PR_CONFIG, indent=1) + "\n"
     path = write(tmp_path, text)
-    planned = preflight.plan_of(parse(tmp_path, "--ds-config", str(path)))
+    planned = plan_of(parse(tmp_path, "--ds-config", str(path)))
     recorded = json.loads(json.dumps(plan_dict(planned)))
     assert recorded["ds_config"] == {
         "path": str(path.resolve()),
@@ -164,7 +164,7 @@ def test_the_plan_keeps_the_file_its_digest_and_its_content(tmp_path):
 
 
 def test_without_a_file_the_arms_are_the_harness_s_own(tmp_path):
-    planned = preflight.plan_of(parse(tmp_path, "--subject", "deepspeed"))
+    planned = plan_of(parse(tmp_path, "--subject", "deepspeed"))
     assert planned.ds_config is None and plan_dict(planned)["ds_config"] is None
     config = planned.arm_config(planned.arms[0])
     assert config["optimizer"]["params"]["torch_adam"] is True
@@ -270,7 +270,7 @@ def test_a_file_that_contradicts_an_arm_or_a_flag_is_refused_naming_the_key(
 
 
 def test_a_missing_file_is_refused_naming_it(tmp_path):
-    problems = preflight.check_run_request(parse(tmp_path, "--ds-config", str(tmp_path / "no")))
+    problems = problems_of(parse(tmp_path, "--ds-config", str(tmp_path / "no")))
     assert problems == [
         f"--ds-config {tmp_path / 'no'}: cannot read DeepSpeed config: No such file or directory"
     ]

@@ -21,11 +21,12 @@ from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import checks, gather_speed, machine, record
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.evidence.seal import seal
-from qwz.qualify.request import preflight, requirements
+from qwz.qualify.request import requirements
 from qwz.qualify.review import banner, history, junit, outputs, plots, report
 from qwz.qualify.run import gather_timing, timing
 from qwz.qualify.run.subjects import make_arm
 from qwz.qualify.run.workloads import get_workload
+from tests.unit.run_requests import problems_of
 
 from ..records import CANDIDATE, _blocks, make_payload, make_performance, make_record
 
@@ -108,7 +109,7 @@ def test_the_smallest_sensible_bucket_size_is_the_boundary(tmp_path):
         flag = "--allgather-bucket-size"
         argv = ["run", "--out", str(tmp_path / "o"), "--workload", "mlp", flag, str(bucket)]
         args = cli.build_parser().parse_args(argv)
-        return [line for line in preflight.check_run_request(args) if flag in line]
+        return [line for line in problems_of(args) if flag in line]
 
     (refusal,) = problems(7)
     assert "269,091 collectives per step" in refusal and refusal.endswith("use at least 264")

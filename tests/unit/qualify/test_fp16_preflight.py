@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from qwz.qualify import cli
-from qwz.qualify.request import preflight
 from tests.extras import NEEDS_TRANSFORMERS
 from tests.unit.qualify.test_run_preflight import parse, problems
+from tests.unit.run_requests import plan_of
 
 NEEDS_DEEPSPEED = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -85,7 +85,7 @@ def test_bf16_never_asks(tmp_path):
 @NEEDS_TRANSFORMERS
 def test_the_qwz_subject_runs_fp16(tmp_path):
     assert problems(tmp_path, "--dtype", "fp16") == []
-    assert preflight.plan_of(parse("--out", "x", "--dtype", "fp16")).fp16_initial_scale_power == 20
+    assert plan_of(parse("--out", "x", "--dtype", "fp16")).fp16_initial_scale_power == 20
 
 
 def _cpu_has_fp16() -> bool:

@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 
 from qwz.qualify import cli
-from qwz.qualify.request import gpu_memory, preflight
+from qwz.qualify.request import gpu_memory, run_request
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
+from tests.unit.run_requests import problems_of
 
 GIB = 2**30
 QWEN3_4B_NUMEL = 4_022_468_096
 
 
-def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str, args_out=None) -> list[str]:
-    monkeypatch.setattr(gpu_memory, "indices_for_run", lambda world_size, torchrun: [0, 1])
+def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str, resolved=None) -> list[str]:
+    monkeypatch.setattr(gpu_memory, "indices_for_run", lambda world_size, torchrun, backend: [0, 1])
     monkeypatch.setattr(
         gpu_memory,
         "free_bytes",
@@ -25,9 +26,9 @@ def run_problems(tmp_path, monkeypatch, free_gib: float, *argv: str, args_out=No
     args = cli.build_parser().parse_args(
         ["run", "--workload", "qwen3-4b", "--out", str(tmp_path / "out"), *argv]
     )
-    lines = [line for line in preflight.check_run_request(args) if "cuda:" in line]
-    if args_out is not None:
-        args_out.append(args)
+    lines = [line for line in problems_of(args) if "cuda:" in line]
+    if resolved is not None:
+        resolved.append(run_request.resolve(args))
     return lines
 
 
@@ -55,16 +56,16 @@ def test_a_run_that_cannot_fit_a_gpu_is_refused_with_the_estimate(tmp_path, monk
 
 
 @NEEDS_TRANSFORMERS
-def test_the_preflight_holds_one_arm_where_two_do_not_fit(tmp_path, monkeypatch, capsys):
-    parsed: list = []
+def test_the_preflight_holds_one_arm_where_two_do_not_fit(tmp_path, monkeypatch):
+    """The request holds one arm at a time, and says it chose to (``run`` prints that)."""
+    resolved: list = []
     argv = ("--world-size", "2", "--attention", "sdpa")
-    assert run_problems(tmp_path, monkeypatch, 60, *argv, args_out=parsed) == []
-    assert parsed[0].one_arm_at_a_time is True
-    assert "holding one arm at a time" in capsys.readouterr().err
+    assert run_problems(tmp_path, monkeypatch, 60, *argv, resolved=resolved) == []
+    assert resolved[0].plan.one_arm_at_a_time is True and resolved[0].one_arm_chosen
     # Where two arms fit, both stay resident.
-    parsed.clear()
-    assert run_problems(tmp_path, monkeypatch, 120, *argv, args_out=parsed) == []
-    assert parsed[0].one_arm_at_a_time is False
+    resolved.clear()
+    assert run_problems(tmp_path, monkeypatch, 120, *argv, resolved=resolved) == []
+    assert resolved[0].plan.one_arm_at_a_time is False and not resolved[0].one_arm_chosen
 
 
 @NEEDS_TRANSFORMERS
@@ -139,8 +140,10 @@ def test_the_activation_estimate_is_what_autograd_saves(attention, dtype):
 
 
 def test_gloo_ranks_skip_the_gpu_preflight(monkeypatch):
+    from qwz.qualify.run.launch import pick_backend
+
     monkeypatch.setenv("QWZ_BACKEND", "gloo")
-    assert gpu_memory.indices_for_run(4, under_torchrun=False) == []
+    assert gpu_memory.indices_for_run(4, under_torchrun=False, backend=pick_backend(4)) == []
 
 
 def test_an_unreadable_gpu_is_a_problem_not_a_crash():

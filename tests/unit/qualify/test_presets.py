@@ -12,13 +12,14 @@ from qwz.qualify.base import presets
 from qwz.qualify.base.plan import Launch, RunPlan
 from qwz.qualify.base.values import POSITIVE_FINITE, setting
 from qwz.qualify.matrix import spec as matrix_spec
-from qwz.qualify.request import preflight, requirements, settings
+from qwz.qualify.request import requirements, run_request, settings
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
+from tests.unit.run_requests import plan_of, problems_of
 
 
 def plan(*argv: str) -> RunPlan:
-    return preflight.plan_of(cli.build_parser().parse_args(["run", "--out", "x", *argv]))
+    return plan_of(cli.build_parser().parse_args(["run", "--out", "x", *argv]))
 
 
 @NEEDS_TRANSFORMERS
@@ -41,7 +42,7 @@ def test_the_default_preset_is_the_twenty_step_qualification_unchanged():
 
 
 def test_the_long_preset_fills_the_flags_left_unset(monkeypatch):
-    monkeypatch.setattr(preflight, "_has_gpu_per_rank", lambda world_size: False)
+    monkeypatch.setattr(run_request, "_has_gpu_per_rank", lambda world_size: False)
     planned = plan("--preset", "long")
     assert planned.workload == get_workload("mlp-small") and planned.steps >= 2000
     assert (planned.eval_every, planned.blocks, planned.held_out_batches) == (20, 0, 8)
@@ -54,7 +55,7 @@ def test_the_long_preset_fills_the_flags_left_unset(monkeypatch):
 
 @NEEDS_TRANSFORMERS
 def test_the_long_preset_trains_qwen3_0_6b_where_every_rank_has_a_gpu(monkeypatch):
-    monkeypatch.setattr(preflight, "_has_gpu_per_rank", lambda world_size: True)
+    monkeypatch.setattr(run_request, "_has_gpu_per_rank", lambda world_size: True)
     assert plan("--preset", "long").workload.name == "qwen3-0.6b"
     assert plan("--preset", "long", "--workload", "mlp-small").workload.name == "mlp-small"
     assert plan().workload.name == "qwen3-tiny"  # the default preset has no GPU choice
@@ -116,12 +117,11 @@ def test_a_setting_declared_once_reaches_the_flags_the_matrix_and_the_presets(mo
     monkeypatch.setitem(presets.PRESETS, "tuned", tuned)
     args = parser.parse_args(["run", "--out", "x"])
     args.preset = "tuned"
-    settings.resolve(args, gpu_per_rank=False)
-    assert args.warmup_lr == 0.75
+    assert run_request.preset_values(args)["warmup_lr"] == 0.75
     given = parser.parse_args(["run", "--out", "x", "--warmup-lr", "2"])
     given.preset = "tuned"
-    settings.resolve(given, gpu_per_rank=False)
-    assert given.warmup_lr == 2.0 and given.given == {"warmup_lr", "preset"}
+    assert run_request.preset_values(given)["warmup_lr"] == 2.0
+    assert set(run_request.given_settings(given)) == {"warmup_lr", "preset"}
 
 
 # --------------------------------------------------------------------------- pr-evidence
@@ -131,9 +131,10 @@ def test_a_setting_declared_once_reaches_the_flags_the_matrix_and_the_presets(mo
 def test_the_pr_evidence_preset_resolves_to_the_pr_s_settings(monkeypatch):
     """[Note: the PR's evidence]: Qwen3-4B at 2048, bf16, ZeRO-2, a rank per local GPU, 20
     steps, four blocks, G 64 and 8192, a 100M reduce bucket, fused AdamW, SDPA."""
-    monkeypatch.setattr(preflight, "_local_gpu_count", lambda: 4)
+    monkeypatch.setattr(run_request, "_local_gpu_count", lambda: 4)
     args = cli.build_parser().parse_args(["run", "--out", "x", "--preset", "pr-evidence"])
-    planned = preflight.plan_of(args)
+    request = run_request.resolve(args)
+    planned = request.plan
     model = planned.workload.params["model"]
     assert planned.workload.name == "qwen3-4b" and planned.workload.params["attention"] == "sdpa"
     assert (model["num_hidden_layers"], model["hidden_size"]) == (36, 2560)
@@ -143,7 +144,7 @@ def test_the_pr_evidence_preset_resolves_to_the_pr_s_settings(monkeypatch):
     )
     assert (planned.subject, planned.stage, planned.dtype) == ("deepspeed-native", 2, "bf16")
     assert (planned.group_sizes, planned.steps, planned.blocks) == ((64, 8192), 20, 4)
-    assert args.world_size == 4
+    assert request.world_size == 4
     for arm in planned.arms:
         config = planned.arm_config(arm)
         assert config["zero_optimization"]["reduce_bucket_size"] == 100_000_000
@@ -153,12 +154,10 @@ def test_the_pr_evidence_preset_resolves_to_the_pr_s_settings(monkeypatch):
     given = cli.build_parser().parse_args(
         ["run", "--out", "x", "--preset", "pr-evidence", "--world-size", "2"]
     )
-    preflight.apply_preset(given)
-    assert given.world_size == 2
-    monkeypatch.setattr(preflight, "_local_gpu_count", lambda: 0)
+    assert run_request.preset_values(given)["world_size"] == 2
+    monkeypatch.setattr(run_request, "_local_gpu_count", lambda: 0)
     bare = cli.build_parser().parse_args(["run", "--out", "x", "--preset", "pr-evidence"])
-    preflight.apply_preset(bare)
-    assert bare.world_size == 2
+    assert run_request.preset_values(bare)["world_size"] == 2
 
 
 @NEEDS_TRANSFORMERS
@@ -171,8 +170,8 @@ def test_on_cpu_the_pr_evidence_preset_shape_checks_on_a_scaled_down_qwen3(tmp_p
 
     argv = ["run", "--out", str(tmp_path / "out"), "--preset", "pr-evidence"]
     args = cli.build_parser().parse_args([*argv, "--workload", "qwen3-tiny", "--subject", "qwz"])
-    assert preflight.check_run_request(args) == []
-    planned = preflight.plan_of(args)
+    assert problems_of(args) == []
+    planned = plan_of(args)
     assert planned.workload.params["attention"] == "sdpa"
     candidate = next(arm for arm in planned.arms if arm.group_size == 8192)
     assert candidate.allgather_bucket_size is None  # the user's bucket, not the chunked arm's

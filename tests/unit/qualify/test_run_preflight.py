@@ -3,7 +3,8 @@ and turns SIGINT/SIGTERM into exit 130/143 (issue 9, "run fails fast and cleans 
 is knowable before a rank starts is refused then, and a run that ends on its time limit or a
 signal says so in its own file (issue 49).
 
-No training here: flags go through ``build_parser`` and ``check_run_request`` (the
+No training here: flags go through ``build_parser``, ``run_request.resolve`` and
+``preflight.problems`` (the
 ``mlp`` workload, counted on the meta device); ``launch`` is replaced where ``cmd_run``
 must get past the checks. The real SIGTERM of a running ``run`` is in
 ``tests/multigpu/test_run_signals.py``.
@@ -26,9 +27,10 @@ from qwz.qualify import cli
 from qwz.qualify.base import files
 from qwz.qualify.base.rank_reports import RankEnd
 from qwz.qualify.evidence import ledger
-from qwz.qualify.request import preflight
+from qwz.qualify.request import preflight, run_request
 from qwz.qualify.run import launch
 from tests.extras import NEEDS_TRANSFORMERS
+from tests.unit.run_requests import plan_of, problems_of
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -85,13 +87,13 @@ def test_compare_memory_growth_must_be_finite(capsys):
 
 
 # --------------------------------------------------------------------------- #
-# check_run_request
+# the request's problems
 # --------------------------------------------------------------------------- #
 
 
 def problems(tmp_path: pathlib.Path, *argv: str) -> list[str]:
     argv = argv if "--out" in argv else ("--out", str(tmp_path / "out"), *argv)
-    return preflight.check_run_request(parse("--workload", "mlp", *argv))
+    return problems_of(parse("--workload", "mlp", *argv))
 
 
 def test_a_fresh_request_passes(tmp_path):
@@ -102,7 +104,7 @@ def test_a_fresh_request_passes(tmp_path):
 def test_the_reference_alone_trains_one_arm_and_has_no_speed_up_to_gate(tmp_path):
     """``--arm-set reference`` (what review runs at a PR's base) trains the reference alone;
     ``--min-speedup`` gates candidates, so with it the request is refused, naming both."""
-    plan = preflight.plan_of(parse("--out", str(tmp_path), "--arm-set", "reference"))
+    plan = plan_of(parse("--out", str(tmp_path), "--arm-set", "reference"))
     assert [arm.name for arm in plan.arms] == ["reference"]
     assert problems(tmp_path, "--arm-set", "reference") == []
     found = problems(tmp_path, "--arm-set", "reference", "--min-speedup", "1.02")
@@ -469,13 +471,13 @@ def test_argument_vectors_parse_or_exit_2_with_one_error_line(capsys, argv):
         assert "invalid int value" not in err and "invalid float value" not in err
         assert err.strip().splitlines()[-1].startswith("qwz-qualify run: error: ")
         return
-    preflight.apply_preset(args)  # the flags left unset get the preset's values
-    for value in (args.lr, args.timeout):
+    values = run_request.preset_values(args)  # unset: the preset's values
+    for value in (values["lr"], values["timeout"]):
         assert value > 0 and value != float("inf")
-    assert args.steps >= 1 and args.blocks >= 0 and args.block_steps >= 1
-    assert args.warmup_steps >= 0 and 0 <= args.seed < 2**63
-    assert all(size > 0 and size % 8 == 0 for size in args.group_sizes or ())
-    assert args.min_speedup is None or abs(args.min_speedup) != float("inf")
+    assert values["steps"] >= 1 and values["blocks"] >= 0 and values["block_steps"] >= 1
+    assert values["warmup_steps"] >= 0 and 0 <= values["seed"] < 2**63
+    assert all(size > 0 and size % 8 == 0 for size in values["group_sizes"])
+    assert values["min_speedup"] is None or abs(values["min_speedup"]) != float("inf")
 
 
 @pytest.mark.parametrize(
@@ -496,9 +498,10 @@ def test_a_renamed_flag_is_refused_naming_its_replacement(capsys, argv, replacem
 @NEEDS_TRANSFORMERS
 def test_each_bucket_is_its_own_setting():
     """``--allgather-bucket-size`` no longer sets the reduce bucket too."""
-    plan = preflight.plan_of(parse("--out", "x", "--allgather-bucket-size", "65536"))
-    zero = plan.arm_config(plan.arms[-1])["zero_optimization"]
+    plan = plan_of(parse("--out", "x", "--allgather-bucket-size", "65536"))
+    candidate = next(arm for arm in plan.arms if arm.timed)  # the chunked arm has its own
+    zero = plan.arm_config(candidate)["zero_optimization"]
     assert (zero["allgather_bucket_size"], zero["reduce_bucket_size"]) == (65536, 500_000_000)
-    plan = preflight.plan_of(parse("--out", "x", "--reduce-bucket-size", "4096"))
+    plan = plan_of(parse("--out", "x", "--reduce-bucket-size", "4096"))
     zero = plan.arm_config(plan.arms[0])["zero_optimization"]
     assert (zero["allgather_bucket_size"], zero["reduce_bucket_size"]) == (500_000_000, 4096)
