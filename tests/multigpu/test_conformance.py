@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwz.qualify.evidence import conformance
+from qwz.qualify.evidence.rules import conformance
 from qwz.qualify.run.conformance import run_table
 from tests.deepspeed_checkout import CONFORMANCE_BROKEN, use_variant
 from tests.unit.records import make_record

@@ -1,5 +1,5 @@
 """fp16 qualification on two real ranks: overflow-skipped steps are legitimate, broken
-candidates are not ([Note: overflow pattern], qwz/qualify/evidence/loss_scaling.py).
+candidates are not ([Note: overflow pattern], qwz/qualify/evidence/rules/overflow_pattern.py).
 
 The plan starts the loss scale high (2**18 on the mlp workload: its first two steps
 overflow, one spending the hysteresis, one halving the scale) with a short window (3), so

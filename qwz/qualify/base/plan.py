@@ -40,9 +40,9 @@ REFERENCE = "reference"
 CALIBRATION = "calibration"
 """Role and name prefix of the calibration arm: ``calibration-g<G>`` imitates group size G."""
 LEARNING_RULES = ("max-gap", "non-inferiority")
-"""How ``learning`` judges a candidate (qualify/evidence/checks.py): the worst gap at any
+"""How ``learning`` judges a candidate (qualify/evidence/rules/learning.py): the worst gap at any
 evaluation ([Note: learning margin]) or the long horizon's statistical rule ([Note:
-non-inferiority over the horizon], qualify/evidence/horizon.py)."""
+non-inferiority over the horizon], qualify/evidence/rules/horizon.py)."""
 ARM_SETS = ("all", "reference")
 """Which arms a run trains (``arm_set``): every arm, or the reference alone -- the default
 path, as ``review`` runs it at a pull request's base ([Note: the base runs the reference
@@ -300,8 +300,8 @@ class RunPlan:
         20,
         NON_NEGATIVE,
         "fp16: the dynamic loss scale starts at 2**N ([Note: overflow pattern], "
-        "qualify/evidence/loss_scaling.py: above DeepSpeed's default of 16, so that the first "
-        "steps of the shipped workloads overflow)",
+        "qualify/evidence/rules/overflow_pattern.py: above DeepSpeed's default of 16, so that "
+        "the first steps of the shipped workloads overflow)",
     )
     fp16_loss_scale_window: int = setting(
         8, POSITIVE, "fp16: clean steps after which the dynamic scale doubles"

@@ -3,7 +3,7 @@ evaluation cadence, the speed blocks and the learning rule.
 
 ``default`` is the 20-step qualification (the flags' documented defaults); ``long`` is
 the long horizon, judged by [Note: non-inferiority over the horizon]
-(qualify/evidence/horizon.py). A flag given on the command line always wins over its
+(qualify/evidence/rules/horizon.py). A flag given on the command line always wins over its
 preset (``--preset long --steps 200`` is a shortened long run, still judged by the
 statistical rule); a preset only fills the flags left unset.
 

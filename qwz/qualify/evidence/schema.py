@@ -356,7 +356,7 @@ class StepMasters(_Model):
 class LossScaling(_Model):
     """fp16: per training step, what the harness observed of the arm's dynamic loss scaling
     ([Note: overflow observation], qualify/run/observers/overflow.py); judged by [Note: overflow
-    pattern] (qualify/evidence/loss_scaling.py)."""
+    pattern] (qualify/evidence/rules/overflow_pattern.py)."""
 
     arm: str
     scales: list[list[float | None]] = Field(
@@ -516,7 +516,7 @@ class Hashes(_Model):
 class WireGroup(_Model):
     """What one rank sent in the weight gather over one process group in the arm's last
     step (the largest collective: over every step), and the spec's counts of the elements it
-    holds there (qualify/evidence/checks.py, [Note: group size from the wire])."""
+    holds there (qualify/evidence/wire.py, [Note: group size from the wire])."""
 
     rank: int
     group_ranks: list[int] = Field(description="Global ranks of the process group")
@@ -662,7 +662,7 @@ class Performance(_Model):
 
 
 class Learning(_Model):
-    """The raw numbers of [Note: learning margin] (qualify/evidence/checks.py)."""
+    """The raw numbers of [Note: learning margin] (qualify/evidence/rules/learning.py)."""
 
     eval_steps: list[int]
     held_out_batches_per_rank: int
@@ -670,14 +670,15 @@ class Learning(_Model):
     calibration_group_size: int | None
     rule: Literal["max-gap", "non-inferiority"] = Field(
         "max-gap",
-        description="max-gap: [Note: learning margin] (qualify/evidence/checks.py); "
-        "non-inferiority: [Note: non-inferiority over the horizon] (qualify/evidence/horizon.py)",
+        description="max-gap: [Note: learning margin] (qualify/evidence/rules/learning.py); "
+        "non-inferiority: [Note: non-inferiority over the horizon] "
+        "(qualify/evidence/rules/horizon.py)",
     )
 
 
 class ConformanceRow(_Model):
     """One config of the judge's conformance table as the subject's own parser and engine
-    took it ([Note: the PR's config rules], qualify/evidence/conformance.py); the expected
+    took it ([Note: the PR's config rules], qualify/evidence/rules/conformance.py); the expected
     outcome is the judge's, never stored here."""
 
     row: str = Field(description="The row's name in the judge's table")

@@ -42,8 +42,8 @@ from typing import Any
 
 from qwz import jsonio
 from qwz.qualify.base.plan import DeepSpeedConfigFile
-from qwz.qualify.evidence import loss_scaling
 from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of
+from qwz.qualify.evidence.rules import overflow_pattern
 
 QUANTIZED_WEIGHTS = "zero_optimization.zero_quantized_weights"
 GROUP_SIZE = "zero_optimization.zero_quantized_weights_group_size"
@@ -51,7 +51,7 @@ STAGE = "zero_optimization.stage"
 DEEPSPEED_BUCKET_DEFAULT = 500_000_000
 """DeepSpeed's ``allgather_bucket_size`` and ``reduce_bucket_size`` where a config leaves
 them out."""
-FP16_DEFAULTS = loss_scaling.DEFAULTS
+FP16_DEFAULTS = overflow_pattern.DEFAULTS
 MAPPED: dict[str, tuple[str, Any]] = {
     "allgather_bucket_size": ("zero_optimization.allgather_bucket_size", DEEPSPEED_BUCKET_DEFAULT),
     "reduce_bucket_size": ("zero_optimization.reduce_bucket_size", DEEPSPEED_BUCKET_DEFAULT),

@@ -77,7 +77,7 @@ def _repeated_values(request: RunRequest) -> list[str]:
 
 def _one_rank_problems(request: RunRequest) -> list[str]:
     """One rank sends nothing to quantize: the run could only end INCONCLUSIVE ([Note: one
-    rank] in qualify/evidence/checks.py), known now. ``--allow-one-rank`` runs it anyway (a
+    rank] in qualify/evidence/rules/in_effect.py), known now. ``--allow-one-rank`` runs it anyway (a
     smoke test of the harness on one device)."""
     if request.world_size != 1 or request.allow_one_rank:
         return []

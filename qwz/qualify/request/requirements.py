@@ -52,7 +52,7 @@ def needed(
     *, workload: str, subject: str, blocks: int, learning_rule: str = "max-gap"
 ) -> list[tuple[str, str, str]]:
     """(module, extra, what needs it) for every optional package this run imports."""
-    from qwz.qualify.evidence.checks import MIN_BLOCKS_FOR_INTERVAL
+    from qwz.qualify.evidence.rules.speed import MIN_BLOCKS_FOR_INTERVAL
 
     wanted = [PLOTS]
     if blocks >= MIN_BLOCKS_FOR_INTERVAL:

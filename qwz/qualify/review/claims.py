@@ -15,7 +15,7 @@ the review's own: "default path unchanged" compares the base's and the head's re
 reported with its interval, a verdict only where the run was given ``--min-speedup``. The
 config rules are the ``conformance`` table's rows (each config run through the subject's own
 parser and engine, each row naming the PR claim it tests: [Note: the PR's config rules] in
-qualify/evidence/conformance.py): a claim reads the rows of its PR claims at the head, and the
+qualify/evidence/rules/conformance.py): a claim reads the rows of its PR claims at the head, and the
 base's verdict of the same rows is shown beside them as context (stock DeepSpeed refuses the
 group size key, so its rows differ by design).
 """
@@ -64,7 +64,7 @@ class Decider:
     arms: str = "candidates"
     rows: tuple[str, ...] = ()
     """conformance: the PR claims (the ``claim`` of the table's rows, [Note: the PR's config
-    rules] in qualify/evidence/conformance.py) whose rows decide this claim."""
+    rules] in qualify/evidence/rules/conformance.py) whose rows decide this claim."""
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ def _speed_row(claim: Claim, head: Record, base: Record | None) -> ClaimRow:
 def _scheme_row(claim: Claim, head: Record) -> ClaimRow:
     """``own-shard`` decides it; where it passes, the detail is the scheme the head wrote and
     what it cost on this run, for a reviewer who may ask for a better one."""
-    from qwz.qualify.evidence.schemes import scheme_report
+    from qwz.qualify.evidence.rules.schemes import scheme_report
 
     row = _decided_row(claim, head, None, None)
     if row.verdict != PASS:

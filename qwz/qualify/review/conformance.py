@@ -1,14 +1,14 @@
 """The report's section on the PR's config rules: every row of the conformance table, with
 what the subject's own parser and engine did and said, read from the record; the expected
 outcomes and verdicts are today's judge's ([Note: the PR's config rules],
-qualify/evidence/conformance.py)."""
+qualify/evidence/rules/conformance.py)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from qwz.qualify.evidence import conformance
+from qwz.qualify.evidence.rules import conformance
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.review.formatting import table
 

@@ -83,7 +83,7 @@ def write_run_outputs(built, out: pathlib.Path, key, signature_section) -> Drawn
 def scheme_sentence(record) -> str | None:
     """The scheme the record's candidates wrote and what it cost, for the console; None where
     nothing was quantized ([Note: what a scheme costs], qualify/run/observers/scheme_cost.py)."""
-    from qwz.qualify.evidence.schemes import scheme_report
+    from qwz.qualify.evidence.rules.schemes import scheme_report
 
     report = scheme_report(record)
     if report.arm is None and report.scheme is None and not report.mixed:

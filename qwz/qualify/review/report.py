@@ -409,7 +409,7 @@ def _own_shard(ratio: float | None) -> str:
 
 
 def _learning_section(record: Record) -> list[str]:
-    from qwz.qualify.evidence.checks import learning_margin
+    from qwz.qualify.evidence.rules.learning import learning_margin
 
     learning = record.learning
     lines = ["## Learning (held-out loss)", ""]
@@ -440,7 +440,7 @@ def _learning_section(record: Record) -> list[str]:
             f"{format_sig(numbers['reference_drop'], 4)}); the calibration arm is the "
             "reference with uniform noise of ±scale/2 per group "
             f"(G = {learning.calibration_group_size}) added to its working weights after "
-            "every step ([Note: learning margin], qwz/qualify/evidence/checks.py).",
+            "every step ([Note: learning margin], qwz/qualify/evidence/rules/learning.py).",
             "",
         ]
     return lines
@@ -448,13 +448,13 @@ def _learning_section(record: Record) -> list[str]:
 
 def _horizon_lines(record: Record) -> list[str]:
     """The long preset's rule ([Note: non-inferiority over the horizon],
-    qwz/qualify/evidence/horizon.py), candidate by candidate."""
+    qwz/qualify/evidence/rules/horizon.py), candidate by candidate."""
     lines = [
         "Judged by a non-inferiority bound over the last half of the horizon: per held-out "
         "batch, the candidate's loss minus the reference's averaged over the window; the "
         "one-sided upper bound of their mean must lie within the margin calibrated by the "
         f"`{record.learning.calibration_arm}` arm over the same window ([Note: "
-        "non-inferiority over the horizon], qwz/qualify/evidence/horizon.py).",
+        "non-inferiority over the horizon], qwz/qualify/evidence/rules/horizon.py).",
         "",
     ]
     for check in record.checks:
@@ -668,7 +668,7 @@ def _probe_section(record: Record) -> list[str]:
 def _wire_table(record: Record) -> list[str]:
     """Per arm, rank and process group: the group size the bytes imply and the bytes that
     groups of the requested size allow ([Note: group size from the wire])."""
-    from qwz.qualify.evidence.checks import group_bounds, wire_group_size
+    from qwz.qualify.evidence.wire import group_bounds, wire_group_size
 
     rows = []
     for probe in record.probes:
@@ -693,7 +693,7 @@ def _wire_table(record: Record) -> list[str]:
     return [
         "The group size the wire's bytes imply (the spec's 1 + 4/G bytes per quantized "
         "element), per rank and process group, and the bytes groups of the requested size "
-        "allow (qualify/evidence/checks.py, [Note: group size from the wire]).",
+        "allow (qualify/evidence/wire.py, [Note: group size from the wire]).",
         "",
         *table(
             [

@@ -2,7 +2,7 @@
 
 [Note: conformance run]
 ``qwz-qualify run`` hands every row of the judge's table (``ROWS``, [Note: the PR's config
-rules] in qualify/evidence/conformance.py) to the subject, and the record keeps what it did:
+rules] in qualify/evidence/rules/conformance.py) to the subject, and the record keeps what it did:
 
 - **The subject's parser, then its engine.** Each config goes to the parser the candidate
   arms' configs go through; where it accepts a config of stage 1 or 2, an engine is built from
@@ -83,7 +83,7 @@ def run_table(
 ) -> dict[str, Any]:
     """The record's ``conformance`` section: every row of the judge's table through the
     subject's parser and engine, in a subprocess ([Note: conformance run])."""
-    from qwz.qualify.evidence.conformance import ROWS
+    from qwz.qualify.evidence.rules.conformance import ROWS
 
     request = {
         "subject": subject,

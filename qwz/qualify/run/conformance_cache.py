@@ -84,7 +84,7 @@ def key(
 ) -> str | None:
     """The hex digest of everything the table's answer depends on, or None where the code
     cannot be pinned."""
-    from qwz.qualify.evidence.conformance import ROWS
+    from qwz.qualify.evidence.rules.conformance import ROWS
 
     code = {"qwz": _qwz_code()}
     if subject != "qwz":

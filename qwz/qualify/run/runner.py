@@ -9,7 +9,7 @@ only through ``subjects.ArmEngine`` (the seam of [Note: own shards]).
 [Note: arms one at a time]
 The arms -- the unquantized ``reference``, the ``calibration`` arm (the
 reference with quantization-sized noise, [Note: learning margin] in
-qualify/evidence/checks.py) and one candidate per group size -- train one after another,
+qualify/evidence/rules/learning.py) and one candidate per group size -- train one after another,
 each from the same seed and on the same batches; only one is resident at a
 time, and each arm's peak memory is measured from a reset (CUDA peak stats, or
 the process's peak RSS via /proc/self/clear_refs), so a configuration that
@@ -93,12 +93,7 @@ from qwz.qualify.run import (
     timing,
 )
 from qwz.qualify.run.observers import engine_report, overflow, own_shard, scheme_cost, update
-from qwz.qualify.run.subjects import (
-    ArmEngine,
-    DeepSpeedSourceError,
-    make_arm,
-    use_deepspeed_source,
-)
+from qwz.qualify.run.subjects import ArmEngine, DeepSpeedSourceError, make_arm, use_deepspeed_source
 from qwz.qualify.run.wire_window import WireWindow
 
 
@@ -347,7 +342,7 @@ def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
 def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int, step: int) -> list[Any]:
     """``[step, mean loss]`` over ranks and held-out batches; under the non-inferiority rule
     ``[step, mean loss, every batch's loss]`` too, rank by rank ([Note: non-inferiority over
-    the horizon], qualify/evidence/horizon.py: the batches are its paired units)."""
+    the horizon], qualify/evidence/rules/horizon.py: the batches are its paired units)."""
     module = engine.module
     was_training = module.training
     module.eval()
@@ -388,7 +383,7 @@ def _wire_layout(
     shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int], keys: dict[str, str]
 ) -> dict[tuple[int, ...], dict[str, Any]]:
     """Per process group, the spec's counts of this rank's own-shard elements there
-    ([Note: group size from the wire], qualify/evidence/checks.py): quantized (parameters above
+    ([Note: group size from the wire], qualify/evidence/wire.py): quantized (parameters above
     spec.EXACT_MAX_NUMEL), exact (at most: :func:`spec.travels_exactly`), padding (no
     parameter) and the working element
     size, and which parameters they are (dense, expert: [Note: replica sets], replicas.py)."""

@@ -1,5 +1,5 @@
 """``bounded``: the judge's staging bound ([Note: the staging bound], qwz/qualify/evidence/
-staging.py) and its check (qwz/qualify/evidence/bounded.py), on synthetic records.
+staging.py) and its check (qwz/qualify/evidence/rules/bounded.py), on synthetic records.
 
 The bound is a statement about every packing the contract allows, so it is tested as one: any
 chunk a correct gather may send within the bucket, packed the widest way the contract allows,

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from qwz.qualify.evidence import checks
+from qwz.qualify.evidence.rules import learning, speed
 
 from ..records import (
     CALIBRATION,
@@ -64,19 +64,19 @@ def test_a_candidate_that_does_not_learn_fails_learning():
 
 def test_the_margin_is_calibrated_from_the_noise_arm():
     record = make_record()
-    numbers = checks.learning_margin(record)
+    numbers = learning.learning_margin(record)
     # Reference drop 7.6728 - 5.8716; calibration's largest gap |6.7213 - 6.7207|.
     assert numbers["reference_drop"] == pytest.approx(1.8012)
     assert numbers["noise_gap"] == pytest.approx(0.0006)
     assert numbers["margin"] == pytest.approx(
-        max(checks.MARGIN_FACTOR * 0.0006, checks.MARGIN_FLOOR * 1.8012)
+        max(learning.MARGIN_FACTOR * 0.0006, learning.MARGIN_FLOOR * 1.8012)
     )
     # A noisier calibration widens the margin: a candidate just inside it passes.
     payload = make_payload()
     held_out(payload, CALIBRATION, [7.6728, 7.0256, 6.7207 + 0.2, 6.3191, 5.8716])
     held_out(payload, CANDIDATE, [7.6728, 7.0256, 6.7207, 6.3191, 5.8716 + 0.55])
     noisy = make_record(trajectories=payload["trajectories"])
-    assert checks.learning_margin(noisy)["margin"] == pytest.approx(0.6)
+    assert learning.learning_margin(noisy)["margin"] == pytest.approx(0.6)
     assert by_name(noisy)[f"learning[{CANDIDATE}]"].status == "pass"
 
 
@@ -189,7 +189,7 @@ def test_too_few_blocks_give_no_interval(blocks):
         ]
         * 2
     )[:blocks]
-    summary = checks.summarize_blocks(raw)
+    summary = speed.summarize_blocks(raw)
     assert summary["interval"] == "insufficient blocks"
     assert summary["median_speedup"] is None and summary["ci_low"] is None
     payload = make_payload(plan={"min_speedup": 1.0})

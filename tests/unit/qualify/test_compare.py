@@ -149,10 +149,10 @@ def test_overlapping_or_better_speedup_intervals_do_not_regress():
 
 def test_insufficient_blocks_are_not_compared():
     def two_blocks(payload):
-        from qwz.qualify.evidence import checks
+        from qwz.qualify.evidence.rules import speed
 
         raw = payload["performance"][0]["blocks"][:2]
-        payload["performance"][0] |= checks.summarize_blocks(raw)
+        payload["performance"][0] |= speed.summarize_blocks(raw)
 
     comparison = compare(BASELINE, candidate_with(two_blocks))
     assert comparison.status == Status.NO_REGRESSION

@@ -1,4 +1,4 @@
-"""The ``conformance`` check ([Note: the PR's config rules], qualify/evidence/conformance.py):
+"""The ``conformance`` check ([Note: the PR's config rules], qualify/evidence/rules/conformance.py):
 the judge's verdicts on tables real subjects recorded (tests/fixtures/conformance/, regenerated
 by its generate.py), on each kind of row broken on purpose, on a harness failure and on old
 records; and qwz's own parser and engine with a rule broken in this process
@@ -13,7 +13,8 @@ import pathlib
 import pytest
 
 import qwz.config
-from qwz.qualify.evidence import conformance, record, rejudge, schema
+from qwz.qualify.evidence import record, rejudge, schema
+from qwz.qualify.evidence.rules import conformance
 from qwz.qualify.review import report
 from qwz.qualify.run import conformance as runner
 from tests.unit.records import conformance_table, make_record

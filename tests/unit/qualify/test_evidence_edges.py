@@ -18,7 +18,8 @@ import torch
 
 from qwz.qualify import cli
 from qwz.qualify.base.plan import RunPlan
-from qwz.qualify.evidence import checks, gather_speed, machine, record
+from qwz.qualify.evidence import gather_speed, machine, record
+from qwz.qualify.evidence.rules import speed
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.request import requirements
@@ -126,7 +127,7 @@ def test_one_rank_gathers_nothing_so_no_bucket_is_refused():
 
 def three_block_record() -> Record:
     performance = make_performance()
-    performance.update(checks.summarize_blocks(_blocks()[:3]))
+    performance.update(speed.summarize_blocks(_blocks()[:3]))
     return make_record(performance=[performance])
 
 
@@ -212,7 +213,7 @@ def with_gather_times(reference_s: float, candidate_s: float) -> list[dict]:
 
 def test_the_gather_speedup_is_derived_with_its_interval_and_reported():
     performance = make_performance()
-    performance.update(checks.summarize_blocks(with_gather_times(0.004, 0.0025)))
+    performance.update(speed.summarize_blocks(with_gather_times(0.004, 0.0025)))
     built = make_record(performance=[performance])
     loaded = built.performance[0]
     assert loaded.gather_interval == "bootstrap"

@@ -1,5 +1,6 @@
-"""The long horizon's learning verdict on synthetic gap series: ``qwz/qualify/evidence/horizon.py``
-([Note: non-inferiority over the horizon]) and its use by ``checks.derive``.
+"""The long horizon's learning verdict on synthetic gap series:
+``qwz/qualify/evidence/rules/horizon.py`` ([Note: non-inferiority over the horizon]) and its use by
+``checks.derive``.
 
 The series imitate a 2,000-step run evaluated every 20 steps on 16 held-out batches: a
 reference whose loss falls to a plateau, batches of different difficulty that every arm
@@ -13,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from qwz.qualify.evidence import checks, horizon
+from qwz.qualify.evidence.rules import horizon, learning
 
 from ..records import CALIBRATION, CANDIDATE, REFERENCE, make_payload, make_record
 
@@ -185,7 +186,7 @@ def test_a_record_of_the_default_rule_is_judged_as_before():
     assert record.learning.rule == "max-gap"
     check = {c.name: c for c in record.checks}[f"learning[{CANDIDATE}]"]
     assert "worst_gap" in check.numbers and check.numbers["margin"] == pytest.approx(
-        checks.learning_margin(record)["margin"]
+        learning.learning_margin(record)["margin"]
     )
 
 

@@ -1,5 +1,5 @@
 """The judge's fp16 rules on synthetic observations ([Note: overflow pattern],
-qwz/qualify/evidence/loss_scaling.py): the scale sequence against DeepSpeed's own loss
+qwz/qualify/evidence/rules/overflow_pattern.py): the scale sequence against DeepSpeed's own loss
 scaler, and the checks an fp16 record derives (finite, update, step1-exact,
 overflow-pattern) when its skips and scales are right and when each is broken."""
 
@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qwz.config import LossScaleConfig
-from qwz.qualify.evidence import loss_scaling, seal
+from qwz.qualify.evidence import seal
+from qwz.qualify.evidence.rules import overflow_pattern as loss_scaling
 from tests.loss_scale_reference import deepspeed_scaler
 from tests.unit import records
 from tests.unit.records import CALIBRATION, CANDIDATE, REFERENCE, STEPS

@@ -12,6 +12,7 @@ import pytest
 
 from qwz.qualify import cli
 from qwz.qualify.evidence import checks, judge, record, rejudge, rules, schema, seal, upgrade
+from qwz.qualify.evidence.rules import learning
 from qwz.qualify.evidence.signing import configured_key, verifies
 from qwz.qualify.matrix import runner
 from qwz.qualify.matrix.spec import load as load_spec
@@ -194,7 +195,7 @@ def test_the_current_fixture_is_judged_by_today_s_rules():
 
 
 def test_a_rule_changed_without_its_bump_is_refused_naming_the_rule(monkeypatch):
-    monkeypatch.setattr(checks, "MIN_REFERENCE_DROP", 0.99)  # the reference now "did not learn"
+    monkeypatch.setattr(learning, "MIN_REFERENCE_DROP", 0.99)  # the reference now "did not learn"
     with pytest.raises(schema.RecordError) as caught:
         record.load(CURRENT)
     message = str(caught.value)
@@ -206,7 +207,7 @@ def test_a_rule_changed_without_its_bump_is_refused_naming_the_rule(monkeypatch)
 
 
 def test_a_rule_changed_with_its_bump_is_a_judge_change(monkeypatch):
-    monkeypatch.setattr(checks, "MIN_REFERENCE_DROP", 0.99)
+    monkeypatch.setattr(learning, "MIN_REFERENCE_DROP", 0.99)
     monkeypatch.setitem(rules.RULES, "learning", 2)
     baseline = record.load(CURRENT)  # judged by rule 1, kept as judged
     judged = rejudge.rejudged(baseline)
@@ -232,7 +233,7 @@ def test_a_rule_changed_with_its_bump_is_a_judge_change(monkeypatch):
 
 
 def test_a_real_regression_under_a_new_rule_still_fails(monkeypatch):
-    monkeypatch.setattr(checks, "MARGIN_FACTOR", 3.5)
+    monkeypatch.setattr(learning, "MARGIN_FACTOR", 3.5)
     monkeypatch.setitem(rules.RULES, "learning", 2)
     payload, _ = upgrade.upgrade(json.loads(CURRENT.read_text()))
     payload.pop("signature", None)
@@ -406,11 +407,11 @@ def test_the_golden_file_holds_today_s_rules_and_constants():
 
 def test_a_constant_changed_without_its_bump_names_the_rule(monkeypatch):
     stored = json.loads(judge.GOLDEN.read_text())
-    monkeypatch.setattr(checks, "MARGIN_FACTOR", 2.5)
+    monkeypatch.setattr(learning, "MARGIN_FACTOR", 2.5)
     [problem] = judge.unbumped(stored)
     assert problem.startswith(
-        "rule 'learning': its constants changed (checks.MARGIN_FACTOR) but its version did not: "
-        "bump RULES['learning'] to 2"
+        "rule 'learning': its constants changed (rules.learning.MARGIN_FACTOR) but its version "
+        "did not: bump RULES['learning'] to 2"
     )
     monkeypatch.setitem(rules.RULES, "learning", 2)
     assert judge.unbumped(stored) == []  # bumped: only the golden file is stale now
@@ -450,7 +451,7 @@ def _tonight(tmp_path: pathlib.Path, edit=None) -> tuple[pathlib.Path, pathlib.P
 
 
 def test_a_failure_the_baseline_shares_under_today_s_rules_is_judge_only(tmp_path, monkeypatch):
-    monkeypatch.setattr(checks, "MIN_REFERENCE_DROP", 0.99)
+    monkeypatch.setattr(learning, "MIN_REFERENCE_DROP", 0.99)
     monkeypatch.setitem(rules.RULES, "learning", 2)
     baseline, tonight = _tonight(tmp_path)
     [(_cell, judge_only, why)] = judge_only_module.classify(baseline, tonight)

@@ -11,7 +11,7 @@ import hashlib
 import torch
 
 from qwz.hashing import param_hash
-from qwz.qualify.evidence import checks
+from qwz.qualify.evidence.rules import identical_replicas
 from qwz.qualify.run import replicas
 from qwz.qualify.run.observers import digest
 from qwz.shards import ShardSlot, make_own_shard
@@ -95,13 +95,15 @@ def test_what_a_wire_group_carries():
 
 
 def test_the_arm_hash_is_the_ranks_hash_or_a_digest_of_every_set_s():
-    assert checks.arm_final_hash(["h", "h"], [["h", "h"]]) == "h"
-    assert checks.arm_final_hash(["h", "g"], [["h", "g"]]) is None
-    assert checks.arm_final_hash(["h", None], []) is None
+    assert identical_replicas.arm_final_hash(["h", "h"], [["h", "h"]]) == "h"
+    assert identical_replicas.arm_final_hash(["h", "g"], [["h", "g"]]) is None
+    assert identical_replicas.arm_final_hash(["h", None], []) is None
     sets = [["d", "d", "d", "d"], ["e0", "e0"], ["e1", "e1"]]
     expected = hashlib.sha256(b"d\ne0\ne1").hexdigest()
-    assert checks.arm_final_hash(["x", "y", "x", "y"], sets) == expected
-    assert checks.arm_final_hash(["x", "y", "x", "y"], [*sets[:2], ["e1", "e2"]]) is None
+    assert identical_replicas.arm_final_hash(["x", "y", "x", "y"], sets) == expected
+    assert (
+        identical_replicas.arm_final_hash(["x", "y", "x", "y"], [*sets[:2], ["e1", "e2"]]) is None
+    )
 
 
 def _replicas_check(replica_sets: list[dict]):

@@ -5,8 +5,8 @@ reviewer's sentence says what the scheme cost."""
 
 from __future__ import annotations
 
-from qwz.qualify.evidence import schemes
 from qwz.qualify.evidence.contract import ABSMAX_127, ZEROPP
+from qwz.qualify.evidence.rules import schemes
 from qwz.qualify.evidence.schema import OwnShards, SchemeCost
 from tests.unit.records import CANDIDATE, make_payload, make_record
 

@@ -46,7 +46,7 @@ def resealed(path: pathlib.Path, edit) -> None:
 def faster(payload) -> None:
     """Doctor the raw step times (the candidate twice as fast) and derive the summary again,
     so the record is consistent: only a signature can tell it from a real one."""
-    from qwz.qualify.evidence.checks import summarize_blocks
+    from qwz.qualify.evidence.rules.speed import summarize_blocks
 
     performance = payload["performance"][0]
     for block in performance["blocks"]:

@@ -1,4 +1,4 @@
-"""``probe`` from the wire's bytes ([Note: group size from the wire], qualify/evidence/checks.py):
+"""``probe`` from the wire's bytes ([Note: group size from the wire], qualify/evidence/wire.py):
 the group size the bytes carry, per rank and process group, against the requested one;
 a group size the subject reports is compared too, and never stands in for the wire."""
 
@@ -8,8 +8,9 @@ import itertools
 
 import pytest
 
-from qwz.qualify.evidence import checks
+from qwz.qualify.evidence.rules import group_size_on_wire, in_effect
 from qwz.qualify.evidence.schema import Probe, WireGroup
+from qwz.qualify.evidence.wire import group_bounds, wire_bounds
 
 from ..records import CANDIDATE, make_payload, make_record, wire_group
 
@@ -86,13 +87,13 @@ def test_the_allowance_covers_codes_for_every_position_and_one_padded_group():
     for group_size in (64, 8192):
         groups = -(-numel // group_size)
         sent = groups * group_size + 4 * groups + 2 * 2_062
-        fewest, most = checks.wire_bounds(group, group_size)
+        fewest, most = wire_bounds(group, group_size)
         assert fewest <= sent <= most, (group_size, fewest, sent, most)
     # ... but groups of 64 never fit a request of 8192, nor groups of 8192 one of 64.
     sent_64 = 4_205 * 64 + 4 * 4_205 + 2 * 2_062
-    assert sent_64 > checks.wire_bounds(group, 8192)[1]
+    assert sent_64 > wire_bounds(group, 8192)[1]
     sent_8192 = 33 * 8192 + 4 * 33 + 2 * 2_062
-    assert sent_8192 < checks.wire_bounds(group, 64)[0]
+    assert sent_8192 < wire_bounds(group, 64)[0]
 
 
 def test_rows_sized_for_the_fullest_rank_pass_and_are_still_judged():
@@ -107,7 +108,7 @@ def test_rows_sized_for_the_fullest_rank_pass_and_are_still_judged():
     probe["wire"] = [rank_0, rank_1]
     checked = {check.name: check for check in make_record(**payload).checks}
     assert checked[f"probe[{CANDIDATE}]"].status == "pass", checked[f"probe[{CANDIDATE}]"]
-    alone = checks.wire_bounds(WireGroup(**rank_0), 64)
+    alone = wire_bounds(WireGroup(**rank_0), 64)
     assert not alone[0] <= 290_064 <= alone[1]  # judged alone, rank 0's row is too long
     probe["wire"] = [rank_0 | {"bytes_per_step": 274_592}, rank_1 | {"bytes_per_step": 274_592}]
     checked = {check.name: check for check in make_record(**payload).checks}
@@ -198,7 +199,7 @@ def judged(scheme: str, world: int, group_size: int, chunks: int, **probe_fields
         reference_wire=reference,
         **probe_fields,
     )
-    return checks._probe(probe, world, None), checks._in_effect(probe, world, None)
+    return group_size_on_wire.probe(probe, world, None), in_effect.in_effect(probe, world, None)
 
 
 CORRECT = (
@@ -230,7 +231,7 @@ def test_the_known_false_failure_now_passes_and_the_old_rule_still_fails_it():
     wire = simulated_wire("fp32 exact, padded per chunk", 4, 64, 3)
     fullest = max(wire, key=lambda item: item["exact_numel"])
     groups = [WireGroup(**item) for item in wire]
-    old_most = checks.group_bounds(groups, WireGroup(**fullest), 64)[1]
+    old_most = group_bounds(groups, WireGroup(**fullest), 64)[1]
     assert fullest["bytes_per_step"] > old_most
     probe, _ = judged("fp32 exact, padded per chunk", 4, 64, 3)
     assert probe.status == "pass", probe.detail
@@ -258,7 +259,7 @@ def test_groups_of_8192_on_the_wire_fail_a_request_of_64_by_received_bytes():
         arm=CANDIDATE, requested_group_size=64, reported_group_sizes=[64, 64], wire=wire,
         gather_bytes_per_step=0, reference_gather_bytes_per_step=0,
     )  # fmt: skip
-    assert checks._probe(probe, 2, None).status == "fail"
+    assert group_size_on_wire.probe(probe, 2, None).status == "fail"
 
 
 @pytest.mark.parametrize("scheme", ["broadcast per source", "bf16"])
@@ -281,7 +282,7 @@ def test_in_effect_compares_each_rank_and_group_with_the_reference_s():
         arm=CANDIDATE, requested_group_size=64, reported_group_sizes=[None, None], wire=wire,
         gather_bytes_per_step=1, reference_gather_bytes_per_step=2, reference_wire=reference,
     )  # fmt: skip
-    check = checks._in_effect(probe, 2, None)
+    check = in_effect.in_effect(probe, 2, None)
     assert check.status == "fail" and "rank 1" in check.detail, check.detail
 
 

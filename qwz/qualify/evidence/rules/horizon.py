@@ -1,7 +1,7 @@
 """The long horizon's learning verdict: a non-inferiority bound on the held-out gap.
 
 [Note: non-inferiority over the horizon]
-The 20-step rule ([Note: learning margin], checks.py) asks whether the worst gap at any
+The 20-step rule ([Note: learning margin], learning.py) asks whether the worst gap at any
 evaluation stays within a margin; early in training the held-out loss falls fast, so
 the calibration arm's early gaps are large and so is the margin, and a bug whose harm
 builds up slowly stays inside it. Over a long horizon (the ``long`` preset,

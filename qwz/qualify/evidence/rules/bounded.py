@@ -10,7 +10,7 @@ on CUDA, the candidate's whole peak over the reference's must fit [Note: staging
 CPU arm's peak RSS is shown, never judged.
 
 n/a where nothing was gathered (or the arm failed before a gather); one rank is inconclusive
-(nothing is sent, so nothing was tested: [Note: one rank], checks.py); a probe with collectives
+(nothing is sent, so nothing was tested: [Note: one rank], in_effect.py); a probe with collectives
 it could not attribute is inconclusive (the largest might be among them); a record written
 before the largest output was recorded reads "not observed".
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from qwz.qualify.evidence import staging
-from qwz.qualify.evidence.rules import rule
+from qwz.qualify.evidence.rules import check, rule
 from qwz.qualify.evidence.schema import Arm, Check, Memory, Probe, Record, WireGroup
 
 LARGEST_OUTPUT = "probes[].wire[].largest_output_bytes"
@@ -30,10 +30,6 @@ ONE_RANK = (
     "--world-size 2 or more"
 )
 MIB = 2**20
-
-
-def _check(name: str, status: str, detail: str, **numbers: Any) -> Check:
-    return Check(name=name, status=status, detail=detail, numbers=numbers)
 
 
 @rule("bounded", 2, inputs=(LARGEST_OUTPUT,))
@@ -72,9 +68,9 @@ def _unjudgeable(
     """The check where the wire cannot decide (module docstring); None where it can."""
     name = f"bounded[{arm.name}]"
     if world_size == 1:
-        return _check(name, "inconclusive", ONE_RANK)
+        return check(name, "inconclusive", ONE_RANK)
     if probe.uncounted_calls:
-        return _check(
+        return check(
             name,
             "inconclusive",
             f"{probe.uncounted_calls} collective calls could not be attributed to a process "
@@ -82,19 +78,19 @@ def _unjudgeable(
             uncounted_calls=probe.uncounted_calls,
         )
     if any(group.largest_output_bytes is None for group in groups):
-        return _check(
+        return check(
             name,
             "n/a",
             f"not observed: the record lacks {LARGEST_OUTPUT}",
             not_observed=[LARGEST_OUTPUT],
         )
     if arm.allgather_bucket_size is None or arm.group_size is None:
-        return _check(name, "n/a", "not observed: the arm's allgather_bucket_size is not recorded")
+        return check(name, "n/a", "not observed: the arm's allgather_bucket_size is not recorded")
     if not any(group.largest_output_bytes for group in groups):
         what = "any weight-gather collective over two or more ranks"
         if failure is not None:
-            return _check(name, "n/a", f"the arm failed before {what} was measured; see finite")
-        return _check(name, "n/a", f"nothing was gathered: not {what}")
+            return check(name, "n/a", f"the arm failed before {what} was measured; see finite")
+        return check(name, "n/a", f"nothing was gathered: not {what}")
     return None
 
 
@@ -137,8 +133,8 @@ def _bounded(probe: Probe, arm: Arm, reference: str, record: Record, failure: An
     if over or memory_over:
         wire = f"a weight-gather collective exceeds the staging bound: {'; '.join(over[:4])}"
         detail = wire if over else "every weight-gather collective within the staging bound"
-        return _check(f"bounded[{arm.name}]", "fail", f"{detail} ({how}); {memory_text}", **numbers)
-    return _check(
+        return check(f"bounded[{arm.name}]", "fail", f"{detail} ({how}); {memory_text}", **numbers)
+    return check(
         f"bounded[{arm.name}]",
         "pass",
         f"every weight-gather collective within the staging bound: the largest "

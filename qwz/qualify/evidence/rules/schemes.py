@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from qwz.qualify.evidence.contract import ABSMAX_127, SCHEME_SHORT, SCHEME_TEXT, ZEROPP
-from qwz.qualify.evidence.rules import rule
+from qwz.qualify.evidence.rules import check, rule
 from qwz.qualify.evidence.schema import Check, OwnShards, Record, SchemeCost
 from qwz.qualify.evidence.zeropp import FP16_MAX
 
@@ -54,10 +54,6 @@ def run_scheme(record: Record) -> RunScheme:
     )
 
 
-def _check(name: str, status: str, detail: str, **numbers: Any) -> Check:
-    return Check(name=name, status=status, detail=detail, numbers=numbers)
-
-
 def _kernel_fallbacks(own: OwnShards) -> str:
     """The kernel implementations dropped on any rank (the record's ``kernels``), for the
     detail: two implementations that disagree must never pass unseen."""
@@ -85,7 +81,7 @@ def own_shard(own: OwnShards, quantized: bool, failure: Any, run: RunScheme) -> 
     name = f"own-shard[{own.arm}]"
     fallbacks = _kernel_fallbacks(own)
     if own.fp16_overflow:  # evidence even where the NaN it makes ends the arm later
-        return _check(
+        return check(
             name, "fail",
             f"{own.fp16_overflow} own-shard elements lie in groups holding a weight beyond "
             f"fp16's range (|x| > {FP16_MAX:g}): {SCHEME_SHORT[ZEROPP]} stages its input in "
@@ -94,22 +90,22 @@ def own_shard(own: OwnShards, quantized: bool, failure: Any, run: RunScheme) -> 
             fp16_overflow=own.fp16_overflow,
         )  # fmt: skip
     if failure is not None and own.first_violation is None:
-        return _check(name, "n/a", "the arm failed; see finite")
+        return check(name, "n/a", "the arm failed; see finite")
     if own.checked == 0 and own.first_violation is None:
-        return _check(name, "n/a", "no own-shard element was observed")
+        return check(name, "n/a", "no own-shard element was observed")
     schemes = arm_schemes(own) if quantized else frozenset()
     rule_text = _rule_text(schemes, quantized)
     if own.mismatches or own.first_violation is not None:
         first = own.first_violation
         where = f"; first at {_where(first)}: {first.what}" if first else ""
-        return _check(
+        return check(
             name, "fail",
             f"{own.mismatches} of {own.checked} own-shard elements are not {rule_text}"
             f"{where}{fallbacks}",
             mismatches=own.mismatches, max_ratio=own.max_ratio,
         )  # fmt: skip
     if quantized and run.mixed:
-        return _check(
+        return check(
             name, "fail",
             f"the run mixes the contract's schemes ({_mix(run)}): a PR calls one quantizer, so "
             "two mean two code paths that quantize differently ([Note: one scheme per run], "
@@ -117,7 +113,7 @@ def own_shard(own: OwnShards, quantized: bool, failure: Any, run: RunScheme) -> 
             schemes=sorted(run.schemes), by_scheme=dict(sorted(own.by_scheme.items())),
         )  # fmt: skip
     scheme = next(iter(schemes)) if len(schemes) == 1 else None
-    return _check(
+    return check(
         name, "pass",
         f"after every step all {own.checked} own-shard elements are {rule_text}, parameters "
         f"of at most 65,536 elements exact{_identified(own, scheme, quantized)}"

@@ -1,5 +1,5 @@
-"""fp16 dynamic loss scaling as the judge sees it: which steps were skipped legitimately, and
-what the loss scale must have been at every step.
+"""``overflow-pattern[arm]``, and fp16 dynamic loss scaling as the judge sees it: which steps were
+skipped legitimately, and what the loss scale must have been at every step.
 
 Pure functions of a record. The rules below are the judge's own statement of DeepSpeed's
 documented ``fp16`` section; nothing here imports an engine's scaler (qwz/loss_scale.py is
@@ -43,7 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qwz.qualify.evidence.schema import Check, LossScaling, Updates
+from qwz.qualify.evidence.rules import check, rule
+from qwz.qualify.evidence.schema import Check, LossScaling, Record, Updates
 
 SCALE_FACTOR = 2.0
 """DeepSpeed's dynamic scale doubles and halves by this factor."""
@@ -134,10 +135,6 @@ def skips(trace: LossScaling, updates: Updates, world_size: int) -> Skips:
     )
 
 
-def _check(name: str, status: str, detail: str, **numbers: Any) -> Check:
-    return Check(name=name, status=status, detail=detail, numbers=numbers)
-
-
 def _scale_problem(trace: LossScaling, section: dict[str, Any]) -> str | None:
     """Why the observed scales break the rules (first step), or None."""
     expected = expected_scales(section, trace.overflowed)
@@ -172,20 +169,20 @@ def overflow_pattern(
     trace and first optimizer step, for a candidate (None for the reference itself)."""
     name = f"overflow-pattern[{trace.arm}]"
     if not trace.overflowed:
-        return _check(name, "n/a", "no fp16 step completed")
+        return check(name, "n/a", "no fp16 step completed")
     problem = _scale_problem(trace, section)
     ours = {step for step, flag in enumerate(trace.overflowed, 1) if flag}
     scales = trace.scales[0] if trace.scales else []
     numbers: dict[str, Any] = {"overflowed": sorted(ours), "scales": scales}
     if problem is not None:
-        return _check(name, "fail", f"the loss scale does not follow the rules: {problem}")
+        return check(name, "fail", f"the loss scale does not follow the rules: {problem}")
     detail = (
         f"{len(ours)} of {len(trace.overflowed)} steps overflowed (steps {_steps_text(ours)}); "
         f"the loss scale on every rank followed DeepSpeed's rules from the fp16 config "
         f"(from {scales[0]:g} to {scales[-1]:g})"
     )
     if reference is None:
-        return _check(name, "pass", detail, **numbers)
+        return check(name, "pass", detail, **numbers)
     their_trace, their_first = reference
     theirs = {step for step, flag in enumerate(their_trace.overflowed, 1) if flag}
     common = min(len(trace.overflowed), len(their_trace.overflowed))
@@ -196,7 +193,7 @@ def overflow_pattern(
     early = {step for step in different if step <= before_gather}
     numbers |= {"differs_from_reference": sorted(different), "same_weights_until": before_gather}
     if early:
-        return _check(
+        return check(
             name,
             "fail",
             f"overflowed differently from the reference at step(s) {_steps_text(early)}, "
@@ -210,4 +207,35 @@ def overflow_pattern(
         if different
         else "; the same steps as the reference"
     )
-    return _check(name, "pass", detail + context, **numbers)
+    return check(name, "pass", detail + context, **numbers)
+
+
+def arm_skips(record: Record) -> dict[str, Skips]:
+    """Every fp16 arm's skips against its overflows, which ``finite`` and ``update`` judge
+    too."""
+    updates = {item.arm: item for item in record.updates}
+    world_size = record.environment.world_size
+    return {
+        trace.arm: skips(trace, updates[trace.arm], world_size)
+        for trace in record.loss_scaling
+        if trace.arm in updates
+    }
+
+
+@rule("overflow-pattern", 1)
+def overflow_patterns(record: Record, reference: str | None) -> list[Check]:
+    """``overflow-pattern[arm]`` for every fp16 arm."""
+    traces = {trace.arm: trace for trace in record.loss_scaling}
+    first = {item.arm: item.step for item in record.step_one}
+    configs = {arm.name: arm.config.get("fp16", {}) for arm in record.arms}
+    roles = {arm.name: arm.role for arm in record.arms}
+    base = traces.get(reference or "")
+    return [
+        overflow_pattern(
+            trace,
+            configs[trace.arm],
+            first.get(trace.arm),
+            (base, first.get(reference)) if base and roles[trace.arm] == "candidate" else None,
+        )
+        for trace in record.loss_scaling
+    ]
