@@ -117,8 +117,8 @@ def test_an_exception_on_one_rank_ends_the_run_and_the_record_names_it(tmp_path)
 
 
 def test_an_exception_under_torchrun_writes_the_record_a_local_run_would(tmp_path):
-    """[Note: a crash under torchrun] (qwz/qualify/cli.py): torchrun starts the ranks, so no
-    launcher of qwz's reads their reports; the rank that fails writes the record, naming the
+    """[Note: a crash under torchrun] (qwz/qualify/run/torchrun.py): torchrun starts the ranks, so
+    no launcher of qwz's reads their reports; the rank that fails writes the record, naming the
     rank, the arm and the step, and keeps the arms every rank finished."""
     out = tmp_path / "out"
     at = RUN.index("--world-size")  # torchrun's world instead

@@ -157,7 +157,7 @@ def on_crash(hook: Callable[[], None] | None) -> None:
     """Have :func:`crash` call `hook` after this rank's report is written and its process
     group aborted, before the process exits (None: no hook). Under torchrun no launcher
     outlives the ranks, so the CLI's hook writes the run's record from here ([Note: a crash
-    under torchrun], qualify/cli.py)."""
+    under torchrun], qualify/run/torchrun.py)."""
     global _crash_hook
     _crash_hook = hook
 

@@ -456,7 +456,7 @@ def rank_failure(
 def torchrun_failure(
     reports_dir: pathlib.Path, world_size: int, running: str, grace_s: float = GRACE_S
 ) -> RankFailure:
-    """[Note: a crash under torchrun] (qualify/cli.py): the RankFailure a local launcher
+    """[Note: a crash under torchrun] (qualify/run/torchrun.py): the RankFailure a local launcher
     would raise, from the side channel alone, read by a rank that failed: every rank's
     failure report, waiting up to `grace_s` for all of them; a rank without one is
     "unreported" (no launcher sees its exit)."""

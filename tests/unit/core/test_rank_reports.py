@@ -68,7 +68,7 @@ def _report(directory, rank: int, error: str, at_s: float) -> None:
 
 
 def test_under_torchrun_a_silent_rank_is_unreported_and_an_own_error_still_wins(tmp_path):
-    """[Note: a crash under torchrun] (qwz/qualify/cli.py): from the reports alone, a rank
+    """[Note: a crash under torchrun] (qwz/qualify/run/torchrun.py): from the reports alone, a rank
     with none is "unreported" -- the cause of its peers' lost connections, never of an own
     error -- and it is not counted among the ranks that failed on their own."""
     from qwz.qualify.base.plan import RunPlan

@@ -9,10 +9,9 @@ import pathlib
 
 import pytest
 
-from qwz.qualify import cli
 from qwz.qualify.evidence import record, run_dir
 from qwz.qualify.evidence.schema import RecordError
-from qwz.qualify.review import plots
+from qwz.qualify.review import plots, run_files
 
 from ..records import make_payload, make_record
 
@@ -63,7 +62,7 @@ def test_force_leaves_no_file_of_the_earlier_run(tmp_path, capsys):
         (out / name).write_text("the earlier run's")
     (out / "notes.txt").write_text("the user's")
     no_speed_blocks = make_record(performance=[])
-    assert cli._write_evidence(no_speed_blocks, out) == 0
+    assert run_files.write_evidence(no_speed_blocks, out) == 0
     written = sorted(path.name for path in out.iterdir())
     assert "speedup.png" not in written and "timed-out.json" not in written, written
     assert set(written) == {"record.json", "report.md", "loss.png", "held_out.png", "notes.txt"}

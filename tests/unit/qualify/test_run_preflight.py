@@ -347,6 +347,7 @@ def test_an_interrupted_run_exits_128_plus_signal_and_says_how_far_it_got(
 def test_a_signal_after_the_record_is_written_keeps_it(tmp_path, monkeypatch, capsys):
     """The run is done once its record is written: a late Ctrl-C must not replace it."""
     from qwz.qualify.evidence import build, record
+    from qwz.qualify.review import run_files
 
     from ..records import make_record
 
@@ -356,7 +357,7 @@ def test_a_signal_after_the_record_is_written_keeps_it(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(launch, "launch", lambda *args, **kwargs: [[]])
     monkeypatch.setattr(build, "build_record", lambda *args, **kwargs: None)
-    monkeypatch.setattr(cli, "_write_evidence", written_then_interrupted)
+    monkeypatch.setattr(run_files, "write_evidence", written_then_interrupted)
     out = tmp_path / "out"
     out.mkdir()
     assert cli.main(["run", "--out", str(out), *RUN]) == 130
