@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``run``: the request resolved once ([Note: a request resolved once] in
     qualify/request/run_request.py) and checked, then the run and its files."""
     from qwz.qualify.evidence import machine, run_dir
-    from qwz.qualify.review.run_files import RunUnderWay, write_interrupted
+    from qwz.qualify.review.run_files import write_interrupted
     from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
     try:
@@ -58,22 +58,50 @@ def cmd_run(args: argparse.Namespace) -> int:
     if request.keep_previous is not None and _writes_the_files(request):  # [Note: results kept]
         for line in run_dir.keep_previous(request.out, request.keep_previous):
             print(f"qwz-qualify run: {line}", file=sys.stderr)
-    run = RunUnderWay(request.plan, request.world_size, invocation, request.out, time.monotonic())
+    run = _Run(request, invocation, time.monotonic())
     try:
         with signals_interrupt():  # from here on, a stopped run says how far it got
-            return _qualify(request, run)
+            return _qualify(run)
     except Interrupted as interrupted:
         if _writes_the_files(request):
             write_interrupted(interrupted, run)
         raise
 
 
-def _qualify(request, run) -> int:
+@dataclasses.dataclass
+class _Run:
+    """A run preflight accepted: its request, and what its files are written from
+    (review/run_files.py's ``RunUnderWay``)."""
+
+    request: run_request.RunRequest
+    invocation: dict
+    started_s: float
+    """time.monotonic() when the request was accepted (durations)."""
+    started_at: float = dataclasses.field(default_factory=time.time)
+    """time.time() then (file times)."""
+    phase: str = "starting"
+    """What it is doing now, for interrupted.json."""
+
+    @property
+    def plan(self):
+        return self.request.plan
+
+    @property
+    def world_size(self) -> int:
+        return self.request.world_size
+
+    @property
+    def out(self) -> pathlib.Path:
+        return self.request.out
+
+
+def _qualify(run: _Run) -> int:
     """The conformance table, the ranks, then the run's files; the exit status."""
     from qwz.qualify.evidence import build as evidence
     from qwz.qualify.review.run_files import write_evidence, write_failure
     from qwz.qualify.run.launch import RankFailure
 
+    request = run.request
     run.phase = "running the PR's config rules through the subject's parser"
     preload = _rank_imports(request)
     conformance = _conformance_table(request)

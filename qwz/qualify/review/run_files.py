@@ -7,19 +7,17 @@ unfinished runs] in qualify/evidence/unfinished.py) -- each replacing an earlier
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from qwz.qualify.base import exit_codes
 from qwz.qualify.review import outputs
 
 
-@dataclasses.dataclass
-class RunUnderWay:
-    """A run preflight accepted: what its files are written from."""
+class RunUnderWay(Protocol):
+    """A run preflight accepted, as its files are written from it (the CLI's run)."""
 
     plan: Any
     world_size: int
@@ -27,9 +25,9 @@ class RunUnderWay:
     out: pathlib.Path
     started_s: float
     """time.monotonic() when the request was accepted (durations)."""
-    started_at: float = dataclasses.field(default_factory=time.time)
+    started_at: float
     """time.time() then (file times)."""
-    phase: str = "starting"
+    phase: str
     """What it is doing now, for interrupted.json."""
 
 
