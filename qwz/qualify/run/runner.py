@@ -62,10 +62,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import gc
 import math
-import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -76,11 +74,10 @@ import torch.distributed as dist
 
 from qwz import devices
 from qwz.integrations.deepspeed import structure
-from qwz.integrations.probe import WireProbe
 from qwz.optimizer import WORKING_DTYPES, NonFiniteError
 from qwz.qualify.base import rank_reports
 from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.evidence import machine, provenance, spec, stats
+from qwz.qualify.evidence import machine, provenance, stats
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
 from qwz.qualify.run import (
@@ -92,7 +89,17 @@ from qwz.qualify.run import (
     replicas,
     timing,
 )
-from qwz.qualify.run.observers import engine_report, overflow, own_shard, scheme_cost, update
+from qwz.qualify.run.observers import (
+    engine_report,
+    overflow,
+    own_shard,
+    step_memory,
+    update,
+    wire_traffic,
+)
+from qwz.qualify.run.observers.arm_observer import ArmObserver, Window
+from qwz.qualify.run.observers.replica_watch import ReplicaWatch
+from qwz.qualify.run.observers.samples import Samples
 from qwz.qualify.run.subjects import ArmEngine, DeepSpeedSourceError, make_arm, use_deepspeed_source
 from qwz.qualify.run.wire_window import WireWindow
 
@@ -214,96 +221,6 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _reset_peak_memory() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def _peak_memory() -> dict[str, Any]:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {
-            "kind": "cuda",
-            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
-            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
-        }
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    peak = int(line.split()[1]) * 1024
-                    return {
-                        "kind": "rss",
-                        "peak_allocated_bytes": peak,
-                        "peak_reserved_bytes": None,
-                    }
-    except OSError:
-        pass
-    # ru_maxrss (KiB on Linux) cannot be reset: the process-wide peak.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"kind": "rss", "peak_allocated_bytes": int(rss), "peak_reserved_bytes": None}
-
-
-class _StepPeak:
-    """[Note: peak around the train step]
-    An arm's memory is its training step's: forward, backward, reductions, optimizer step
-    and gather, with the arm's resident state. The counter is reset before each step's
-    forward and read right after its gather, and the record keeps the largest step; the
-    harness's own checks (own-shard decode, digests, held-out loss) run outside that
-    window, so what they allocate is not charged to the subject; the observation at the
-    next use runs inside the next step's forward ([Note: observed at the next use]), so
-    the window is paused around it (:meth:`paused`). An arm that never completed a step
-    reports the peak since the arm began instead."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.peak: dict[str, Any] | None = None
-        self._window: dict[str, Any] | None = None
-        """Inside a step: the peak of the parts of its window before a pause, else None."""
-
-    @contextlib.contextmanager
-    def around_step(self):
-        _reset_peak_memory()
-        self._window = {}
-        try:
-            yield
-            measured = self._merged(self._window, _peak_memory())
-        finally:
-            self._window = None
-        self.steps += 1
-        self.peak = self._merged(self.peak or {}, measured)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """The harness's own work inside a step's window (the observation at the next use,
-        next_use.py) is not charged to the step: the peak before it is kept, and the counter
-        is reset after it. Outside a step, nothing to pause."""
-        if self._window is None:
-            yield
-            return
-        self._window = self._merged(self._window, _peak_memory())
-        try:
-            yield
-        finally:
-            _reset_peak_memory()
-
-    @staticmethod
-    def _merged(kept: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-        if not kept:
-            return dict(measured)
-        merged = dict(kept)
-        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
-            if measured[key] is not None:
-                merged[key] = max(merged[key] or 0, measured[key])
-        return merged
-
-    def result(self) -> dict[str, Any]:
-        assert self.peak is not None
-        return dict(self.peak)
-
-
 # ------------------------------------------------------------------- arms
 
 
@@ -379,32 +296,6 @@ def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module
     }
 
 
-def _wire_layout(
-    shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int], keys: dict[str, str]
-) -> dict[tuple[int, ...], dict[str, Any]]:
-    """Per process group, the spec's counts of this rank's own-shard elements there
-    ([Note: group size from the wire], qualify/evidence/wire.py): quantized (parameters above
-    spec.EXACT_MAX_NUMEL), exact (at most: :func:`spec.travels_exactly`), padding (no
-    parameter) and the working element
-    size, and which parameters they are (dense, expert: [Note: replica sets], replicas.py)."""
-    layout: dict[tuple[int, ...], dict[str, Any]] = {}
-    for shard, ranks in zip(shards, group_ranks, strict=True):
-        counts = layout.setdefault(
-            ranks,
-            {"quantized_numel": 0, "exact_numel": 0, "padding_numel": 0, "element_bytes": 0},
-        )
-        kind = replicas.wire_kind([slot.name for slot in shard.slots], keys)
-        counts["params"] = kind if counts.get("params", kind) == kind else "mixed"
-        covered = 0
-        for slot in shard.slots:
-            kind = "exact_numel" if spec.travels_exactly(numel[slot.name]) else "quantized_numel"
-            counts[kind] += slot.end - slot.start
-            covered += slot.end - slot.start
-        counts["padding_numel"] += shard.master.numel() - covered
-        counts["element_bytes"] = shard.working.element_size()
-    return layout
-
-
 def _step_boundary(engine: ArmEngine) -> torch.optim.Optimizer | None:
     """The optimizer whose first ``step`` in a training step ends its backward (None: the
     subject's is no torch optimizer; then all data the step moves counts as the gather)."""
@@ -412,30 +303,11 @@ def _step_boundary(engine: ArmEngine) -> torch.optim.Optimizer | None:
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
-def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
-    """This step's weight-gather traffic per process group ([Note: wire accounting below
-    every entry point], qwz/integrations/probe.py), with the group's counts."""
-    wire = []
-    for ranks, counts in layout.items():
-        traffic = probe.gather_traffic(ranks)
-        wire.append(
-            {
-                "rank": rank,
-                "group_ranks": list(ranks),
-                "bytes_per_step": traffic.sent_bytes,
-                "calls_per_step": traffic.calls,
-                "received_bytes_per_step": traffic.received_bytes,
-                "rows_per_step": traffic.rows,
-                **counts,
-            }
-        )
-    return wire
-
-
 class _ArmRun:
-    """One arm on this rank: built, trained for ``plan.steps`` steps and observed after each
-    (module docstring, steps 1-6). ``observed`` holds the fields of the ArmObservation the
-    arm ends with, as they are observed; ``sampled`` its sampled values per step."""
+    """One arm on this rank: built, trained for ``plan.steps`` steps, each step observed by the
+    arm's observers (run/observers/arm_observer.py: one per thing observed, each owning the
+    fields of the ArmObservation it reports). ``observed`` holds the fields the loop itself
+    records (the losses, the held-out losses, the failures, the fp16 scales)."""
 
     def __init__(
         self,
@@ -449,16 +321,13 @@ class _ArmRun:
         self.plan, self.arm, self.rank, self.progress = plan, arm, rank, progress
         self.samples, self.reference_samples = samples, reference_samples
         self.observed: dict[str, Any] = {"losses": [], "grad_norms": [], "held_out": []}
-        self.observed["step_digests"] = []
-        self.observed["drift_max_abs"] = []
-        self.sampled: dict[str, list[torch.Tensor]] = {}
-        self.peak = _StepPeak()
+        self.memory = step_memory.ArmMemory()
+        self.sampling: Samples | None = None
+        self.observers: list[ArmObserver] = []
+        """In the order they hear each event (the memory last: it reads the peak after the
+        others let go of the engine)."""
         self.engine: ArmEngine | None = None
         self.update_check: update.UpdateCheck | None = None
-        self.shards: list | None = None
-        self.exact_masks: list | None = None
-        self.own_result = own_shard.OwnShardResult()
-        self.check_own = arm.noise_group_size is None
         self.fp16 = plan.dtype == "fp16"
         self.clipping = clipping_of(plan.arm_config(arm))
         """[Note: global norm check]'s threshold, read from the arm's config."""
@@ -469,35 +338,35 @@ class _ArmRun:
         self.next_use: next_use.NextUse | None = None
         self.subject_runs: Any = None
         self.wire = WireWindow()
-        self.staging: dict[str, Any] = {}
-        """The largest window's memory ([Note: staging memory, exactly])."""
-        self.largest_outputs: dict[tuple[int, ...], int] = {}
-        """Per process group, the largest weight-gather collective output of any window."""
         if self.fp16:
             self.observed.update(loss_scales=[], overflowed=[])
+
+    @property
+    def sampled(self) -> dict[str, list[torch.Tensor]]:
+        """The sampled values per step (the reference's serve the arms after it)."""
+        return self.sampling.sampled if self.sampling is not None else {}
 
     def build(self) -> None:
         plan, arm = self.plan, self.arm
         engine = self.engine = _build(plan, arm)
         self.observed.update(group_size=engine.group_size, reported_by=engine.reported_by)
         named = list(engine.module.named_parameters())
-        self.names = [name for name, _ in named]
         numel = {name: param.numel() for name, param in named}
         # The shards' tensors are live views, so one call serves every step; which of their
         # elements must travel exactly never changes either.
-        self.shards = engine.own_shards()
+        shards = engine.own_shards()
         group_ranks = engine.shard_group_ranks()
-        self.replica_keys = plan.workload.replica_keys(engine.module)
-        self.replica_sets = replicas.ReplicaSets.agree(self.replica_keys)
-        self.wire_layout = _wire_layout(self.shards, group_ranks, numel, self.replica_keys)
+        replica_keys = plan.workload.replica_keys(engine.module)
+        replica_sets = replicas.ReplicaSets.agree(replica_keys)
+        layout = wire_traffic.wire_layout(shards, group_ranks, numel, replica_keys)
         # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
         gather_ranks = [len(ranks) for ranks in group_ranks]
-        self.exact_masks = own_shard.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
+        masks = own_shard.exact_masks(shards, arm.group_size, numel, gather_ranks)
         # [Note: the optimizer the update check re-derives]: read from the arm's config; a
         # reason instead of settings: not re-derived, only counted.
         adamw = adamw_of(plan.arm_config(arm))
         self.update_check = update.UpdateCheck(
-            self.shards,
+            shards,
             engine.shard_optimizer,
             adamw if isinstance(adamw, AdamWSettings) else None,
             samples_per_shard=plan.update_samples,
@@ -505,9 +374,22 @@ class _ArmRun:
             rank=self.rank,
             skips_allowed=self.fp16,
         )
+        self.sampling = Samples(engine.module, self.samples, self.reference_samples)
+        self.observers = [self.update_check]
+        if arm.noise_group_size is None:  # the calibration arm's shards carry its noise
+            last = plan.steps
+            self.observers.append(
+                own_shard.OwnShards(shards, masks, arm.group_size, rank=self.rank, last_step=last)
+            )
+        self.observers += [
+            ReplicaWatch(engine.module, shards, replica_keys, replica_sets),
+            self.sampling,
+            wire_traffic.WireTraffic(layout, self.rank),
+            self.memory,
+        ]
         if self.fp16:
             self.overflow_watch = overflow.OverflowWatch(engine.module)
-        self.next_use = next_use.NextUse(engine.module, pause=self.peak.paused)
+        self.next_use = next_use.NextUse(engine.module, pause=self.memory.peak.paused)
         # Ahead of the subject's own pre-hooks: its memory counts from here ([Note: the wire
         # window], wire_window.py), not from the harness's batch preparation before it.
         self.subject_runs = engine.module.register_forward_pre_hook(
@@ -531,11 +413,8 @@ class _ArmRun:
             if step % 5 == 0 or step == plan.steps:
                 progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
         self.next_use.settle(self._final_forward)
-        if self.check_own:
-            self.observed["own_shard"] = dataclasses.asdict(self.own_result)
-        self.observed["final_hash"], self.observed["final_hashes"] = replicas.final_hashes(
-            self.engine.module, self.replica_keys
-        )
+        for observer in self.observers:
+            observer.end()
 
     def train_step(self, step: int) -> tuple[float, float] | None:
         """One step: its loss and gradient norm, its wire window left open and suspended
@@ -548,7 +427,7 @@ class _ArmRun:
         # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
         try:
             update_check.begin_step(step)
-            with self.peak.around_step():
+            with self.memory.peak.around_step():
                 batch = plan.workload.batch(seed=plan.seed, step=step, rank=self.rank)
                 self.wire.resume()
                 loss = plan.workload.loss(engine.module, batch)
@@ -619,13 +498,9 @@ class _ArmRun:
         observed["grad_norms"].append(grad_norm)
         if arm.noise_group_size is not None:
             calibration_noise.perturb(engine.module, arm.noise_group_size, plan.seed, step)
-        digests = replicas.master_digests(self.shards, self.replica_sets)
-        observed["step_digests"].append(replicas.short_digests(digests))
-        if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
-            # The first optimizer step (step 1 unless fp16 overflows skipped the first):
-            # until then no gather ran, so every arm held the same weights.
-            observed["step1_digests"] = digests
         first_update, gathered = observed.get("first_update_step"), self.gathered
+        for observer in self.observers:
+            observer.after_step(step, first_update)
         self.next_use.defer(
             f"the weights after step {step}",
             lambda: self.observe_weights(step, first_update, gathered),
@@ -636,88 +511,25 @@ class _ArmRun:
 
     def observe_weights(self, step: int, first_update_step: int | None, gathered: bool) -> None:
         """The wire and the working copy after `step`, at its next use ([Note: observed at
-        the next use]): what the step's window carried, every own shard against the
-        contract, the replicas across ranks, the samples."""
-        arm, observed, module = self.arm, self.observed, self.engine.module
-        self.observe_wire(self.wire.close(), gathered)
+        the next use]): what the step's window carried, then every observer of the weights."""
+        probe = self.wire.close()
+        window = Window(probe, self.wire.memory, gathered)
+        for observer in self.observers:
+            observer.window_closed(window)
         resume = self.progress.where
-        self.progress.at(phase="observe", arm=arm.name, step=step, last_completed_step=step)
-        if self.check_own and first_update_step is None:
-            # fp16: every step so far overflowed and was skipped, so no gather has run: the
-            # working copy must still be the model as built, its master cast exactly.
-            untouched = [torch.ones_like(mask) for mask in self.exact_masks]
-            own_shard.check_own_shards(
-                self.shards, untouched, None, step, self.rank, self.own_result
-            )
-        elif self.check_own:
-            own_shard.check_own_shards(
-                self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
-            )
-            if arm.group_size is not None and step == self.plan.steps:
-                self.own_result.cost = scheme_cost.measure(
-                    self.shards, self.exact_masks, arm.group_size
-                )
-        divergent = replicas.divergence(module, self.replica_sets)
-        if divergent and observed.get("replica_divergence") is None:
-            observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
-        if self.samples is not None:
-            self.sample(step, module)
+        self.progress.at(phase="observe", arm=self.arm.name, step=step, last_completed_step=step)
+        for observer in self.observers:
+            observer.at_next_use(step, first_update_step)
         self.progress.at(**resume)
-
-    def observe_wire(self, probe: WireProbe | None, gathered: bool) -> None:
-        """What a step's window carried ([Note: the wire window]); the bytes are those of the
-        last step that gathered (an fp16 overflow skip gathers nothing), the memory the most
-        any window held ([Note: staging memory, exactly])."""
-        if probe is None:
-            return
-        memory = self.wire.memory
-        if memory is not None and memory.peak_bytes >= self.staging.get("peak_bytes", -1):
-            self.staging = {
-                "peak_bytes": memory.peak_bytes,
-                "largest": [list(item) for item in memory.largest],
-            }
-        observed = self.observed
-        # [Note: the staging bound] (evidence/staging.py): the largest collective of any window,
-        # recorded with the last gathering step's wire.
-        for ranks in self.wire_layout:
-            largest = probe.gather_traffic(ranks).largest_output_bytes
-            self.largest_outputs[ranks] = max(self.largest_outputs.get(ranks, 0), largest)
-        if gathered:
-            observed["gather_bytes"] = int(probe.bytes["gather"])
-            observed["wire"] = [
-                entry | {"largest_output_bytes": self.largest_outputs[tuple(entry["group_ranks"])]}
-                for entry in _wire(probe, self.wire_layout, self.rank)
-            ]
-        # Any step's unattributed collective makes the wire's account incomplete.
-        for name, count in probe.uncounted.items():
-            uncounted = observed.setdefault("uncounted", {})
-            uncounted[name] = uncounted.get(name, 0) + count
-
-    def sample(self, step: int, module: torch.nn.Module) -> None:
-        """The sampled parameter values, and their drift from the reference's (context)."""
-        params = dict(module.named_parameters())
-        values = {
-            name: params[name].detach().reshape(-1)[index.to(params[name].device)].float().cpu()
-            for name, index in self.samples.items()
-        }
-        for name, value in values.items():
-            self.sampled.setdefault(name, []).append(value)
-        if self.reference_samples is not None:
-            self.observed["drift_max_abs"].append(
-                max(
-                    float((value - self.reference_samples[name][step - 1]).abs().max())
-                    for name, value in values.items()
-                )
-            )
 
     def finish(self) -> ArmObservation:
         """The arm's observation; releases its engine (also after a failure that ends the run)."""
         observed = self.observed
         if self.engine is not None:
             observed["kernels"] = engine_report.kernels_used(self.engine, self.rank)
-        if self.update_check is not None:
-            observed["update"] = dataclasses.asdict(self.update_check.result)
-            self.update_check.close()
+        for observer in self.observers[:-1]:  # the memory last, below
+            observed.update(observer.report())
+            observer.close()
         if self.overflow_watch is not None:
             self.overflow_watch.close()
         if self.next_use is not None:
@@ -726,15 +538,10 @@ class _ArmRun:
             self.subject_runs.remove()
         self.wire.close()
         observed["steps_completed"] = len(observed["losses"])
-        observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
-        if self.staging:
-            observed["memory"] = observed["memory"] | {
-                "staging_peak_bytes": self.staging["peak_bytes"],
-                "staging_largest": self.staging["largest"],
-            }
-        self.engine = self.update_check = self.shards = self.exact_masks = None
-        self.subject_runs = None
+        observed.update(self.memory.report())
+        self.engine = self.update_check = self.subject_runs = None
         self.overflow_watch = self.next_use = None
+        self.observers = []
         return ArmObservation(**observed)
 
 
@@ -748,7 +555,7 @@ def _train_arm(
 ) -> tuple[ArmObservation, dict[str, list[torch.Tensor]]]:
     """Train one arm for plan.steps steps; its observations, and its sampled values per step."""
     _release_memory()
-    _reset_peak_memory()
+    step_memory.reset_peak_memory()
     run = _ArmRun(plan, arm, rank, progress, samples, reference_samples)
     progress.at(phase="build", arm=arm.name, step=0, last_completed_step=0)
     try:

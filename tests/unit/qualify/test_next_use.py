@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from qwz.qualify.run import runner
 from qwz.qualify.run.next_use import NextUse
+from qwz.qualify.run.observers import step_memory
 
 
 def _model() -> torch.nn.Module:
@@ -109,9 +109,9 @@ def test_the_step_peak_does_not_charge_the_paused_observation(monkeypatch):
     def peak_memory():
         return {"kind": "rss", "peak_allocated_bytes": current["peak"], "peak_reserved_bytes": None}
 
-    monkeypatch.setattr(runner, "_peak_memory", peak_memory)
-    monkeypatch.setattr(runner, "_reset_peak_memory", lambda: current.update(peak=0))
-    peak = runner._StepPeak()
+    monkeypatch.setattr(step_memory, "peak_memory", peak_memory)
+    monkeypatch.setattr(step_memory, "reset_peak_memory", lambda: current.update(peak=0))
+    peak = step_memory.StepPeak()
     with peak.around_step():
         current["peak"] = next(readings)
         with peak.paused():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from qwz import devices
 from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.run import runner, subjects
-from qwz.qualify.run.observers import own_shard
+from qwz.qualify.run.observers import own_shard, step_memory
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
 
@@ -99,8 +99,8 @@ def test_peak_memory_is_the_train_step_s_not_the_checks(monkeypatch):
     """The own-shard check (and the held-out loss) allocate outside the train step; an
     arm's memory is its largest step's."""
     meter = Meter()
-    monkeypatch.setattr(runner, "_reset_peak_memory", meter.reset)
-    monkeypatch.setattr(runner, "_peak_memory", meter.read)
+    monkeypatch.setattr(step_memory, "reset_peak_memory", meter.reset)
+    monkeypatch.setattr(step_memory, "peak_memory", meter.read)
     train_step = subjects.QwzArm.train_step
     check_own_shards = own_shard.check_own_shards
 
