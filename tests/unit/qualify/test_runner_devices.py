@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from qwz import devices
 from qwz.qualify.base.plan import RunPlan
-from qwz.qualify.run import runner, subjects
+from qwz.qualify.run import arm_run, subjects
 from qwz.qualify.run.observers import own_shard, step_memory
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS
@@ -48,7 +48,7 @@ def meta_group(monkeypatch):
 
 def test_mean_over_ranks_hands_the_collective_a_tensor_on_the_group_s_device(meta_group):
     with pytest.raises(ReachedCollective):
-        runner._mean_over_ranks(torch.tensor(1.5))
+        arm_run.mean_over_ranks(torch.tensor(1.5))
     assert meta_group == [FAKE_GROUP_DEVICE]
 
 
@@ -58,7 +58,7 @@ def test_the_held_out_loss_is_reduced_on_the_group_s_device(meta_group):
     engine = subjects.ArmEngine()
     engine.module = plan.workload.build_model(0)
     with pytest.raises(ReachedCollective):
-        runner._held_out_loss(plan, engine, rank=0, step=0)
+        arm_run.held_out_loss(plan, engine, rank=0, step=0)
     assert meta_group == [FAKE_GROUP_DEVICE]
 
 
@@ -71,9 +71,9 @@ def test_arms_are_built_on_the_group_s_device_in_the_working_dtype(monkeypatch, 
         return subjects.ArmEngine()
 
     monkeypatch.setattr(devices, "group_device", lambda group=None: FAKE_GROUP_DEVICE)
-    monkeypatch.setattr(runner, "make_arm", make_arm)
+    monkeypatch.setattr(arm_run, "make_arm", make_arm)
     plan = RunPlan(workload=get_workload(name), dtype="bf16")
-    runner._build(plan, plan.arms[0])
+    arm_run.build(plan, plan.arms[0])
     for model in built:
         assert {p.device for p in model.parameters()} == {FAKE_GROUP_DEVICE}
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -115,6 +115,6 @@ def test_peak_memory_is_the_train_step_s_not_the_checks(monkeypatch):
     monkeypatch.setattr(subjects.QwzArm, "train_step", charged_step)
     monkeypatch.setattr(own_shard, "check_own_shards", charged_check)
     plan = RunPlan(workload=get_workload("mlp"), dtype="fp32", steps=3, blocks=0, calibration=False)
-    obs, _ = runner._train_arm(plan, plan.arms[0], 0, None, None, runner._Progress(False))
+    obs, _ = arm_run.train_arm(plan, plan.arms[0], 0, None, None, arm_run.Progress(False))
     assert obs.failure is None and obs.steps_completed == 3
     assert obs.memory["peak_allocated_bytes"] == Meter.STEP_BYTES

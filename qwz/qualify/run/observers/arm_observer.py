@@ -1,4 +1,4 @@
-"""What an arm's observers hear: the events of the arm's loop (run/runner.py's ``_ArmRun``), in
+"""What an arm's observers hear: the events of the arm's loop (run/arm_run.py's ``_ArmRun``), in
 the order it meets them, and what each reports.
 
 The loop trains one arm step by step and calls every observer of the arm at each event, in
