@@ -143,6 +143,9 @@ class ArmSpec:
 class RunPlan:
     """Everything a qualification run trains and judges, as data (picklable, recorded).
 
+    This class is longer than 150 lines because it declares every run setting, one field
+    with its type, default and help each ([Note: one declaration per setting]).
+
     A field declared with ``setting()`` is a run setting: its name is the ``run`` flag, the
     matrix spec's key, a preset's key and the record's plan key ([Note: one declaration per
     setting], qualify/base/values.py). The other fields are the harness's own (sample counts, the

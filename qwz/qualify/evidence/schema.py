@@ -9,6 +9,10 @@ are derived from them (qualify/evidence/checks.py), at sealing and again on ever
 
 ``python -m qwz.qualify.evidence.schema`` regenerates ``record.schema.json`` (the
 published JSON Schema) from the models.
+
+This file is longer than 600 lines because the schema is one versioned document: every model
+of a record, read together (the JSON Schema is generated from them whole, and an upgrader of
+an older record reads them all).
 """
 
 from __future__ import annotations

@@ -182,7 +182,11 @@ class _ArmRun:
     """One arm on this rank: built, trained for ``plan.steps`` steps, each step observed by the
     arm's observers (run/observers/arm_observer.py: one per thing observed, each owning the
     fields of the ArmObservation it reports). ``observed`` holds the fields the loop itself
-    records (the losses, the held-out losses, the failures, the fp16 scales)."""
+    records (the losses, the held-out losses, the failures, the fp16 scales).
+
+    This class is longer than 150 lines because the step itself -- the failures every rank
+    agrees on, the update check's and the overflow watch's parts inside it -- and the order
+    of the events read best in one place; what is observed is the observers'."""
 
     def __init__(
         self,

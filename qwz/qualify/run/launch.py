@@ -243,7 +243,10 @@ def _rank_main(
 
 
 class LocalWorld:
-    """`world_size` ranks with an initialised process group, reused across calls."""
+    """`world_size` ranks with an initialised process group, reused across calls.
+
+    This class is longer than 150 lines because one launcher owns the local ranks' whole
+    life: their start, the side channel, the first failure and the stop."""
 
     def __init__(
         self,

@@ -118,7 +118,11 @@ class StepAgreement(NamedTuple):
 
 
 class UpdateCheck(ArmObserver):
-    """[Note: exact update check] on a fixed sample of this rank's master elements."""
+    """[Note: exact update check] on a fixed sample of this rank's master elements.
+
+    This class is longer than 150 lines because the check is one stateful algorithm on the
+    optimizer's step hooks: the sample, its values before each step, the step re-derived,
+    the steps counted and the handed norm share its state."""
 
     def __init__(
         self,
