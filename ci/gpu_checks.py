@@ -79,7 +79,7 @@ def _gather_once(device: torch.device, delayed: bool) -> torch.Tensor:
         quantize=True,
         group_size=group_size,
         element_size=2,
-        budget_bytes=1 << 40,
+        bucket_bytes=1 << 40,
         pipeline_numel=shard_numel // 8,
     )
     assert plan.num_buffers == 2 and len(plan.chunks) >= 4, plan

@@ -435,7 +435,7 @@ class ZeroOptimizer:
             # shard alignment, is too); the exact region alone moves element by element.
             group_size=self.group_size if main.name == "quantized" else None,
             element_size=main.working.element_size(),
-            budget_bytes=self.gather.bucket_size * torch.finfo(self.dtype).bits // 8,
+            bucket_bytes=self.gather.bucket_size * torch.finfo(self.dtype).bits // 8,
             exact_numel=0 if exact is None else exact.layout.shard_numel,
         )
 
