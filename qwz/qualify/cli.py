@@ -132,7 +132,7 @@ def _writes_the_files(request) -> bool:
 
 def _conformance_table(request) -> dict | None:
     """The PR's config rules through the subject's own parser and engine, before any rank
-    trains ([Note: conformance run] in qualify/run/conformance.py); only where the record is
+    trains ([Note: conformance run] in qualify/run/conformance_run.py); only where the record is
     written (under torchrun: rank 0). Where ``QWZ_CONFORMANCE_CACHE`` is set, a table of the
     same code may be reused ([Note: reused conformance tables] in run/conformance_cache.py)."""
     from qwz.qualify.run import conformance_cache
@@ -207,7 +207,7 @@ def _run_ranks(request, run, preload: tuple[str, ...]):
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from qwz.qualify.matrix import command
+    from qwz.qualify.matrix import matrix_command as command
 
     return command.main(args, build_parser())
 
@@ -337,7 +337,7 @@ def _holds_a_baseline(directory: pathlib.Path) -> bool:
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
-    from qwz.qualify.bisect import command
+    from qwz.qualify.bisect import bisect_command as command
     from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
     # Whole flags only: the run parser takes no abbreviation ([Note: one error style]).
@@ -374,7 +374,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 
 def cmd_review(args: argparse.Namespace) -> int:
-    from qwz.qualify.pr_review import command
+    from qwz.qualify.pr_review import review_command as command
     from qwz.qualify.run.launch import Interrupted, signals_interrupt
 
     try:

@@ -167,7 +167,7 @@ def _add_matrix_command(commands) -> None:
     matrix = commands.add_parser(
         "matrix", help="run every cell of a TOML spec (resumable); write matrix.md and matrix.json"
     )
-    matrix.add_argument("spec", type=_path, help="the spec (qualify/matrix/spec.py)")
+    matrix.add_argument("spec", type=_path, help="the spec (qualify/matrix/matrix_spec.py)")
     matrix.add_argument(
         "--out",
         type=_path,
@@ -364,7 +364,8 @@ def _add_own_tests_flags(review) -> None:
 
 
 def _add_bisect_commands(commands) -> None:
-    """``bisect`` and ``bisect-step`` (qwz/qualify/bisect/command.py for their exit codes)."""
+    """``bisect`` and ``bisect-step`` (qwz/qualify/bisect/bisect_command.py for their exit
+    codes)."""
     for name, text in (
         (
             "bisect",

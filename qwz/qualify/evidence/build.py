@@ -367,7 +367,7 @@ def build_record(
     """Assemble the raw observations of every rank, derive the checks, seal the record;
     `invocation`: how the run was started ([Note: reproduce], qualify/evidence/machine.py);
     `conformance`: the PR's config rules as the subject took them ([Note: conformance run],
-    qualify/run/conformance.py), None where the run did not put them to it."""
+    qualify/run/conformance_run.py), None where the run did not put them to it."""
     first = observations[0]
     environment = Environment(**first["environment"])
     arms = _arms(plan)

@@ -708,7 +708,7 @@ class ConformanceRow(_Model):
 
 class Conformance(_Model):
     """The PR's config rules run through the subject's own parser and engine before any
-    training (qualify/run/conformance.py)."""
+    training (qualify/run/conformance_run.py)."""
 
     parser: str = Field(description="What parsed each config")
     engine: str = Field(description="What built an engine from each config it accepted")

@@ -1,7 +1,7 @@
 """One of the review's two runs: its finished record reused, or ``qwz-qualify run`` as a
 supervised child process ([Note: supervising a run], qualify/base/supervise.py) and how it ended.
 
-How a run's end reads (as a matrix cell's, qualify/matrix/runner.py): exit 0, 1 or 3 with a
+How a run's end reads (as a matrix cell's, qualify/matrix/cells.py): exit 0, 1 or 3 with a
 record of the plan asked for and the commit asked for is its record's verdict under today's
 rules; exit 2 is "refused" with ``run``'s own refusal; exit 4 with ``harness-error.json`` is
 HARNESS-ERROR; stopped by the review's SIGINT/SIGTERM is "interrupted"; anything else, or a
@@ -24,7 +24,7 @@ from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Record
-from qwz.qualify.matrix.runner import (
+from qwz.qualify.matrix.cells import (
     VERDICT_EXITS,
     expected_request,
     finished_record,

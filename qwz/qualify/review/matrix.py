@@ -1,6 +1,6 @@
 """A matrix's table: ``matrix.json`` (what ``compare`` and ``promote`` read) and ``matrix.md``.
 
-One row per cell of the spec (qwz/qualify/matrix/spec.py), run or not: its axis values, its
+One row per cell of the spec (qwz/qualify/matrix/matrix_spec.py), run or not: its axis values, its
 status -- PASS, FAIL or INCONCLUSIVE from the cell's record (the record's own verdict,
 re-derived when it is loaded), ``crashed`` (the cell's run ended without a record that
 loads, or with an exit status ``run`` does not give), ``HARNESS-ERROR`` (the harness could

@@ -14,7 +14,7 @@ from qwz.qualify.evidence.schema import Arm, Record
 from qwz.qualify.evidence.stats import METHOD_NOTE
 from qwz.qualify.review import report_observations, report_sections
 from qwz.qualify.review.banner import banner
-from qwz.qualify.review.conformance import conformance_section
+from qwz.qualify.review.conformance_section import conformance_section
 from qwz.qualify.review.formatting import (
     devices,
     format_interval,

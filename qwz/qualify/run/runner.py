@@ -56,14 +56,7 @@ from qwz.qualify.base import rank_reports
 from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
 from qwz.qualify.evidence import machine, provenance, stats
 from qwz.qualify.evidence.observation import ArmObservation
-from qwz.qualify.run import (
-    arm_run,
-    determinism,
-    gather_timing,
-    heap,
-    quantizer_op,
-    timing,
-)
+from qwz.qualify.run import arm_run, determinism, gather_timing, heap, quantizer_op, timing
 from qwz.qualify.run.subjects import ArmEngine, DeepSpeedSourceError, use_deepspeed_source
 
 

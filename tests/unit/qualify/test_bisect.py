@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from qwz.qualify import cli
-from qwz.qualify.bisect import command, oracle, search, trial, worktrees
+from qwz.qualify.bisect import bisect_command, oracle, search, trial, worktrees
 from qwz.qualify.evidence import record as records
 from qwz.qualify.run.launch import Interrupted
 
@@ -204,7 +204,7 @@ def test_a_bisect_finds_the_commit_skips_one_that_does_not_import_and_resumes(
     assert len(recorded) == 3  # the interrupted fourth trial left nothing
     fake = FakeTrials(tmp_path / "repo")
     code, result = _bisect(monkeypatch, tmp_path, fake, shas=shas)
-    assert code == command.FOUND and result["first_bad"]["sha"] == shas[6]
+    assert code == bisect_command.FOUND and result["first_bad"]["sha"] == shas[6]
     assert (
         result["first_bad"]["subject"] == "bad" and "file.txt" in result["first_bad"]["diff_stat"]
     )
@@ -214,18 +214,18 @@ def test_a_bisect_finds_the_commit_skips_one_that_does_not_import_and_resumes(
     assert skipped and skipped[0]["attempts"][0]["verdict"] == "skip"
     fake = FakeTrials(tmp_path / "repo")
     code, again = _bisect(monkeypatch, tmp_path, fake, shas=shas)
-    assert (code, fake.calls, again["first_bad"]) == (command.FOUND, [], result["first_bad"])
+    assert (code, fake.calls, again["first_bad"]) == (bisect_command.FOUND, [], result["first_bad"])
     code, hashed = _bisect(
         monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), "--hash", shas=shas
     )
-    assert code == command.FOUND and hashed["first_bad"]["sha"] == shas[6]
+    assert code == bisect_command.FOUND and hashed["first_bad"]["sha"] == shas[6]
     assert "| bad |" in (tmp_path / "out" / "bisect.md").read_text()
 
 
 def test_skipped_commits_that_hide_the_answer_are_named(monkeypatch, tmp_path):
     shas = _history(tmp_path / "repo", ["good", "good", "no-import", "no-import", "bad", "bad"])
     code, result = _bisect(monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), shas=shas)
-    assert code == command.HIDDEN and result["first_bad"] is None
+    assert code == bisect_command.HIDDEN and result["first_bad"] is None
     assert [item["sha"] for item in result["candidates"]] == shas[2:5]
 
 
@@ -234,7 +234,7 @@ def test_the_speed_oracle_finds_a_slow_commit(monkeypatch, tmp_path):
     code, result = _bisect(
         monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), "--speed", shas=shas
     )
-    assert code == command.FOUND and result["first_bad"]["sha"] == shas[3]
+    assert code == bisect_command.FOUND and result["first_bad"]["sha"] == shas[3]
     assert result["oracle"]["kind"] == "speed"
 
 
@@ -242,9 +242,9 @@ def test_an_ambiguous_speed_is_measured_again_then_skipped(monkeypatch, tmp_path
     shas = _history(tmp_path / "repo", ["good", "good", "slow"])
     fake = FakeTrials(tmp_path / "repo")
     monkeypatch.setattr(trial, "run_trial", fake)
-    options = command.Options(tmp_path / "repo", shas[0], shas[-1], tmp_path / "out", "speed",
-                              None, 2, None, "qwz", ["--workload", "mlp"])  # fmt: skip
-    _, session = command._open(options)
+    options = bisect_command.Options(tmp_path / "repo", shas[0], shas[-1], tmp_path / "out",
+                              "speed", None, 2, None, "qwz", ["--workload", "mlp"])  # fmt: skip
+    _, session = bisect_command._open(options)
     good = oracle.speed_intervals(make_record())[CANDIDATE]
     # Its median just below the good head's interval, its interval reaching into it.
     ambiguous = oracle.SpeedOracle({CANDIDATE: (good[1] + 1e-9, good[1] + 0.5, good[1] + 1)})
@@ -258,15 +258,15 @@ def test_refusals_and_nothing_to_find(monkeypatch, tmp_path, capsys):
     shas = _history(tmp_path / "repo", ["bad", "good", "bad", "good"])
     fake = FakeTrials(tmp_path / "repo")
     code, result = _bisect(monkeypatch, tmp_path, fake, shas=shas[:3])
-    assert code == command.REFUSED and "the good head" in result["why"]  # it fails the check
+    assert code == bisect_command.REFUSED and "the good head" in result["why"]  # it fails the check
     code, result = _bisect(monkeypatch, tmp_path, fake, shas=shas[1:], out="out2")
-    assert code == command.NOTHING and "passes every check" in result["why"]
+    assert code == bisect_command.NOTHING and "passes every check" in result["why"]
     code, _ = _bisect(monkeypatch, tmp_path, fake, shas=shas[1:], out="out2")
-    assert code == command.NOTHING  # the same request resumes
+    assert code == bisect_command.NOTHING  # the same request resumes
     code, _ = _bisect(monkeypatch, tmp_path, fake, shas=[shas[0], shas[1]], out="out2")
-    assert code == command.REFUSED and "another request" in capsys.readouterr().err
+    assert code == bisect_command.REFUSED and "another request" in capsys.readouterr().err
     code, _ = _bisect(monkeypatch, tmp_path, fake, shas=[shas[2], shas[1]], out="out3")
-    assert code == command.REFUSED and "nothing lies between" in capsys.readouterr().err
+    assert code == bisect_command.REFUSED and "nothing lies between" in capsys.readouterr().err
     argv = ["bisect", "--repo", str(tmp_path / "repo"), "--good", shas[0], "--bad", shas[1],
             "--out", str(tmp_path / "o4"), "--", "--out", "x"]  # fmt: skip
     assert cli.main(argv) == 2 and "--out is the bisect's to set" in capsys.readouterr().err
@@ -289,7 +289,7 @@ def test_refusals_and_nothing_to_find(monkeypatch, tmp_path, capsys):
 
 
 def test_a_good_head_off_the_first_parent_line_is_refused(tmp_path):
-    from qwz.qualify.bisect import history
+    from qwz.qualify.bisect import first_parents
 
     shas = _history(tmp_path / "repo", ["good", "good"])
     _git(tmp_path / "repo", "checkout", "--quiet", "-b", "side", shas[0])
@@ -300,13 +300,13 @@ def test_a_good_head_off_the_first_parent_line_is_refused(tmp_path):
     _git(tmp_path / "repo", "checkout", "--quiet", "main")
     _git(tmp_path / "repo", "merge", "--quiet", "--no-ff", "-m", "merge", "side")
     head = _git(tmp_path / "repo", "rev-parse", "HEAD")
-    assert history.first_parent_range(tmp_path / "repo", shas[0], head) == [
+    assert first_parents.first_parent_range(tmp_path / "repo", shas[0], head) == [
         *shas[:1],
         shas[1],
         head,
     ]
-    with pytest.raises(history.GitError, match="not on the first-parent history"):
-        history.first_parent_range(tmp_path / "repo", side, head)
+    with pytest.raises(first_parents.GitError, match="not on the first-parent history"):
+        first_parents.first_parent_range(tmp_path / "repo", side, head)
 
 
 def test_a_directory_bisected_by_another_harness_is_refused(monkeypatch, tmp_path, capsys):
@@ -314,10 +314,10 @@ def test_a_directory_bisected_by_another_harness_is_refused(monkeypatch, tmp_pat
     bisecting head's])."""
     shas = _history(tmp_path / "repo", HISTORY)
     code, _ = _bisect(monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), shas=shas)
-    assert code == command.FOUND
+    assert code == bisect_command.FOUND
     monkeypatch.setattr(worktrees, "harness_digest", lambda: "0" * 64)
     code, _ = _bisect(monkeypatch, tmp_path, FakeTrials(tmp_path / "repo"), shas=shas)
-    assert code == command.REFUSED and "harness_digest differ" in capsys.readouterr().err
+    assert code == bisect_command.REFUSED and "harness_digest differ" in capsys.readouterr().err
 
 
 def test_a_trial_worktree_never_touches_the_users_tree(tmp_path):

@@ -2,7 +2,7 @@
 the judge's verdicts on tables real subjects recorded (tests/fixtures/conformance/, regenerated
 by its generate.py), on each kind of row broken on purpose, on a harness failure and on old
 records; and qwz's own parser and engine with a rule broken in this process
-(qualify/run/conformance.py ``observe``, what the table's subprocess runs)."""
+(qualify/run/conformance_run.py ``observe``, what the table's subprocess runs)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import qwz.config
 from qwz.qualify.evidence import record, rejudge, schema
 from qwz.qualify.evidence.rules import conformance
 from qwz.qualify.review import report
-from qwz.qualify.run import conformance as runner
+from qwz.qualify.run import conformance_run
 from tests.unit.records import conformance_table, make_record
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures"
@@ -157,12 +157,14 @@ def test_a_table_the_harness_could_not_run_is_inconclusive_never_a_fail():
 
 
 def test_a_table_process_that_dies_is_the_table_s_error(monkeypatch):
-    monkeypatch.setattr(runner, "CHILD", "import sys; sys.exit('no table here')")
-    table = runner.run_table("qwz")
+    monkeypatch.setattr(conformance_run, "CHILD", "import sys; sys.exit('no table here')")
+    table = conformance_run.run_table("qwz")
     assert table["rows"] == [] and "without its rows (exited 1: no table here)" in table["error"]
-    garbled = "print(" + repr(runner.MARKER + '{"rows": [{"row": 1}], "error": null}') + ")"
-    monkeypatch.setattr(runner, "CHILD", garbled)
-    table = runner.run_table("qwz")
+    garbled = (
+        "print(" + repr(conformance_run.MARKER + '{"rows": [{"row": 1}], "error": null}') + ")"
+    )
+    monkeypatch.setattr(conformance_run, "CHILD", garbled)
+    table = conformance_run.run_table("qwz")
     assert table["rows"] == [] and "rows do not match the record's schema" in table["error"]
     assert make_record(conformance=table).verdict.status == "INCONCLUSIVE"
 
@@ -170,7 +172,7 @@ def test_a_table_process_that_dies_is_the_table_s_error(monkeypatch):
 @pytest.mark.slow  # imports DeepSpeed in a fresh process
 def test_a_deepspeed_source_without_deepspeed_is_the_table_s_error(tmp_path):
     pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
-    table = runner.run_table("deepspeed-native", deepspeed_src=str(tmp_path))
+    table = conformance_run.run_table("deepspeed-native", deepspeed_src=str(tmp_path))
     assert table["rows"] == [] and "DeepSpeedSourceError" in table["error"], table["error"]
 
 
@@ -218,7 +220,8 @@ def test_the_report_shows_every_row_with_the_subject_s_message_and_the_stated_re
 # ------------------------------------------------------------------ qwz's parser, broken here
 def _qwz_table() -> dict:
     rows = [
-        runner.observe("qwz", row.name, row.config, qwz_gather=True) for row in conformance.ROWS
+        conformance_run.observe("qwz", row.name, row.config, qwz_gather=True)
+        for row in conformance.ROWS
     ]
     return {"parser": "p", "engine": "e", "rows": rows, "seconds": 0.0, "error": None}
 

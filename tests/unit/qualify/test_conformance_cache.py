@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from qwz.qualify.run import conformance, conformance_cache
+from qwz.qualify.run import conformance_cache, conformance_run
 
 ROW = {
     "row": "stage1-omitted",
@@ -38,7 +38,7 @@ class Tables:
 def tables(monkeypatch, tmp_path):
     monkeypatch.setenv(conformance_cache.CACHE_ENV, str(tmp_path / "cache"))
     asked = Tables()
-    monkeypatch.setattr(conformance, "run_table", asked)
+    monkeypatch.setattr(conformance_run, "run_table", asked)
     return asked
 
 
@@ -61,7 +61,7 @@ def _deepspeed_checkout(root):
 def test_unset_every_run_asks_its_subject(monkeypatch):
     monkeypatch.delenv(conformance_cache.CACHE_ENV, raising=False)
     asked = Tables()
-    monkeypatch.setattr(conformance, "run_table", asked)
+    monkeypatch.setattr(conformance_run, "run_table", asked)
     for _ in range(2):
         section, reused = conformance_cache.table("qwz")
         assert reused is None and section["rows"]
@@ -79,7 +79,7 @@ def test_the_same_code_reuses_the_stored_table_unchanged(tables):
 def test_a_table_that_did_not_run_is_never_stored(monkeypatch, tmp_path):
     monkeypatch.setenv(conformance_cache.CACHE_ENV, str(tmp_path / "cache"))
     failing = Tables(error="could not start the table's process")
-    monkeypatch.setattr(conformance, "run_table", failing)
+    monkeypatch.setattr(conformance_run, "run_table", failing)
     for _ in range(2):
         section, reused = conformance_cache.table("qwz")
         assert reused is None and section["error"]

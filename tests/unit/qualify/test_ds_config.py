@@ -18,7 +18,7 @@ import pytest
 from qwz.qualify import cli
 from qwz.qualify.base.plan import DeepSpeedConfigFile, RunPlan, plan_dict
 from qwz.qualify.evidence import schema
-from qwz.qualify.matrix import spec as matrix_spec
+from qwz.qualify.matrix import matrix_spec as matrix_spec
 from qwz.qualify.run import launch
 from tests.unit.run_requests import plan_of, problems_of
 

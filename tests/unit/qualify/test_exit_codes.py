@@ -8,9 +8,9 @@ from __future__ import annotations
 import signal
 
 from qwz.qualify.base import exit_codes
-from qwz.qualify.bisect import command as bisect
+from qwz.qualify.bisect import bisect_command as bisect
 from qwz.qualify.evidence import harness_error
-from qwz.qualify.matrix import runner
+from qwz.qualify.matrix import cells
 from qwz.qualify.review import compare, pr_review
 from qwz.qualify.review import matrix as table
 from qwz.qualify.review.matrix import MatrixCell
@@ -29,7 +29,7 @@ def test_every_commands_statuses_are_the_documented_ones():
         "run": set(exit_codes.VERDICT_EXITS.values()) | {harness_error.HARNESS_ERROR_EXIT},
         "compare": {int(status) for status in compare.Status},
         "matrix": {exit_codes.PASS, exit_codes.FAIL, exit_codes.INCONCLUSIVE,
-                   harness_error.HARNESS_ERROR_EXIT, runner.REFUSED_EXIT},
+                   harness_error.HARNESS_ERROR_EXIT, cells.REFUSED_EXIT},
         "review": set(pr_review.EXITS.values()),
         "bisect": {bisect.FOUND, bisect.NOTHING, bisect.REFUSED, bisect.HIDDEN},
         "stopped": {Interrupted(signal.SIGINT).exit_code, Interrupted(signal.SIGTERM).exit_code},

@@ -19,7 +19,7 @@ import pytest
 
 from qwz.qualify import cli
 from qwz.qualify.base.rank_reports import RankEnd
-from qwz.qualify.bisect import command, trial, worktrees
+from qwz.qualify.bisect import bisect_command, trial, worktrees
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence import record as records
 
@@ -131,7 +131,7 @@ def test_bisect_skips_a_commit_the_harness_cannot_observe(monkeypatch, tmp_path)
     monkeypatch.setattr(worktrees, "remove", lambda repository, worktree: None)
     argv = ["bisect", "--repo", str(repository), "--good", shas[0], "--bad", shas[-1],
             "--out", str(tmp_path / "out"), "--", "--workload", "mlp"]  # fmt: skip
-    assert cli.main(argv) == command.FOUND
+    assert cli.main(argv) == bisect_command.FOUND
     result = json.loads((tmp_path / "out" / "bisect.json").read_text())
     assert result["first_bad"]["sha"] == shas[4]
     [skipped] = [item for item in result["tested"] if item["sha"] == shas[2]]

@@ -1,4 +1,4 @@
-"""Running a matrix (qwz/qualify/matrix/runner.py) through a fake ``run``: which cells are
+"""Running a matrix (qwz/qualify/matrix/cells.py) through a fake ``run``: which cells are
 launched ([Note: matrix resume]), how each end reads, the exit status, and stopping."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from qwz.qualify import cli
 from qwz.qualify.evidence import record as record_io
 from qwz.qualify.evidence import seal
-from qwz.qualify.matrix import runner
-from qwz.qualify.matrix.spec import load
+from qwz.qualify.matrix import cells
+from qwz.qualify.matrix.matrix_spec import load
 from qwz.qualify.review import matrix as table
 
 from ..records import make_payload
@@ -50,14 +50,14 @@ class FakeRun:
         self.launched: list[list[str]] = []
         self.outcomes = outcomes or {}
 
-    def __call__(self, argv: list[str], logs: runner.CellLogs, stop: runner.Stop) -> int:
+    def __call__(self, argv: list[str], logs: cells.CellLogs, stop: cells.Stop) -> int:
         self.launched.append(argv)
         out = pathlib.Path(argv[argv.index("--out") + 1])
         stage = argv[argv.index("--stage") + 1]
         code, stderr, edit = self.outcomes.get(stage, (0, "", None))
         logs.stderr.write_text(stderr)
         if code in (0, 1, 3):
-            plan = runner.expected_plan(PARSER, argv[1 : argv.index("--out")])
+            plan = cells.expected_plan(PARSER, argv[1 : argv.index("--out")])
             payload = make_payload(plan=plan)
             if edit is not None:
                 edit(payload)
@@ -68,8 +68,8 @@ class FakeRun:
 
 def run(tmp_path: pathlib.Path, fake: FakeRun, spec: pathlib.Path | None = None) -> int:
     spec_path = spec or write_spec(tmp_path)
-    matrix = runner.MatrixRun(load(spec_path), tmp_path / "out", PARSER, launch=fake)
-    return runner.run_matrix(matrix, progress=lambda line: None)
+    matrix = cells.MatrixRun(load(spec_path), tmp_path / "out", PARSER, launch=fake)
+    return cells.run_matrix(matrix, progress=lambda line: None)
 
 
 def rows(tmp_path: pathlib.Path) -> dict[str, table.MatrixCell]:
@@ -122,18 +122,18 @@ def test_a_record_that_does_not_verify_is_run_again(tmp_path):
 
 def test_the_finished_check_compares_the_plan_and_the_world_size(tmp_path):
     arguments = ["--workload", "mlp", "--steps", "6"]
-    plan = runner.expected_plan(PARSER, arguments)
+    plan = cells.expected_plan(PARSER, arguments)
     cell_dir = tmp_path / "cell"
     cell_dir.mkdir()
     record_io.save(seal.seal(make_payload(plan=plan)), cell_dir / "record.json")
-    assert runner.finished_record(cell_dir, plan, 2)[0] is not None
-    other = runner.expected_plan(PARSER, [*arguments, "--lr", "0.002"])
-    assert runner.finished_record(cell_dir, other, 2) == (
+    assert cells.finished_record(cell_dir, plan, 2)[0] is not None
+    other = cells.expected_plan(PARSER, [*arguments, "--lr", "0.002"])
+    assert cells.finished_record(cell_dir, other, 2) == (
         None,
         "its record has another plan (differs in lr)",
     )
-    assert "ran 2 ranks, not 4" in runner.finished_record(cell_dir, plan, 4)[1]
-    assert runner.expected_plan(PARSER, ["--dtype", "fp8"]) is None
+    assert "ran 2 ranks, not 4" in cells.finished_record(cell_dir, plan, 4)[1]
+    assert cells.expected_plan(PARSER, ["--dtype", "fp8"]) is None
 
 
 def test_a_refused_cell_is_not_run_with_the_reason_and_runs_again_next_time(tmp_path):
@@ -170,10 +170,8 @@ def test_a_verdict_exit_without_a_record_of_the_cell_is_a_crash(tmp_path):
     def no_record(argv, logs, stop):
         return 0
 
-    matrix = runner.MatrixRun(
-        load(write_spec(tmp_path)), tmp_path / "out", PARSER, launch=no_record
-    )
-    assert runner.run_matrix(matrix, progress=lambda line: None) == 1
+    matrix = cells.MatrixRun(load(write_spec(tmp_path)), tmp_path / "out", PARSER, launch=no_record)
+    assert cells.run_matrix(matrix, progress=lambda line: None) == 1
     assert rows(tmp_path)[S1].reason == "run exited 0 (PASS) but no record"
 
 

@@ -1,4 +1,4 @@
-"""The matrix spec (qwz/qualify/matrix/spec.py): expansion into cells, their ids and ``run``
+"""The matrix spec (qwz/qualify/matrix/matrix_spec.py): expansion into cells, their ids and ``run``
 arguments, exclusions, and every refusal naming the file, the line and the key."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qwz.qualify import cli
-from qwz.qualify.matrix.spec import AXES, SpecError, load, parse
+from qwz.qualify.matrix.matrix_spec import AXES, SpecError, load, parse
 
 HEADER = '[matrix]\nname = "t"\n'
 

@@ -14,8 +14,8 @@ from qwz.qualify import cli
 from qwz.qualify.evidence import checks, judge, record, rejudge, rules, schema, seal, upgrade
 from qwz.qualify.evidence.rules import learning
 from qwz.qualify.evidence.signing import configured_key, verifies
-from qwz.qualify.matrix import runner
-from qwz.qualify.matrix.spec import load as load_spec
+from qwz.qualify.matrix import cells
+from qwz.qualify.matrix.matrix_spec import load as load_spec
 from qwz.qualify.review import history
 from qwz.qualify.review import judge_only as judge_only_module
 from qwz.qualify.review import matrix as table
@@ -156,8 +156,8 @@ def test_an_old_matrix_resumes_without_running_a_cell(tmp_path, directory):
         return 2
 
     spec = load_spec(directory / "fixture.toml")
-    matrix = runner.MatrixRun(spec, out, cli.build_parser(), launch=launch)
-    assert runner.run_matrix(matrix, progress=lambda line: None) == 0
+    matrix = cells.MatrixRun(spec, out, cli.build_parser(), launch=launch)
+    assert cells.run_matrix(matrix, progress=lambda line: None) == 0
     assert launched == []
     assert [(row.status, row.kind) for row in table.load_matrix(out).cells] == [("PASS", "resumed")]
 

@@ -1,6 +1,6 @@
 """The PR's own tests in ``qwz-qualify review`` ([Note: the PR's own tests] in
 qwz/qualify/pr_review/own_tests.py; [Note: own tests in the claims table] in
-qwz/qualify/review/own_tests.py).
+qwz/qualify/review/own_tests_section.py).
 
 The qualification runs through test_pr_review.py's fake ``run``; the own tests run for real,
 with pytest and the plugin, on a repository built in the test (tests/pr_tests_repository.py:
@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-from qwz.qualify.pr_review import command, own_tests, test_log
-from qwz.qualify.review import own_tests as results
+from qwz.qualify.pr_review import own_tests, review_command, test_log
+from qwz.qualify.review import own_tests_section as results
 from qwz.qualify.review import pr_review
-from qwz.qualify.review.own_tests import COLLECT_CLAIM, PASS_CLAIM
+from qwz.qualify.review.own_tests_section import COLLECT_CLAIM, PASS_CLAIM
 from tests.deepspeed_checkout import git
 from tests.pr_tests_repository import BROKEN_TEST, make_repository
 
@@ -69,7 +69,7 @@ def review(tmp_path, repository, head: str, *extra: str, launcher=None, out="rev
     argv = ["review", "--repo", str(root), "--base", "main", "--head", head]
     args = PARSER.parse_args([*argv, "--out", str(tmp_path / out), *RUN_OPTIONS, *extra])
     test_launcher = launcher or own_tests.subprocess_launcher
-    return command.run_review(args, PARSER, launcher=FakeRun(), test_launcher=test_launcher)
+    return review_command.run_review(args, PARSER, launcher=FakeRun(), test_launcher=test_launcher)
 
 
 def summary(tmp_path, out="review") -> dict:
@@ -195,7 +195,7 @@ def test_a_relative_out_keeps_pytests_outputs(tmp_path, repository, monkeypatch)
     root = repository[0]
     argv = ["review", "--repo", str(root), "--base", "main", "--head", "passing", "--out",
             "relative", *RUN_OPTIONS, "--pr-tests", "tests/unit/test_existing.py"]  # fmt: skip
-    assert command.run_review(PARSER.parse_args(argv), PARSER, launcher=FakeRun()) == 0
+    assert review_command.run_review(PARSER.parse_args(argv), PARSER, launcher=FakeRun()) == 0
     head = summary(tmp_path, "relative")["own_tests"]["head"]
     assert outcomes(head) == dict.fromkeys(
         ["tests/unit/test_existing.py::test_version_exists",

@@ -14,8 +14,8 @@ import pytest
 from qwz.qualify import cli
 from qwz.qualify.evidence import record as record_io
 from qwz.qualify.evidence import seal
-from qwz.qualify.matrix import runner
-from qwz.qualify.pr_review import command
+from qwz.qualify.matrix import cells
+from qwz.qualify.pr_review import review_command
 from qwz.qualify.review import pr_review
 from tests.deepspeed_checkout import git
 from tests.extras import NEEDS_TRANSFORMERS
@@ -63,7 +63,7 @@ class FakeRun:
             source = pathlib.Path(argv[argv.index("--deepspeed-src") + 1])
             sha = git(source, "rev-parse", "HEAD").strip()
             payload = make_payload(
-                plan=runner.expected_plan(PARSER, argv[1 : argv.index("--out")]),
+                plan=cells.expected_plan(PARSER, argv[1 : argv.index("--out")]),
                 head={"repository": "DeepSpeed", "sha": sha, "dirty": False},
                 step_masters=make_step_masters(),
             )
@@ -80,7 +80,7 @@ def review(tmp_path, repository, fake: FakeRun, *extra: str, out: str = "review"
     root, base, head = repository
     argv = ["review", "--repo", str(root), "--base", base, "--head", head]
     args = PARSER.parse_args([*argv, "--out", str(tmp_path / out), *extra])
-    return command.run_review(args, PARSER, launcher=fake)
+    return review_command.run_review(args, PARSER, launcher=fake)
 
 
 def summary(tmp_path, out: str = "review") -> dict:
@@ -181,7 +181,7 @@ def test_refs_that_do_not_name_two_commits_are_refused(
     root = repository[0]
     args = PARSER.parse_args(["review", "--repo", str(root), "--base", base, "--head", head,
                               "--out", str(tmp_path / "o")])  # fmt: skip
-    assert command.run_review(args, PARSER, launcher=FakeRun()) == 2
+    assert review_command.run_review(args, PARSER, launcher=FakeRun()) == 2
     assert message in capsys.readouterr().err
 
 
@@ -255,7 +255,7 @@ def test_each_ref_that_names_no_commit_is_refused_in_a_sentence(tmp_path, reposi
     args = PARSER.parse_args(["review", "--repo", str(root), "--base", "nosuchbase", "--head",
                               "nosuchhead", "--out", str(tmp_path / "o")])  # fmt: skip
     fake = FakeRun()
-    assert command.run_review(args, PARSER, launcher=fake) == 2
+    assert review_command.run_review(args, PARSER, launcher=fake) == 2
     said = capsys.readouterr().err.splitlines()
     assert said == [
         f"qwz-qualify review: refused: --base nosuchbase is not a commit in {root}",

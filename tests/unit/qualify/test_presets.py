@@ -11,7 +11,7 @@ from qwz.qualify import cli
 from qwz.qualify.base import presets
 from qwz.qualify.base.plan import Launch, RunPlan
 from qwz.qualify.base.values import POSITIVE_FINITE, setting
-from qwz.qualify.matrix import spec as matrix_spec
+from qwz.qualify.matrix import matrix_spec as matrix_spec
 from qwz.qualify.request import requirements, run_request, settings
 from qwz.qualify.run.workloads import get_workload
 from tests.extras import NEEDS_TRANSFORMERS

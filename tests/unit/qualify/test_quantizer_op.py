@@ -147,7 +147,7 @@ def test_a_conformance_row_the_runner_cannot_build_is_the_tables_error_not_a_ref
     as the subject's refusal of that row; a refusal of the subject's own stays one."""
     import json
 
-    from qwz.qualify.run import conformance
+    from qwz.qualify.run import conformance_run
 
     def refused_load(config, qwz_gather):
         quantizer_op.USAGE.count("refused")
@@ -158,16 +158,16 @@ def test_a_conformance_row_the_runner_cannot_build_is_the_tables_error_not_a_ref
 
     refused = quantizer_op.USAGE.refused
     try:
-        monkeypatch.setitem(conformance._PARSE, "qwz", own_refusal)
-        row = conformance.observe("qwz", "r", {"zero_optimization": {"stage": 2}}, True)
+        monkeypatch.setitem(conformance_run._PARSE, "qwz", own_refusal)
+        row = conformance_run.observe("qwz", "r", {"zero_optimization": {"stage": 2}}, True)
         assert row["observed"] == "refused" and "multiple of 8" in row["message"]
-        monkeypatch.setitem(conformance._PARSE, "qwz", refused_load)
-        with pytest.raises(conformance.RunnerCannot, match="cannot be built on this runner"):
-            conformance.observe("qwz", "r", {"zero_optimization": {"stage": 2}}, True)
-        monkeypatch.setattr(conformance, "_one_rank_world", lambda directory: None)
-        conformance.serve({"subject": "qwz", "rows": [{"row": "r", "config": {}}],
+        monkeypatch.setitem(conformance_run._PARSE, "qwz", refused_load)
+        with pytest.raises(conformance_run.RunnerCannot, match="cannot be built on this runner"):
+            conformance_run.observe("qwz", "r", {"zero_optimization": {"stage": 2}}, True)
+        monkeypatch.setattr(conformance_run, "_one_rank_world", lambda directory: None)
+        conformance_run.serve({"subject": "qwz", "rows": [{"row": "r", "config": {}}],
                            "qwz_gather": True})  # fmt: skip
-        said = json.loads(capsys.readouterr().out.split(conformance.MARKER, 1)[1])
+        said = json.loads(capsys.readouterr().out.split(conformance_run.MARKER, 1)[1])
         assert said["rows"] == [] and "cannot be built on this runner" in said["error"]
     finally:
         quantizer_op.USAGE.refused = refused

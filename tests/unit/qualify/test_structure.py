@@ -316,3 +316,13 @@ def test_the_size_check_finds_a_long_class_and_file_that_do_not_say_why(tmp_path
         f"qwz/long.py:2 class Long: {MAX_CLASS_LINES + 1} lines, not saying why",
         f"qwz/said.py:1 class Said: {MAX_CLASS_LINES + 2} lines",
     ]
+
+
+def test_no_two_harness_modules_share_a_file_name():
+    """One name per idea: a file name says which module it is anywhere in ``qualify/``."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE_DIR / "qualify").rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE_DIR.parent)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"file names used twice: {shared}"

@@ -14,7 +14,7 @@ accepts:
 ``accept`` or ``refuse``, or ``open`` where the text leaves it open; an open row is shown as
 context, never judged. The harness hands every row to the subject's own parser and, at stages
 1 and 2 where the parser accepted it, to the subject's own engine for a tiny model at world
-size 1 (qualify/run/conformance.py); the record keeps the outcome and the subject's message.
+size 1 (qualify/run/conformance_run.py); the record keeps the outcome and the subject's message.
 Where a refusal happens (parser or engine) is the implementation's choice: "rejected at
 optimizer initialization" is met as well by a config validator that refuses earlier.
 

@@ -19,7 +19,7 @@ import time
 from typing import Any, NamedTuple
 
 from qwz.qualify.base import exit_codes
-from qwz.qualify.bisect import history, oracle, result, search, state, trial, worktrees
+from qwz.qualify.bisect import first_parents, oracle, result, search, state, trial, worktrees
 from qwz.qualify.evidence import record as records
 from qwz.qualify.evidence.schema import Record, RecordError
 
@@ -140,14 +140,14 @@ def _resolve(options: Options) -> tuple[pathlib.Path, str, str]:
     them as given too: git moves refs/bisect/* as it goes, and the references of the oracle
     must stay the same commits for every step.)"""
     try:
-        repository = history.top_level(options.repository)
-    except history.GitError:
+        repository = first_parents.top_level(options.repository)
+    except first_parents.GitError:
         raise Refused(f"--repo {options.repository} is not a git repository") from None
     shas = []
     for flag, revision in (("--good", options.good), ("--bad", options.bad)):
         try:
-            shas.append(history.commit_sha(repository, revision))
-        except history.GitError:
+            shas.append(first_parents.commit_sha(repository, revision))
+        except first_parents.GitError:
             raise Refused(f"{flag} {revision} is not a commit in {repository}") from None
     return repository, shas[0], shas[1]
 
@@ -256,10 +256,10 @@ def run_bisect(options: Options) -> int:
     repository = pathlib.Path(request["repository"])
     summary = result.Summary(request, options.out, started)
     try:
-        commits = history.first_parent_range(repository, request["good"], request["bad"])
+        commits = first_parents.first_parent_range(repository, request["good"], request["bad"])
         judge_by = build_oracle(options, session, request["good"], request["bad"])
         answer = _walk(session, commits, judge_by)
-    except (Refused, history.GitError) as error:
+    except (Refused, first_parents.GitError) as error:
         return summary.write(session, "refused", str(error), REFUSED)
     except NothingToFind as error:
         return summary.write(session, "nothing to find", str(error), NOTHING)
@@ -277,8 +277,8 @@ def run_step(options: Options) -> int:
     try:
         request, session = _open(options)
         judge_by = build_oracle(options, session, request["good"], request["bad"])
-        sha = history.commit_sha(pathlib.Path(request["repository"]), "HEAD")
-    except (Refused, NothingToFind, history.GitError) as error:
+        sha = first_parents.commit_sha(pathlib.Path(request["repository"]), "HEAD")
+    except (Refused, NothingToFind, first_parents.GitError) as error:
         _refuse("bisect-step", f"{error} (exit {STEP_ABORT}: git aborts the bisect)")
         return STEP_ABORT
     judgement = session.judge(sha, judge_by)

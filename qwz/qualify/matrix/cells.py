@@ -53,7 +53,7 @@ from qwz.qualify.evidence import harness_error, unfinished
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.rejudge import rejudged, verdict_text
 from qwz.qualify.evidence.schema import Record, RecordError
-from qwz.qualify.matrix.spec import Cell, Declared, Spec
+from qwz.qualify.matrix.matrix_spec import Cell, Declared, Spec
 from qwz.qualify.request import run_request
 from qwz.qualify.request.run_request import RunRequest
 from qwz.qualify.review import matrix as table

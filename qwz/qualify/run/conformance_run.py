@@ -68,7 +68,7 @@ CHILD = (
     "import json, sys\n"
     "request = json.load(sys.stdin)\n"
     "sys.path[:] = request['sys_path']\n"
-    "from qwz.qualify.run.conformance import serve\n"
+    "from qwz.qualify.run.conformance_run import serve\n"
     "serve(request)\n"
 )
 

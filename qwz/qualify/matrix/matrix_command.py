@@ -15,8 +15,8 @@ import sys
 import time
 
 from qwz.qualify.base.files import writable_directory_problem
-from qwz.qualify.matrix import runner
-from qwz.qualify.matrix.spec import SpecError, load
+from qwz.qualify.matrix import cells
+from qwz.qualify.matrix.matrix_spec import SpecError, load
 
 
 def extra_arguments(args: argparse.Namespace) -> list[str]:
@@ -56,8 +56,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def progress(line: str) -> None:
         print(f"[qwz-qualify matrix {time.monotonic() - started:7.1f}s] {line}", file=sys.stderr)
 
-    matrix = runner.MatrixRun(spec, args.out, parser, tuple(extra))
+    matrix = cells.MatrixRun(spec, args.out, parser, tuple(extra))
     progress(f"{spec.name}: {len(spec.cells)} cells to run or resume into {args.out}")
-    status = runner.run_matrix(matrix, progress)
+    status = cells.run_matrix(matrix, progress)
     print(f"wrote {args.out / 'matrix.md'} and {args.out / 'matrix.json'}; exit status {status}")
     return status

@@ -17,15 +17,15 @@ from typing import Any
 
 from qwz.qualify.base.files import writable_directory_problem
 from qwz.qualify.base.supervise import Stop
-from qwz.qualify.bisect.history import GitError, commit_sha, top_level
+from qwz.qualify.bisect.first_parents import GitError, commit_sha, top_level
 from qwz.qualify.evidence.default_path import compare_default_path
 from qwz.qualify.evidence.schema import Record
 from qwz.qualify.pr_review import checkout, children, own_tests, request
-from qwz.qualify.review import own_tests as own_test_results
+from qwz.qualify.review import own_tests_section as own_test_results
 from qwz.qualify.review import pr_review
 from qwz.qualify.review.claims import claims_table
-from qwz.qualify.review.own_tests import OwnTests
-from qwz.qualify.review.own_tests import claim_rows as own_test_rows
+from qwz.qualify.review.own_tests_section import OwnTests
+from qwz.qualify.review.own_tests_section import claim_rows as own_test_rows
 from qwz.qualify.review.pr_review import REFUSED, Review, Side
 
 
