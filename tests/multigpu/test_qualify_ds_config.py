@@ -65,8 +65,8 @@ def deepspeed_adam(torch_adam: bool) -> dict:
     [
         (True, "torch.optim.adamw.AdamW"),
         # Nightly: DeepSpeed JIT-builds FusedAdam's CPU op for this test alone (one to two
-        # minutes on 2 cores). In CI, tests/unit/qualify/test_observers.py re-derives a fused
-        # Adam with float32 hyperparameters and test_ds_config.py reads its config.
+        # minutes on 2 cores). In CI, tests/unit/qualify/run/observers/test_observers.py re-derives
+        # a fused Adam with float32 hyperparameters and test_ds_config.py reads its config.
         pytest.param(False, "deepspeed.ops.adam.fused_adam.FusedAdam", marks=pytest.mark.nightly),
     ],
 )

@@ -2,7 +2,7 @@
 process behind ([Note: no orphaned ranks] in qwz/qualify/run/launch.py), and says how far the run
 got in ``interrupted.json``; a run that outlasts its ``--timeout`` ends TIMED-OUT naming the
 limit ([Note: unfinished runs] in qwz/qualify/evidence/unfinished.py). SIGINT takes the same
-path; its unit test is in tests/unit/qualify/test_run_preflight.py."""
+path; its unit test is in tests/unit/qualify/request/test_run_preflight.py."""
 
 from __future__ import annotations
 

@@ -326,3 +326,16 @@ def test_no_two_harness_modules_share_a_file_name():
             seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE_DIR.parent)))
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, f"file names used twice: {shared}"
+
+
+def test_the_unit_tests_mirror_the_package():
+    """tests/unit/qualify/ has a folder for a folder of ``qualify/`` only (its tests beside
+    the layer they test)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    package = PACKAGE_DIR / "qualify"
+    folders = {
+        path.relative_to(tests)
+        for path in tests.rglob("*")
+        if path.is_dir() and path.name not in ("golden", "__pycache__")
+    }
+    assert {folder for folder in folders if not (package / folder).is_dir()} == set()
