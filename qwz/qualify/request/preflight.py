@@ -244,11 +244,6 @@ def available_cores() -> int:
 
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux); None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    from qwz.qualify.evidence.machine import meminfo_bytes
+
+    return meminfo_bytes("MemAvailable")
