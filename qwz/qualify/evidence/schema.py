@@ -733,7 +733,7 @@ class Check(_Model):
         0,
         ge=0,
         description="The version of its family's rule that judged it ([Note: rule versions], "
-        "qualify/evidence/rules.py); 0: judged before rules were versioned (schema 2)",
+        "qualify/evidence/rules/); 0: judged before rules were versioned (schema 2)",
     )
 
     @property
