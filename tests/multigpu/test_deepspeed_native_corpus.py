@@ -274,6 +274,7 @@ request = run_request.resolve(cli.build_parser().parse_args(["run", *sys.argv[1:
 plan = dataclasses.replace(request.plan, arm_hook=sys.argv[-1])
 use_deepspeed_source(plan.deepspeed_src)
 observations = launch(qualify_rank, request.world_size, plan, timeout_s=900)[0]
+request.out.mkdir(parents=True, exist_ok=True)
 record.save(build.build_record(plan, observations), request.out / "record.json")
 """
 
