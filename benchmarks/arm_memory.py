@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from qwz.qualify.plan import RunPlan
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.run import runner
 from qwz.qualify.run.launch import LocalWorld
 from qwz.qualify.run.workloads import Workload

@@ -85,7 +85,7 @@ def _gather_rank(numel: int, group_size: int, repeats: int) -> dict[str, float]:
         quantize=True,
         group_size=group_size,
         element_size=2,
-        budget_bytes=BUCKET_ELEMENTS * 2,
+        bucket_bytes=BUCKET_ELEMENTS * 2,
     )
     staging, kernels = Staging(device), choose_kernels(None).kernels
     stock_rows = flat.view(world_size, shard_numel)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from qwz.qualify.plan import ArmSpec, RunPlan
+from qwz.qualify.base.plan import ArmSpec, RunPlan
 
 CORRECT = "correct"
 """The candidate without an injector."""

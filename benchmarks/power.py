@@ -5,7 +5,7 @@
 Every injector of benchmarks/injectors.py (gradient noise, late gradients, lost moments,
 a learning rate off) is run at its graded strengths, with the correct candidate beside
 them, under the ``default`` preset's 20-step qualification and the ``long`` preset
-(qualify/presets.py), on the same workload (``mlp-small``: the long preset's CPU
+(qualify/base/presets.py), on the same workload (``mlp-small``: the long preset's CPU
 workload, so the two columns differ in the horizon and the rule alone) over S seeds.
 Per (preset, seed) one run trains the reference and the calibration arm once and every
 candidate after them (injectors.PowerPlan); each candidate is judged by its own checks,
@@ -31,10 +31,10 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import injectors
+from qwz.qualify.base.plan import RunPlan
+from qwz.qualify.base.presets import PRESETS
 from qwz.qualify.evidence import build, checks, record
 from qwz.qualify.evidence.schema import Record
-from qwz.qualify.plan import RunPlan
-from qwz.qualify.presets import PRESETS
 from qwz.qualify.run.workloads import get_workload
 
 WORKLOAD = "mlp-small"

@@ -79,7 +79,7 @@ def _gather_once(device: torch.device, delayed: bool) -> torch.Tensor:
         quantize=True,
         group_size=group_size,
         element_size=2,
-        budget_bytes=1 << 40,
+        bucket_bytes=1 << 40,
         pipeline_numel=shard_numel // 8,
     )
     assert plan.num_buffers == 2 and len(plan.chunks) >= 4, plan
@@ -178,14 +178,14 @@ def _zeropp_case(op: Any, values: torch.Tensor, group_size: int, device: torch.d
 
 def zeropp_op(device: torch.device) -> tuple[bool | None, str]:
     """DeepSpeed's quantizer op (the PR's kernel) against the harness's CPU implementation of
-    it, element for element, on the edge cases of tests/unit/qualify/test_quantizer_op.py (an
+    it, element for element, on the edge cases of tests/unit/qualify/run/test_quantizer_op.py (an
     all-zero group, code ties, a positive and a negative absmax, fp16 subnormals) for fp16 and
     bf16 inputs and G = 8, 64, 8192. Holds when the judge accepts every element the kernel
     decodes as DeepSpeed's scheme ([Note: DeepSpeed's ZeRO++ scheme]); the elements where the
     two differ bit for bit are counted (fast math may move a near-tie)."""
     from qwz.qualify.evidence import contract
     from qwz.qualify.run.observers import own_shard
-    from tests.unit.qualify.test_quantizer_op import edge_cases
+    from tests.unit.qualify.run.test_quantizer_op import edge_cases
 
     try:
         op = _deepspeed_quantizer_op(device)

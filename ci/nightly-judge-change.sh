@@ -88,7 +88,7 @@ tree="$work/night1"
 git -C "$repo" worktree add --detach --force "$tree" HEAD >/dev/null
 trees+=("$tree")
 sed -i 's/^MARGIN_FACTOR = 3.0$/MARGIN_FACTOR = 3.5/; s/^@rule("learning", 1)$/@rule("learning", 2)/' \
-  "$tree/qwz/qualify/evidence/checks.py"
+  "$tree/qwz/qualify/evidence/rules/learning.py"
 (cd "$tree" && PYTHONPATH="$tree" python -m qwz.qualify.evidence.judge GOLDEN >/dev/null)
 commit_in "$tree" "judge: learning margin factor 3.5 (rule 2)"
 night night1
@@ -102,7 +102,7 @@ tree="$work/night1b"
 git -C "$work/night1" worktree add --detach --force "$tree" HEAD >/dev/null
 trees+=("$tree")
 sed -i 's/^MIN_REFERENCE_DROP = 0.02$/MIN_REFERENCE_DROP = 0.99/; s/^@rule("learning", 2)$/@rule("learning", 3)/' \
-  "$tree/qwz/qualify/evidence/checks.py"
+  "$tree/qwz/qualify/evidence/rules/learning.py"
 (cd "$tree" && PYTHONPATH="$tree" python -m qwz.qualify.evidence.judge GOLDEN >/dev/null)
 commit_in "$tree" "judge: the reference must learn 99% (rule 3)"
 night night1b

@@ -43,7 +43,7 @@ as before, by that one minimal chunk).
 So, for every plan::
 
     staging_bytes = num_buffers * world_size * max(row_bytes)
-                 <= max(budget_bytes, world_size * minimal_row_bytes)
+                 <= max(bucket_bytes, world_size * minimal_row_bytes)
 
 [Note: small parameters travel exactly]
 Parameters of at most ``preserve_numel`` elements (biases, norms, gates) are never
@@ -355,7 +355,7 @@ def plan_gather(
     quantize: bool,
     group_size: int | None,
     element_size: int,
-    budget_bytes: int,
+    bucket_bytes: int,
     exact_numel: int = 0,
     exact_runs: Sequence[Sequence[tuple[int, int]]] | None = None,
     pipeline_numel: int | None = None,
@@ -383,15 +383,15 @@ def plan_gather(
     pipeline_numel = PIPELINE_CHUNK_NUMEL if pipeline_numel is None else pipeline_numel
     fewest_chunks = min(most_chunks, max(1, ceil_div(source_numel, max(1, pipeline_numel))))
     for num_buffers in (2, 1):
-        buffer_budget = budget_bytes // num_buffers
+        buffer_bytes = bucket_bytes // num_buffers
         num_chunks = fewest_chunks
         while True:
             chunks = layout.chunks(num_chunks)
             needed = world_size * max((chunk.row.row_bytes for chunk in chunks), default=0)
-            if needed <= buffer_budget or num_chunks >= most_chunks:
+            if needed <= buffer_bytes or num_chunks >= most_chunks:
                 break
-            grown = ceil_div(num_chunks * needed, max(buffer_budget, 1))
+            grown = ceil_div(num_chunks * needed, max(buffer_bytes, 1))
             num_chunks = min(most_chunks, max(num_chunks + 1, grown))
-        if needed <= buffer_budget:
+        if needed <= buffer_bytes:
             return GatherPlan(world_size, quantize, group_size, source_numel, chunks, num_buffers)
     return GatherPlan(world_size, quantize, group_size, source_numel, chunks, 1)

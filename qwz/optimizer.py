@@ -1,5 +1,8 @@
 """ZeroOptimizer: ZeRO-1/2 data parallelism with a bounded, quantized weight all-gather.
 
+This file is longer than 600 lines because it is the optimizer and its design document: the
+design below, then the one class that implements it (its size says why on the class).
+
 Design
 ======
 
@@ -283,7 +286,12 @@ def choose_norm(fused_norm: bool, device: torch.device) -> bool:
 
 
 class ZeroOptimizer:
-    """ZeRO-1/2 over `named_params` (all of one working dtype); see the module docstring."""
+    """ZeRO-1/2 over `named_params` (all of one working dtype); see the module docstring.
+
+    This class is longer than 150 lines because its phases -- reduce, step, gather, and the
+    state they share (the regions, the masters, the chunk plan) -- read as one design, top
+    to bottom with the module docstring; the math and the collectives are quant.py's and
+    collectives.py's."""
 
     def __init__(
         self,
@@ -427,7 +435,7 @@ class ZeroOptimizer:
             # shard alignment, is too); the exact region alone moves element by element.
             group_size=self.group_size if main.name == "quantized" else None,
             element_size=main.working.element_size(),
-            budget_bytes=self.gather.bucket_size * torch.finfo(self.dtype).bits // 8,
+            bucket_bytes=self.gather.bucket_size * torch.finfo(self.dtype).bits // 8,
             exact_numel=0 if exact is None else exact.layout.shard_numel,
         )
 

@@ -58,8 +58,9 @@ class GatherPolicy:
     """Parameters of at most this many elements travel exactly, in the exact region
     ([Note: small parameters travel exactly], layout.py)."""
     bucket_size: int
-    """``allgather_bucket_size``: elements of the working dtype that both staging buffers
-    together stay within ([Note: staging bound], layout.py)."""
+    """``allgather_bucket_size`` (DeepSpeed's key, config.py): elements of the working dtype
+    that both staging buffers together stay within ([Note: staging bound], layout.py, which
+    plans with it in bytes: ``bucket_bytes``, each buffer's half ``buffer_bytes``)."""
     shard_alignment: int | None = None
     """The quantized region's shards are whole multiples of this many elements
     ([Note: padding rule], layout.py); None: the group size."""
@@ -88,7 +89,8 @@ class ReducePolicy:
     """The gradient reduction (phase 1 of optimizer.py's docstring)."""
 
     bucket_size: int
-    """``reduce_bucket_size``: elements per reduction collective."""
+    """``reduce_bucket_size`` (DeepSpeed's key, config.py): elements per reduction collective
+    (collectives.py's ``bucket_numel``)."""
     dtype: torch.dtype | None = None
     """Dtype of the gradient collectives; None: the working dtype."""
     accumulate_dtype: torch.dtype = torch.float32

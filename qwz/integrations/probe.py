@@ -286,6 +286,9 @@ def _group_of_backend(backend: Any) -> Any:
 class WireProbe:
     """``with WireProbe() as probe: ...`` then ``probe.bytes["gather"]``, ``probe.traffic``.
 
+    This class is longer than 150 lines because every entry point it counts (a method each)
+    feeds one account, which must see them all to be complete.
+
     See [Note: wire accounting below every entry point]. ``bytes`` and ``calls`` are per kind
     (bytes sent); ``received`` per kind too. ``traffic[kind][group]`` is a :class:`Traffic`
     per process group keyed by its global ranks. ``gather_bytes_by_group`` and

@@ -287,10 +287,10 @@ def bucket_ignored(arm, engine, plan):
     """The gather ignores ``allgather_bucket_size``: the arm is built as the runner builds it
     but for a bucket that holds everything, so each rank's whole partition travels in one
     collective (the same weights, the same reductions: only the staging differs)."""
-    from qwz.qualify.run import runner
+    from qwz.qualify.run import arm_run
 
     unbounded = dataclasses.replace(arm, allgather_bucket_size=UNBOUNDED_BUCKET)
-    return runner._build(dataclasses.replace(plan, arm_hook=None), unbounded)
+    return arm_run.build(dataclasses.replace(plan, arm_hook=None), unbounded)
 
 
 def _chunk_edges(engine) -> list[tuple[torch.Tensor, list[int]]]:

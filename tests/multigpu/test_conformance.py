@@ -1,5 +1,5 @@
 """The PR's config rules through real subjects' own parsers and engines
-(qualify/run/conformance.py ``run_table``, one subprocess per table, as ``qwz-qualify run``
+(qualify/run/conformance_run.py ``run_table``, one subprocess per table, as ``qwz-qualify run``
 runs it), judged by ``conformance`` ([Note: the PR's config rules]).
 
 DeepSpeed's own code comes from the branches of the worker's one checkout of the installed
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from qwz.qualify.evidence import conformance
-from qwz.qualify.run.conformance import run_table
+from qwz.qualify.evidence.rules import conformance
+from qwz.qualify.run.conformance_run import run_table
 from tests.deepspeed_checkout import CONFORMANCE_BROKEN, use_variant
 from tests.unit.records import make_record
 

@@ -275,7 +275,7 @@ def test_plan_of_a_small_parameter_straddling_two_partitions():
         process_group=None,
         group_size=8,
         preserve_numel=9,
-        budget_bytes=2 * 3 * (2 * quantized_unit_bytes(8) + 10 * 2),
+        bucket_bytes=2 * 3 * (2 * quantized_unit_bytes(8) + 10 * 2),
         element_size=2,
     )
     assert [p.tolist() for p in plan.exact_positions] == [[], [4, 5, 6, 7, 8, 9], list(range(10))]
@@ -493,7 +493,7 @@ def test_group_sizes_64_and_8192_differ_and_every_rank_reports_its_own(ds_worlds
 def test_staging_bound_respected(ds_worlds, world_size, bucket):
     group_size = 64
     results = _train(ds_worlds, world_size, steps=2, stage=2, group_size=group_size, bucket=bucket)
-    budget_bytes = int(bucket) * BF16_BYTES
+    bucket_bytes = int(bucket) * BF16_BYTES
     # [Note: staging bound]: at least one group per rank, plus the exact elements inside it
     # (at most a group's worth of bf16), the row padded to 4 bytes ([Note: wire row]).
     one_group = world_size * quantized_unit_bytes(group_size)
@@ -503,7 +503,7 @@ def test_staging_bound_respected(ds_worlds, world_size, bucket):
         assert result["allgather_bucket_size"] == int(bucket)
         for check in result["checks"]:
             largest = check["largest_gather_output_bytes"]
-            assert largest <= max(budget_bytes, minimum_bytes), (rank, largest, budget_bytes)
+            assert largest <= max(bucket_bytes, minimum_bytes), (rank, largest, bucket_bytes)
             if bucket == 64:  # the one-group-per-rank minimum, by design
                 assert one_group <= largest <= minimum_bytes
             if bucket == 5e8:

@@ -264,17 +264,18 @@ def test_without_the_cpu_implementation_a_cuda_only_pr_cannot_run_here(checkout,
 
 PLANTED = """
 import dataclasses, pathlib, sys
-from qwz.qualify import cli, preflight
+from qwz.qualify import cli
 from qwz.qualify.evidence import build, record
+from qwz.qualify.request import run_request
 from qwz.qualify.run.launch import launch
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.subjects import use_deepspeed_source
-args = cli.build_parser().parse_args(["run", *sys.argv[1:-1]])
-plan = dataclasses.replace(preflight.plan_of(args), arm_hook=sys.argv[-1])
+request = run_request.resolve(cli.build_parser().parse_args(["run", *sys.argv[1:-1]]))
+plan = dataclasses.replace(request.plan, arm_hook=sys.argv[-1])
 use_deepspeed_source(plan.deepspeed_src)
-observations = launch(qualify_rank, args.world_size, plan, timeout_s=900)[0]
-pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-record.save(build.build_record(plan, observations), pathlib.Path(args.out) / "record.json")
+observations = launch(qualify_rank, request.world_size, plan, timeout_s=900)[0]
+request.out.mkdir(parents=True, exist_ok=True)
+record.save(build.build_record(plan, observations), request.out / "record.json")
 """
 
 

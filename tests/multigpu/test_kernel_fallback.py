@@ -1,7 +1,7 @@
 """A fused-kernel self-test that fails on one rank (a GPU whose compile fails, forced here
 on the CPU) makes every rank run the eager kernels, and the record and the report name the
 fallback and the failing rank's reason on every rank, instead of an error that ends the
-run ([Note: fused kernels checked before a run], qwz/qualify/kernel_check.py;
+run ([Note: fused kernels checked before a run], qwz/qualify/request/kernel_check.py;
 collectives.agree_on_kernels)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from qwz.kernels import choice
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.review import report
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload

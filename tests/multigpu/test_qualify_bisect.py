@@ -119,7 +119,7 @@ def _bisect_args(root: pathlib.Path, shas: list[str], *flags: str) -> list[str]:
     ]
 
 
-# Nightly: three to four minutes on 2 cores. In CI, tests/unit/qualify/test_bisect.py kills,
+# Nightly: three to four minutes on 2 cores. In CI, tests/unit/qualify/bisect/test_bisect.py kills,
 # resumes and skips over fake trials, and the `git bisect run` test below qualifies real commits.
 @pytest.mark.nightly
 def test_a_killed_check_bisect_resumes_skips_the_broken_import_and_names_the_commit(history):

@@ -3,7 +3,7 @@ qwz/qualify/run/chunked_arm.py; [Note: the staging bound], qwz/qualify/evidence/
 
 The plan is the default qualification's at CI size (the ``mlp`` workload, four steps, no speed
 blocks, the run's default bucket of 5e8, which holds each rank's partition in one chunk) with
-the chunked arm the CLI adds (``preflight.plan_of`` sizes it with the same function). Each
+the chunked arm the CLI adds (``run_request.resolve`` sizes it with the same function). Each
 mutant of ``mutants.CHUNKED_KILLED_BY`` is wrong only where a gather chunks: it must FAIL
 naming its check on the chunked arm, while the arm with the run's own bucket -- the same code --
 passes that check; the correct candidate PASSes with ``bounded`` carrying evidence on both.
@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.chunked_arm import chunked_bucket
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload

@@ -182,11 +182,11 @@ def test_a_reference_that_does_not_learn_is_inconclusive_exit_3(tmp_path):
 
 
 def test_one_rank_has_nothing_to_gather_and_says_so(tmp_path):
-    """[Note: one rank] (qualify/evidence/checks.py): nothing is quantized or sent, so the
+    """[Note: one rank] (qualify/evidence/rules/in_effect.py): nothing is quantized or sent, so the
     quantized gather is untested and the run is INCONCLUSIVE (exit 3), with no check failed:
     the one-rank gather copies exactly and the spec says exact there (own-shard passes).
     Known before it starts, so run refuses it unless --allow-one-rank (the refusal:
-    tests/unit/qualify/test_run_preflight.py)."""
+    tests/unit/qualify/request/test_run_preflight.py)."""
     args = list(SMALL_RUN)
     args[args.index("--world-size") + 1] = "1"
     done = _cli("run", "--out", str(tmp_path / "one"), *args, "--allow-one-rank")

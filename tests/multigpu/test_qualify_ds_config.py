@@ -1,5 +1,5 @@
 """End to end: ``qwz-qualify run --ds-config FILE`` ([Note: the user's DeepSpeed config],
-qwz/qualify/ds_config.py) on 2 spawned ranks, the tiny ``mlp`` workload, 4 steps, no speed
+qwz/qualify/request/ds_config.py) on 2 spawned ranks, the tiny ``mlp`` workload, 4 steps, no speed
 blocks: each arm's recorded config carries exactly the file's optimizer, buckets and
 clipping, the update check re-derives the Adam the file asks for (DeepSpeed's FusedAdam
 included: [Note: float32 hyperparameters]) and the run PASSes; an optimizer the check does
@@ -65,8 +65,8 @@ def deepspeed_adam(torch_adam: bool) -> dict:
     [
         (True, "torch.optim.adamw.AdamW"),
         # Nightly: DeepSpeed JIT-builds FusedAdam's CPU op for this test alone (one to two
-        # minutes on 2 cores). In CI, tests/unit/qualify/test_observers.py re-derives a fused
-        # Adam with float32 hyperparameters and test_ds_config.py reads its config.
+        # minutes on 2 cores). In CI, tests/unit/qualify/run/observers/test_observers.py re-derives
+        # a fused Adam with float32 hyperparameters and test_ds_config.py reads its config.
         pytest.param(False, "deepspeed.ops.adam.fused_adam.FusedAdam", marks=pytest.mark.nightly),
     ],
 )

@@ -1,5 +1,5 @@
 """fp16 qualification on two real ranks: overflow-skipped steps are legitimate, broken
-candidates are not ([Note: overflow pattern], qwz/qualify/evidence/loss_scaling.py).
+candidates are not ([Note: overflow pattern], qwz/qualify/evidence/rules/overflow_pattern.py).
 
 The plan starts the loss scale high (2**18 on the mlp workload: its first two steps
 overflow, one spending the hysteresis, one halving the scale) with a short window (3), so
@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload
 

@@ -1,6 +1,6 @@
 """The ``long`` preset end to end, shortened (``--steps 60``): the preset's workload, the
 held-out loss of every batch, and the non-inferiority rule deciding ``learning``
-([Note: non-inferiority over the horizon], qwz/qualify/evidence/horizon.py).
+([Note: non-inferiority over the horizon], qwz/qualify/evidence/rules/horizon.py).
 
 The full preset (2,000 steps) is what ``benchmarks/power.py`` measures; here the horizon
 is cut to 60 steps, evaluated every 10, so the window (steps 40-60) has 3 evaluations.
@@ -13,9 +13,9 @@ import os
 
 import pytest
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
 from qwz.qualify.evidence import record as records
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload
 from tests import warm_python

@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="the moe-tiny workload needs DeepSpeed's MoE layer")
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload
 

@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.review import report
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import Workload, get_workload

@@ -171,8 +171,9 @@ def test_the_proposal_with_its_own_test_broken_fails_naming_it(repository, workt
     assert [run["status"] for run in summary["runs"]] == ["PASS", "PASS"]
 
 
-# Nightly: three to seven minutes on 2 cores. In CI, tests/unit/qualify/test_default_path.py
-# judges two records that differ at one step and parameter, test_pr_review.py the claim row.
+# Nightly: three to seven minutes on 2 cores. In CI,
+# tests/unit/qualify/evidence/test_default_path.py judges two records that differ at one step and
+# parameter, test_pr_review.py the claim row.
 @pytest.mark.nightly
 def test_a_head_that_changes_the_default_path_fails_that_claim(repository, worktree, tmp_path):
     """Gradients rescaled when the key is off, from step 2 on: the head's own run passes every
@@ -194,7 +195,7 @@ def test_a_head_that_changes_the_default_path_fails_that_claim(repository, workt
 
 # Nightly: one to three minutes on 2 cores. In CI the corpus's broken_bucket_ignored fails
 # `bounded` in the default qualification (test_deepspeed_native_corpus.py) and
-# tests/unit/qualify/test_claims.py fails a claim whose check fails.
+# tests/unit/qualify/review/test_claims.py fails a claim whose check fails.
 @pytest.mark.nightly
 def test_a_head_that_gathers_a_whole_partition_at_once_fails_bounded(
     repository, worktree, tmp_path

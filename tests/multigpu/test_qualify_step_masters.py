@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from qwz.qualify.base.plan import RunPlan
 from qwz.qualify.evidence import build as evidence
-from qwz.qualify.plan import RunPlan
 from qwz.qualify.run.runner import qualify_rank
 from qwz.qualify.run.workloads import get_workload
 

@@ -1,7 +1,7 @@
 """A rank that fails on its own never hangs the others, and the record names it
 ([Note: failures] in qwz/qualify/run/runner.py, [Note: the rank that failed first] in
-qwz/qualify/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with exit 1
-and a FAIL record naming the rank, the arm, the last completed step and the exception or
+qwz/qualify/base/rank_reports.py): ``qwz-qualify run`` ends within seconds of the failure with
+exit 1 and a FAIL record naming the rank, the arm, the last completed step and the exception or
 signal; the arms every rank finished are judged, the ones after are "not run"."""
 
 from __future__ import annotations
@@ -57,12 +57,26 @@ def raise_on_rank_1_at_step_3(arm, engine, plan):
     return engine
 
 
+def with_hook() -> None:
+    """This process's ``run`` resolves its request with the plan's arm_hook set (the CLI has
+    no flag for the seam)."""
+    from qwz.qualify.request import run_request
+
+    resolve = run_request.resolve
+
+    def resolve_with_hook(args):
+        request = resolve(args)
+        plan = dataclasses.replace(request.plan, arm_hook=HOOK)
+        return dataclasses.replace(request, plan=plan)
+
+    run_request.resolve = resolve_with_hook
+
+
 def _cli_with_hook(out: pathlib.Path) -> list[str]:
     """`qwz-qualify run` with the plan's arm_hook set (the CLI has no flag for the seam)."""
     code = (
-        "import dataclasses, sys; from qwz.qualify import cli, preflight; "
-        "plan = preflight.plan_of; "
-        f"preflight.plan_of = lambda args: dataclasses.replace(plan(args), arm_hook={HOOK!r}); "
+        "import sys; from qwz.qualify import cli; "
+        "from tests.multigpu.test_run_crash import with_hook; with_hook(); "
         f"sys.exit(cli.main(['run', '--out', {str(out)!r}, *{RUN!r}]))"
     )
     return [sys.executable, "-c", code]
@@ -103,8 +117,8 @@ def test_an_exception_on_one_rank_ends_the_run_and_the_record_names_it(tmp_path)
 
 
 def test_an_exception_under_torchrun_writes_the_record_a_local_run_would(tmp_path):
-    """[Note: a crash under torchrun] (qwz/qualify/cli.py): torchrun starts the ranks, so no
-    launcher of qwz's reads their reports; the rank that fails writes the record, naming the
+    """[Note: a crash under torchrun] (qwz/qualify/run/torchrun.py): torchrun starts the ranks, so
+    no launcher of qwz's reads their reports; the rank that fails writes the record, naming the
     rank, the arm and the step, and keeps the arms every rank finished."""
     out = tmp_path / "out"
     at = RUN.index("--world-size")  # torchrun's world instead
@@ -217,8 +231,7 @@ def test_a_killed_rank_is_named_with_its_signal_arm_and_last_step(tmp_path):
 
 
 if __name__ == "__main__":  # one rank under torchrun: `qwz-qualify <argv>` with the hook set
-    from qwz.qualify import cli, preflight
+    from qwz.qualify import cli
 
-    plan_of = preflight.plan_of
-    preflight.plan_of = lambda args: dataclasses.replace(plan_of(args), arm_hook=HOOK)
+    with_hook()
     sys.exit(cli.main(sys.argv[1:]))

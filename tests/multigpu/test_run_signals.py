@@ -2,7 +2,7 @@
 process behind ([Note: no orphaned ranks] in qwz/qualify/run/launch.py), and says how far the run
 got in ``interrupted.json``; a run that outlasts its ``--timeout`` ends TIMED-OUT naming the
 limit ([Note: unfinished runs] in qwz/qualify/evidence/unfinished.py). SIGINT takes the same
-path; its unit test is in tests/unit/test_run_preflight.py."""
+path; its unit test is in tests/unit/qualify/request/test_run_preflight.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ LONG_RUN = [
     "--warmup-steps", "0", "--world-size", "2", "--kernels", "eager", "--timeout", "86400",
 ]  # fmt: skip
 """Stopped long before its end; a limit it could meet, else it is refused before it starts
-([Note: the time floor] in qwz/qualify/time_floor.py)."""
+([Note: the time floor] in qwz/qualify/request/time_floor.py)."""
 
 
 def _descendants(root: int) -> set[int]:
@@ -109,7 +109,7 @@ def test_a_run_that_outlasts_its_timeout_ends_timed_out_naming_the_limit(tmp_pat
     record (before: exit 1, ``FAIL: finite[reference]``, "a hang or a deadlock"). The time
     floor is emptied so that a 3 s limit is not refused before the ranks start."""
     code = (
-        "import sys; from qwz.qualify import cli, time_floor; "
+        "import sys; from qwz.qualify import cli; from qwz.qualify.request import time_floor; "
         "time_floor.CPU_STEP_FLOOR_S.clear(); sys.exit(cli.main(sys.argv[1:]))"
     )
     out = tmp_path / "out"

@@ -19,7 +19,8 @@ import math
 import pathlib
 from typing import Any
 
-from qwz.qualify.evidence import checks, schema, seal
+from qwz.qualify.evidence import schema, seal
+from qwz.qualify.evidence.rules import speed
 
 REFERENCE = "reference"
 CALIBRATION = "calibration-g64"
@@ -114,7 +115,7 @@ def make_performance(
         "arm": CANDIDATE,
         "block_steps": 5,
         "warmup_steps": 3,
-        **checks.summarize_blocks(_blocks(speed_scale, jitter)),
+        **speed.summarize_blocks(_blocks(speed_scale, jitter)),
         "memory": _memory(CANDIDATE),
     }
 

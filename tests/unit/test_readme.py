@@ -289,7 +289,7 @@ def test_the_check_refuses_a_command_that_drifted(command):
 
 def test_every_matrix_spec_a_page_shows_loads(tmp_path):
     """A ```toml block is a matrix spec (docs/matrix.md): the spec loader takes it."""
-    from qwz.qualify.matrix import spec
+    from qwz.qualify.matrix import matrix_spec
 
     blocks = [
         block
@@ -298,4 +298,4 @@ def test_every_matrix_spec_a_page_shows_loads(tmp_path):
     ]
     assert blocks
     for block in blocks:
-        assert spec.parse(block, tmp_path / "example.toml").cells
+        assert matrix_spec.parse(block, tmp_path / "example.toml").cells

@@ -429,9 +429,9 @@ def test_nightly_script_refuses_to_run_unsigned(tmp_path):
 
 def test_the_nightly_runs_a_matrix_spec_that_loads_and_gates_it_cell_by_cell():
     """The workflow names a spec for the scheduled night and for a DeepSpeed ref, each
-    exists and loads (qwz/qualify/matrix/spec.py) with the subject its mode qualifies, and
+    exists and loads (qwz/qualify/matrix/matrix_spec.py) with the subject its mode qualifies, and
     ci/nightly.sh runs the matrix and compares the matrix directories, not a stage loop."""
-    from qwz.qualify.matrix.spec import load as load_spec
+    from qwz.qualify.matrix.matrix_spec import load as load_spec
 
     nightly = load(ROOT / ".github" / "workflows" / "nightly.yml")
     steps = nightly["jobs"]["requalify"]["steps"]

@@ -159,7 +159,7 @@ def plan_flat_group(
     process_group: Any,
     group_size: int,
     preserve_numel: int,
-    budget_bytes: int,
+    bucket_bytes: int,
     element_size: int,
     device: torch.device | str = "cpu",
 ) -> FlatGroupPlan:
@@ -173,7 +173,7 @@ def plan_flat_group(
         quantize=has_large,
         group_size=group_size if has_large else None,
         element_size=element_size,
-        budget_bytes=budget_bytes,
+        bucket_bytes=bucket_bytes,
         exact_runs=runs if has_large else None,
     )
     masked = (
@@ -222,7 +222,7 @@ def plan_optimizer(optimizer: Any, requested: QuantizedWeights) -> list[FlatGrou
                 process_group=process_group,
                 group_size=requested.group_size,
                 preserve_numel=requested.preserve_numel,
-                budget_bytes=int(optimizer.allgather_bucket_size) * flat.element_size(),
+                bucket_bytes=int(optimizer.allgather_bucket_size) * flat.element_size(),
                 element_size=flat.element_size(),
                 device=flat.device,
             )

@@ -2,12 +2,12 @@
 
 The qualification is the oracle of a binary search over the first-parent history between a
 good and a bad commit (``git bisect`` semantics: a commit that cannot be judged is skipped).
-One file per job: ``history`` (git: the commits, their subjects and diff stats),
+One file per job: ``first_parents`` (git: the commits, their subjects and diff stats),
 ``worktrees`` (each commit checked out under the bisect's directory, made importable, set
 up), ``trial`` (one qualification of one commit, as a subprocess), ``oracle`` (good, bad or
 skip from a record), ``search`` (the next commit to test, and the answer), ``state`` (the
 request and every attempt on disk, so a bisect resumes), ``result`` (bisect.json and
-bisect.md) and ``command`` (the two commands, ``bisect`` and ``bisect-step``).
+bisect.md) and ``bisect_command`` (the two commands, ``bisect`` and ``bisect-step``).
 
 [Note: the judge is the bisecting head's]
   Every commit is qualified by the same harness: the ``qwz/qualify`` package of the qwz that

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from qwz.qualify.evidence.checks import summarize_blocks
 from qwz.qualify.evidence.rejudge import rejudged
+from qwz.qualify.evidence.rules.speed import summarize_blocks
 from qwz.qualify.evidence.schema import Record
 
 CHECK_FAMILIES = (

@@ -10,12 +10,12 @@ import sys
 import time
 from typing import Any
 
-from qwz.qualify.bisect import history
-from qwz.qualify.files import atomic_write_text
+from qwz.qualify.base.files import atomic_write_text
+from qwz.qualify.bisect import first_parents
 
 
 def _commit(repository: pathlib.Path, sha: str) -> dict[str, str]:
-    return {"sha": sha, "subject": history.subject_line(repository, sha)}
+    return {"sha": sha, "subject": first_parents.subject_line(repository, sha)}
 
 
 class Summary:
@@ -31,7 +31,7 @@ class Summary:
     def found(self, sha: str) -> None:
         self.first_bad = {
             **_commit(self.repository, sha),
-            "diff_stat": history.diff_stat(self.repository, sha),
+            "diff_stat": first_parents.diff_stat(self.repository, sha),
         }
         self.candidates = [_commit(self.repository, sha)]
 

@@ -16,7 +16,7 @@ import pathlib
 from typing import Any, NamedTuple
 
 from qwz import jsonio
-from qwz.qualify.files import atomic_write_text
+from qwz.qualify.base.files import atomic_write_text
 
 REQUEST_KEYS = ("repository", "good", "bad", "subject", "run_args", "setup", "harness_digest")
 """What a resumed bisect must share with the one that made the directory (the oracle is not

@@ -10,7 +10,7 @@ for a DeepSpeed subject the bisecting qwz is, with ``--deepspeed-src <worktree>`
   SIGINT or SIGTERM to the bisect is passed on to the run (which stops every rank and writes
   nothing, qwz/qualify/run/launch.py [Note: no orphaned ranks]) and, once it has exited, ends the
   bisect with :class:`qwz.qualify.run.launch.Interrupted` ([Note: supervising a run],
-  qualify/supervise.py, which the matrix shares). Nothing is removed: the attempt keeps no
+  qualify/base/supervise.py, which the matrix shares). Nothing is removed: the attempt keeps no
   outcome, so a resumed bisect runs it again, and every finished attempt stays as it was.
 """
 
@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from qwz.qualify import supervise
+from qwz.qualify.base import supervise
 from qwz.qualify.bisect import worktrees
 from qwz.qualify.bisect.state import Attempt
 from qwz.qualify.evidence import harness_error

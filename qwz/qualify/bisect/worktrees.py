@@ -9,7 +9,7 @@ import hashlib
 import pathlib
 import shutil
 
-from qwz.qualify.bisect.history import GitError, git
+from qwz.qualify.bisect.first_parents import GitError, git
 
 HARNESS_PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 """``qwz/qualify`` of the qwz running the bisect: the harness every commit is judged by."""

@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from qwz.qualify.evidence import checks as derived
+from qwz.qualify.base.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
+from qwz.qualify.base.rank_reports import RankEnd
 from qwz.qualify.evidence import ledger, provenance
 from qwz.qualify.evidence.observation import ArmObservation
 from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of
+from qwz.qualify.evidence.rules.identical_replicas import arm_final_hash
+from qwz.qualify.evidence.rules.speed import summarize_blocks
 from qwz.qualify.evidence.schema import SCHEMA_VERSION, Environment, Head, Record, Subject
 from qwz.qualify.evidence.seal import seal
 from qwz.qualify.evidence.tolerance import master_drift_bound
-from qwz.qualify.plan import CALIBRATION, REFERENCE, RunPlan, plan_dict
-from qwz.qualify.rank_reports import RankEnd
 
 LEDGER_LEAVES_OUT = ("role", "allgather_bucket_size")
 """Arm fields the ledger's key leaves out: the role, and the bucket its config already holds."""
@@ -289,7 +290,7 @@ def _performance(plan: RunPlan, name: str, blocks: list[dict], memory: list[dict
         "arm": name,
         "block_steps": plan.block_steps,
         "warmup_steps": plan.warmup_steps,
-        **derived.summarize_blocks(raw),
+        **summarize_blocks(raw),
         "memory": [item for item in memory if item["arm"] == name],
     }
 
@@ -331,7 +332,7 @@ def _sections(
             sections["drift"].append(_drift(plan, name, lead))
         per_rank = [item.final_hash for item in ranks]
         sets = _replica_sets(ranks)
-        final_hash = derived.arm_final_hash(per_rank, [item["hashes"] for item in sets])
+        final_hash = arm_final_hash(per_rank, [item["hashes"] for item in sets])
         ledger_fields = _ledger_fields(plan, ledger_dir, code, environment, arm, final_hash)
         sections["hashes"].append(
             {"arm": name, "per_rank": per_rank, "divergence": lead.replica_divergence}
@@ -366,7 +367,7 @@ def build_record(
     """Assemble the raw observations of every rank, derive the checks, seal the record;
     `invocation`: how the run was started ([Note: reproduce], qualify/evidence/machine.py);
     `conformance`: the PR's config rules as the subject took them ([Note: conformance run],
-    qualify/run/conformance.py), None where the run did not put them to it."""
+    qualify/run/conformance_run.py), None where the run did not put them to it."""
     first = observations[0]
     environment = Environment(**first["environment"])
     arms = _arms(plan)

@@ -6,7 +6,7 @@ A check judges the subject; a run in which the harness itself could not read the
 capability] in qwz/integrations/deepspeed/structure.py) has no evidence about the subject
 either way, so it must not end FAIL (a subject's verdict) nor become a crash record whose
 checks blame the arms. Such a run ends ``HARNESS-ERROR`` with its own exit code,
-:data:`HARNESS_ERROR_EXIT` ([Note: exit statuses] in qualify/exit_codes.py), and
+:data:`HARNESS_ERROR_EXIT` ([Note: exit statuses] in qualify/base/exit_codes.py), and
 instead of a record writes ``harness-error.json`` in ``--out``: what the harness needed (the
 error's message), the rank and where it was, and the subject's identity -- its version
 (a checkout's real one) and commit -- beside the harness's own head. A stale ``record.json``
@@ -31,8 +31,8 @@ import json
 import pathlib
 from typing import Any
 
-from qwz.qualify import exit_codes
-from qwz.qualify.rank_reports import RankEnd
+from qwz.qualify.base import exit_codes
+from qwz.qualify.base.rank_reports import RankEnd
 
 HARNESS_ERROR = "HARNESS-ERROR"
 HARNESS_ERROR_EXIT = exit_codes.HARNESS_ERROR
@@ -102,7 +102,7 @@ def report(
 
 def write(out: pathlib.Path, content: dict) -> pathlib.Path:
     """Write `content` as ``out/harness-error.json``; remove a stale record and report."""
-    from qwz.qualify.files import atomic_write_text
+    from qwz.qualify.base.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("record.json", "report.md"):

@@ -28,7 +28,7 @@ from importlib import metadata
 from typing import Any
 
 import qwz
-from qwz.qualify.evidence import checks  # noqa: F401  (registers every @rule)
+from qwz.qualify.evidence import checks  # noqa: F401  (registers every @rule
 from qwz.qualify.evidence.rules import RULES, SPEED
 from qwz.qualify.evidence.schema import Judge
 
@@ -38,7 +38,7 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
     "finite": (),
     "step1-exact": (),
     "update": (),
-    "overflow-pattern": ("loss_scaling.SCALE_FACTOR", "loss_scaling.DEFAULTS"),
+    "overflow-pattern": ("rules.overflow_pattern.SCALE_FACTOR", "rules.overflow_pattern.DEFAULTS"),
     "own-shard": (
         "spec.CODE_MAX",
         "spec.MIN_SCALE",
@@ -59,9 +59,9 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "spec.SCALE_BYTES",
         "spec.CODE_BYTES",
         "spec.EXACT_MAX_NUMEL",
-        "checks.ALIGNMENT_BYTES",
-        "checks.EXACT_SIDE_CHANNEL_BYTES",
-        "checks.ROW_SLACK_BYTES",
+        "wire.ALIGNMENT_BYTES",
+        "wire.EXACT_SIDE_CHANNEL_BYTES",
+        "wire.ROW_SLACK_BYTES",
     ),
     "in-effect": (),
     "bounded": (
@@ -75,20 +75,20 @@ CONSTANTS: dict[str, tuple[str, ...]] = {
         "staging.MEMORY_KINDS_JUDGED",
     ),
     "learning": (
-        "checks.MIN_REFERENCE_DROP",
-        "checks.MARGIN_FACTOR",
-        "checks.MARGIN_FLOOR",
-        "horizon.WINDOW_SHARE",
-        "horizon.MIN_WINDOW_EVALUATIONS",
-        "horizon.MIN_BATCHES",
-        "horizon.CONFIDENCE",
-        "horizon.MARGIN_FACTOR",
-        "horizon.MARGIN_FLOOR",
+        "rules.learning.MIN_REFERENCE_DROP",
+        "rules.learning.MARGIN_FACTOR",
+        "rules.learning.MARGIN_FLOOR",
+        "rules.horizon.WINDOW_SHARE",
+        "rules.horizon.MIN_WINDOW_EVALUATIONS",
+        "rules.horizon.MIN_BATCHES",
+        "rules.horizon.CONFIDENCE",
+        "rules.horizon.MARGIN_FACTOR",
+        "rules.horizon.MARGIN_FLOOR",
     ),
-    "speedup": ("checks.MIN_BLOCKS_FOR_INTERVAL",),
-    "conformance": ("conformance.NORMATIVE",),
+    "speedup": ("rules.speed.MIN_BLOCKS_FOR_INTERVAL",),
+    "conformance": ("rules.conformance.NORMATIVE",),
     SPEED: (
-        "checks.MIN_BLOCKS_FOR_INTERVAL",
+        "rules.speed.MIN_BLOCKS_FOR_INTERVAL",
         "stats.DEFAULT_CONFIDENCE",
         "stats.DEFAULT_RESAMPLES",
         "stats.DEFAULT_SEED",
@@ -175,7 +175,8 @@ def unbumped(stored: dict[str, Any]) -> list[str]:
             problems.append(
                 f"rule {family!r}: its constants changed ({', '.join(changed)}) but its version "
                 f"did not: bump RULES[{family!r}] to {today['version'] + 1} "
-                f"(@rule({family!r}, {today['version'] + 1}) in qualify/evidence/checks.py), "
+                f"(@rule({family!r}, {today['version'] + 1}) in its module under "
+                "qualify/evidence/rules/), "
                 "then regenerate with `python -m qwz.qualify.evidence.judge GOLDEN`"
             )
     return problems

@@ -132,7 +132,7 @@ def validate_directory(directory: pathlib.Path) -> list[str]:
     if it does, it must be a writable directory whose every ``*.json`` entry is a readable,
     bounded UTF-8 JSON object with the entry keys."""
     from qwz import jsonio
-    from qwz.qualify.files import writable_directory_problem
+    from qwz.qualify.base.files import writable_directory_problem
 
     problem = writable_directory_problem(directory, "--ledger")
     if problem or not directory.exists():

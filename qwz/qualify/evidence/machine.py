@@ -61,15 +61,21 @@ def cpu_model(cpuinfo: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> str | No
     return None
 
 
-def _host_memory_bytes() -> int | None:
+def meminfo_bytes(field: str) -> int | None:
+    """A field of /proc/meminfo (``MemTotal``, ``MemAvailable``) in bytes (Linux); None
+    where unknown."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _host_memory_bytes() -> int | None:
+    return meminfo_bytes("MemTotal")
 
 
 def rank_machine() -> dict[str, Any]:

@@ -67,4 +67,4 @@ class ArmObservation:
     failure: dict[str, Any] | None = None
     steps_completed: int = 0
     memory: dict[str, Any] = field(default_factory=_no_memory)
-    """The arm's peak memory ([Note: peak around the train step], run/runner.py)."""
+    """The arm's peak memory ([Note: peak around the train step], run/observers/step_memory.py)."""

@@ -19,13 +19,13 @@ import pathlib
 from pydantic import ValidationError
 
 from qwz import jsonio
+from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.evidence.rejudge import absent_inputs, rejudge
 from qwz.qualify.evidence.run_dir import record_in
 from qwz.qualify.evidence.schema import Record, RecordError
 from qwz.qualify.evidence.seal import canonical_digest, verdict_of
 from qwz.qualify.evidence.signing import SigningKey, SigningKeyError, configured_key, sign, verifies
 from qwz.qualify.evidence.upgrade import upgrade, version_problem
-from qwz.qualify.files import atomic_write_text
 
 
 def save(record: Record, path: pathlib.Path, *, key: SigningKey | None = None) -> None:

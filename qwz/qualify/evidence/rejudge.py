@@ -28,8 +28,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from qwz.qualify.evidence.checks import derive, summarize_blocks
+from qwz.qualify.evidence.checks import derive
 from qwz.qualify.evidence.rules import INPUTS, RULES, SPEED, family_of
+from qwz.qualify.evidence.rules.speed import summarize_blocks
 from qwz.qualify.evidence.schema import Check, Performance, Record, RecordError, Verdict
 from qwz.qualify.evidence.seal import verdict_of
 

@@ -9,6 +9,10 @@ are derived from them (qualify/evidence/checks.py), at sealing and again on ever
 
 ``python -m qwz.qualify.evidence.schema`` regenerates ``record.schema.json`` (the
 published JSON Schema) from the models.
+
+This file is longer than 600 lines because the schema is one versioned document: every model
+of a record, read together (the JSON Schema is generated from them whole, and an upgrader of
+an older record reads them all).
 """
 
 from __future__ import annotations
@@ -356,7 +360,7 @@ class StepMasters(_Model):
 class LossScaling(_Model):
     """fp16: per training step, what the harness observed of the arm's dynamic loss scaling
     ([Note: overflow observation], qualify/run/observers/overflow.py); judged by [Note: overflow
-    pattern] (qualify/evidence/loss_scaling.py)."""
+    pattern] (qualify/evidence/rules/overflow_pattern.py)."""
 
     arm: str
     scales: list[list[float | None]] = Field(
@@ -516,7 +520,7 @@ class Hashes(_Model):
 class WireGroup(_Model):
     """What one rank sent in the weight gather over one process group in the arm's last
     step (the largest collective: over every step), and the spec's counts of the elements it
-    holds there (qualify/evidence/checks.py, [Note: group size from the wire])."""
+    holds there (qualify/evidence/wire.py, [Note: group size from the wire])."""
 
     rank: int
     group_ranks: list[int] = Field(description="Global ranks of the process group")
@@ -662,7 +666,7 @@ class Performance(_Model):
 
 
 class Learning(_Model):
-    """The raw numbers of [Note: learning margin] (qualify/evidence/checks.py)."""
+    """The raw numbers of [Note: learning margin] (qualify/evidence/rules/learning.py)."""
 
     eval_steps: list[int]
     held_out_batches_per_rank: int
@@ -670,14 +674,15 @@ class Learning(_Model):
     calibration_group_size: int | None
     rule: Literal["max-gap", "non-inferiority"] = Field(
         "max-gap",
-        description="max-gap: [Note: learning margin] (qualify/evidence/checks.py); "
-        "non-inferiority: [Note: non-inferiority over the horizon] (qualify/evidence/horizon.py)",
+        description="max-gap: [Note: learning margin] (qualify/evidence/rules/learning.py); "
+        "non-inferiority: [Note: non-inferiority over the horizon] "
+        "(qualify/evidence/rules/horizon.py)",
     )
 
 
 class ConformanceRow(_Model):
     """One config of the judge's conformance table as the subject's own parser and engine
-    took it ([Note: the PR's config rules], qualify/evidence/conformance.py); the expected
+    took it ([Note: the PR's config rules], qualify/evidence/rules/conformance.py); the expected
     outcome is the judge's, never stored here."""
 
     row: str = Field(description="The row's name in the judge's table")
@@ -703,7 +708,7 @@ class ConformanceRow(_Model):
 
 class Conformance(_Model):
     """The PR's config rules run through the subject's own parser and engine before any
-    training (qualify/run/conformance.py)."""
+    training (qualify/run/conformance_run.py)."""
 
     parser: str = Field(description="What parsed each config")
     engine: str = Field(description="What built an engine from each config it accepted")
@@ -728,7 +733,7 @@ class Check(_Model):
         0,
         ge=0,
         description="The version of its family's rule that judged it ([Note: rule versions], "
-        "qualify/evidence/rules.py); 0: judged before rules were versioned (schema 2)",
+        "qualify/evidence/rules/); 0: judged before rules were versioned (schema 2)",
     )
 
     @property
@@ -770,7 +775,7 @@ class Judge(_Model):
 
 class DeepSpeedConfigFile(_Model):
     """``--ds-config``: the user's DeepSpeed config file, the base of every arm's config
-    ([Note: the user's DeepSpeed config], qualify/ds_config.py); each arm's ``config`` is
+    ([Note: the user's DeepSpeed config], qualify/request/ds_config.py); each arm's ``config`` is
     what ran."""
 
     path: str = Field(description="The file, resolved")
@@ -784,7 +789,7 @@ class DeepSpeedConfigFile(_Model):
 
 
 class Plan(BaseModel):
-    """The run plan (qwz.qualify.plan.RunPlan) as data; the keys a check or a reader relies
+    """The run plan (qwz.qualify.base.plan.RunPlan) as data; the keys a check or a reader relies
     on are typed."""
 
     model_config = ConfigDict(extra="allow", frozen=True)

@@ -11,7 +11,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from qwz.qualify.evidence import judge
-from qwz.qualify.evidence.checks import derive, summarize_blocks
+from qwz.qualify.evidence.checks import derive
+from qwz.qualify.evidence.rules.speed import summarize_blocks
 from qwz.qualify.evidence.schema import Check, Record, RecordError, Verdict
 
 
@@ -24,7 +25,7 @@ def canonical_digest(payload: dict[str, Any]) -> str:
 def verdict_of(checks: list[Check]) -> Verdict:
     """FAIL if any check failed; else INCONCLUSIVE if any was inconclusive (the reference did
     not learn, so learning could not be judged; or one rank, where nothing was quantized or
-    sent: [Note: one rank], qualify/evidence/checks.py); else PASS."""
+    sent: [Note: one rank], qualify/evidence/rules/in_effect.py); else PASS."""
     failed = [check.name for check in checks if check.status == "fail"]
     inconclusive = [check.name for check in checks if check.status == "inconclusive"]
     status = "FAIL" if failed else "INCONCLUSIVE" if inconclusive else "PASS"

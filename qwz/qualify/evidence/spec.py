@@ -8,7 +8,7 @@ or a commit that changes the rules everywhere at once (``absmax/100`` in
 [Note: the judge's independence]
 This module imports nothing from ``qwz`` (only ``typing`` and ``torch``): no
 ``qwz.quant``, ``qwz.layout``, ``qwz.shards`` or anything that imports them (the evidence's
-tolerance imports this module, never the reverse). ``tests/unit/qualify/test_spec.py``
+tolerance imports this module, never the reverse). ``tests/unit/qualify/evidence/test_spec.py``
 inspects its imports and fails if one appears. The harness's other rules that depend on
 the spec (the own-shard judgement in observers/own_shard.py, the calibration noise in runner.py,
 the threshold of the exact elements) take their constants and formulas from here.

@@ -1,4 +1,5 @@
-"""The PR's staging bound, stated by the harness itself (``bounded``, qualify/evidence/bounded.py).
+"""The PR's staging bound, stated by the harness itself (``bounded``,
+qualify/evidence/rules/bounded.py).
 
 Like spec.py, whose wire constants it reads, this module imports nothing from the code it judges
 ([Note: the judge's independence]): the bound is written out here from the PR's text.

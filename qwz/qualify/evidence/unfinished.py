@@ -12,7 +12,7 @@ file in ``--out`` says what happened instead, beside nothing of an earlier run's
   finished and those never started; exit 3 (INCONCLUSIVE: nothing about the subject was
   decided). A hang and a slow run look alike from outside: a longer ``--timeout`` tells them
   apart. Where the limit cannot be met at all, the preflight refuses it first
-  ([Note: the time floor] in qualify/time_floor.py).
+  ([Note: the time floor] in qualify/request/time_floor.py).
 - ``interrupted.json``: SIGINT or SIGTERM stopped the run (exit 130/143): the phase it was
   in, what ran and what did not. ``"verdict": null``: it is no verdict.
 
@@ -107,7 +107,7 @@ def interrupted(
 
 def write(out: pathlib.Path, name: str, content: dict[str, Any]) -> pathlib.Path:
     """Write `content` as ``out/name`` (atomically)."""
-    from qwz.qualify.files import atomic_write_text
+    from qwz.qualify.base.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / name

@@ -64,7 +64,7 @@ PLAN_RENAMED_IN_4 = {
     "one_arm_resident": "one_arm_at_a_time",
 }
 """Plan keys of schema 3 -> their names since, when each run setting got one name for its
-flag, its field and its record key ([Note: one declaration per setting], qualify/values.py)."""
+flag, its field and its record key ([Note: one declaration per setting], qualify/base/values.py)."""
 
 
 def _plan_from_3(plan: dict[str, Any]) -> dict[str, Any]:

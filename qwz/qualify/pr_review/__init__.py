@@ -16,7 +16,7 @@ One file per job: ``request`` (the run options, what the review sets itself, the
 disk and its resume), ``checkout`` (the worktree), ``children`` (one ``run`` as a child
 process, or its finished record reused), ``test_files`` (which files are the PR's tests),
 ``own_tests`` (running them), ``test_log`` (how one test file's pytest ended, from
-``pytest_plugin/``'s events) and ``command`` (the command).
+``pytest_plugin/``'s events) and ``review_command`` (the command).
 
 [Note: the base runs the reference alone]
 The PR's default path is the reference arm (``zero_quantized_weights: false``): it must be the
@@ -44,9 +44,9 @@ The directory holds the request (``request.json``: the repository, both SHAs, th
 and the run options) and each run's record (``base/``, ``head/``). Started again with the
 same request, a run whose record loads, verifies, holds the plan the run would build now
 and names the same commit is reused, re-judged by today's rules (as ``matrix`` resumes a
-cell: [Note: matrix resume], qualify/matrix/runner.py); every other run runs. A request
+cell: [Note: matrix resume], qualify/matrix/cells.py); every other run runs. A request
 that differs (a ref now names another commit, other run options) is refused naming what
 differs; ``--restart`` discards the earlier runs and starts over. SIGINT or SIGTERM stops
-the running child ([Note: supervising a run], qualify/supervise.py), keeps every finished
+the running child ([Note: supervising a run], qualify/base/supervise.py), keeps every finished
 record and exits 128 + the signal.
 """

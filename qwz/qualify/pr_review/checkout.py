@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pathlib
 
-from qwz.qualify.bisect.history import GitError, git
+from qwz.qualify.bisect.first_parents import GitError, git
 
 
 def _common_dir(path: pathlib.Path) -> pathlib.Path:

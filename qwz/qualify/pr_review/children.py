@@ -1,7 +1,7 @@
 """One of the review's two runs: its finished record reused, or ``qwz-qualify run`` as a
-supervised child process ([Note: supervising a run], qualify/supervise.py) and how it ended.
+supervised child process ([Note: supervising a run], qualify/base/supervise.py) and how it ended.
 
-How a run's end reads (as a matrix cell's, qualify/matrix/runner.py): exit 0, 1 or 3 with a
+How a run's end reads (as a matrix cell's, qualify/matrix/cells.py): exit 0, 1 or 3 with a
 record of the plan asked for and the commit asked for is its record's verdict under today's
 rules; exit 2 is "refused" with ``run``'s own refusal; exit 4 with ``harness-error.json`` is
 HARNESS-ERROR; stopped by the review's SIGINT/SIGTERM is "interrupted"; anything else, or a
@@ -18,16 +18,21 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from qwz.qualify import supervise
+from qwz.qualify.base import supervise
+from qwz.qualify.base.supervise import Stop
 from qwz.qualify.evidence import harness_error
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Record
-from qwz.qualify.matrix.runner import VERDICT_EXITS, expected_plan, finished_record, refusal_reason
+from qwz.qualify.matrix.cells import (
+    VERDICT_EXITS,
+    expected_request,
+    finished_record,
+    recorded_plan,
+    refusal_reason,
+)
 from qwz.qualify.pr_review import checkout
-from qwz.qualify.preflight import run_world_size
 from qwz.qualify.review.pr_review import REFUSED, Side
-from qwz.qualify.supervise import Stop
 
 
 class Logs(NamedTuple):
@@ -65,9 +70,12 @@ class Run(NamedTuple):
 
 
 def _expected(run: Run, parser: argparse.ArgumentParser) -> tuple[dict | None, int]:
-    plan = expected_plan(parser, run.arguments)
-    namespace = parser.parse_args(["run", *run.arguments, "--out", str(run.directory)])
-    return plan, run_world_size(namespace)
+    """The plan and world size of the record ``run`` would write ([Note: a request resolved
+    once]); no plan where this build's ``run`` refuses the arguments."""
+    request = expected_request(parser, run.arguments, run.directory)
+    if request is None:
+        return None, 0
+    return recorded_plan(request), request.world_size
 
 
 def finished(run: Run, parser: argparse.ArgumentParser) -> tuple[Record | None, str]:

@@ -17,7 +17,7 @@ cuts is the runner's limit, never the subject's. A small plugin
 is how a killed file still names its running test; pytest's own JUnit XML is kept beside it
 for CI reporters, both hashed into the review record with the commit read back from the
 worktree. The head's files run first: they decide ([Note: own tests in the claims table],
-qualify/review/own_tests.py). Then, with what is left of the total limit, the same test
+qualify/review/own_tests_section.py). Then, with what is left of the total limit, the same test
 files on the base's code -- the base checked out and every file the PR changed under
 ``tests/`` put over it -- for each test file that exists at the base: a test that passes
 there too proves nothing new about the change. Each side's result is kept
@@ -39,15 +39,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qwz import jsonio
-from qwz.qualify import supervise
-from qwz.qualify.bisect.history import GitError, git
+from qwz.qualify.base import supervise
+from qwz.qualify.base.files import atomic_write_text
+from qwz.qualify.base.supervise import Stop
+from qwz.qualify.bisect.first_parents import GitError, git
 from qwz.qualify.evidence.harness_error import HARNESS_ERROR
-from qwz.qualify.files import atomic_write_text
 from qwz.qualify.pr_review import checkout, test_files, test_log
 from qwz.qualify.pr_review.test_files import TestFiles
-from qwz.qualify.review import own_tests as results
-from qwz.qualify.review.own_tests import FileRun, OwnTests, SideTests
-from qwz.qualify.supervise import Stop
+from qwz.qualify.review import own_tests_section as results
+from qwz.qualify.review.own_tests_section import FileRun, OwnTests, SideTests
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent / "pytest_plugin"
 PLUGIN = "qwz_own_tests_log"

@@ -20,8 +20,8 @@ import shutil
 from typing import Any, NamedTuple
 
 from qwz import jsonio
-from qwz.qualify.files import atomic_write_text
-from qwz.qualify.settings import run_settings
+from qwz.qualify.base.files import atomic_write_text
+from qwz.qualify.request.settings import run_settings
 
 SUBJECT = "deepspeed-native"
 PR_GROUP_SIZES = (64, 8192)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pathlib
 from typing import NamedTuple
 
-from qwz.qualify.bisect.history import GitError, git
+from qwz.qualify.bisect.first_parents import GitError, git
 
 TESTS_DIR = "tests/"
 """Where DeepSpeed keeps its tests (``tests/conftest.py``, ``tests/unit/common.py``)."""

@@ -1,8 +1,8 @@
 """How one test file's pytest ended: its plugin's events (pytest_plugin/qwz_own_tests_log.py)
-and the process's end, read into a :class:`~qwz.qualify.review.own_tests.FileRun`: each test's
-outcome, the test that was running when the file hit its limit (a hang), died or stopped
+and the process's end, read into a :class:`~qwz.qualify.review.own_tests_section.FileRun`: each
+test's outcome, the test that was running when the file hit its limit (a hang), died or stopped
 pytest, and whose doing the end was ([Note: own tests in the claims table] in
-qualify/review/own_tests.py)."""
+qualify/review/own_tests_section.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import re
 import signal
 from typing import NamedTuple
 
-from qwz.qualify.review import own_tests as results
-from qwz.qualify.review.own_tests import FileRun, TestResult
+from qwz.qualify.review import own_tests_section as results
+from qwz.qualify.review.own_tests_section import FileRun, TestResult
 
 
 class Ended(NamedTuple):

@@ -1,1 +1,2 @@
-"""Reading records: the report of one record, the comparison of two, the history of many."""
+"""Reading records: the report of one record, the comparison of two, the history of many; and
+writing a run's files (run_files, outputs)."""

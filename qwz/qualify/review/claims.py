@@ -15,7 +15,7 @@ the review's own: "default path unchanged" compares the base's and the head's re
 reported with its interval, a verdict only where the run was given ``--min-speedup``. The
 config rules are the ``conformance`` table's rows (each config run through the subject's own
 parser and engine, each row naming the PR claim it tests: [Note: the PR's config rules] in
-qualify/evidence/conformance.py): a claim reads the rows of its PR claims at the head, and the
+qualify/evidence/rules/conformance.py): a claim reads the rows of its PR claims at the head, and the
 base's verdict of the same rows is shown beside them as context (stock DeepSpeed refuses the
 group size key, so its rows differ by design).
 """
@@ -26,11 +26,11 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from qwz.qualify.base.plan import PROPOSAL_GROUP_SIZE, REFERENCE
 from qwz.qualify.evidence.default_path import DefaultPath
 from qwz.qualify.evidence.rejudge import rejudged
 from qwz.qualify.evidence.rules import family_of
 from qwz.qualify.evidence.schema import Arm, Check, Record
-from qwz.qualify.plan import PROPOSAL_GROUP_SIZE, REFERENCE
 from qwz.qualify.review.formatting import format_interval, format_sig, format_speedup
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -66,7 +66,7 @@ class Decider:
     arms: str = "candidates"
     rows: tuple[str, ...] = ()
     """conformance: the PR claims (the ``claim`` of the table's rows, [Note: the PR's config
-    rules] in qualify/evidence/conformance.py) whose rows decide this claim."""
+    rules] in qualify/evidence/rules/conformance.py) whose rows decide this claim."""
 
 
 @dataclass(frozen=True)
@@ -310,7 +310,7 @@ def _speed_row(claim: Claim, head: Record, base: Record | None) -> ClaimRow:
 def _scheme_row(claim: Claim, head: Record) -> ClaimRow:
     """``own-shard`` decides it; where it passes, the detail is the scheme the head wrote and
     what it cost on this run, for a reviewer who may ask for a better one."""
-    from qwz.qualify.evidence.schemes import scheme_report
+    from qwz.qualify.evidence.rules.schemes import scheme_report
 
     row = _decided_row(claim, head, None, None)
     # [Note: a CUDA-only subject on a CPU runner]: the verdict covers the plumbing only.

@@ -1,6 +1,6 @@
 """A matrix's table: ``matrix.json`` (what ``compare`` and ``promote`` read) and ``matrix.md``.
 
-One row per cell of the spec (qwz/qualify/matrix/spec.py), run or not: its axis values, its
+One row per cell of the spec (qwz/qualify/matrix/matrix_spec.py), run or not: its axis values, its
 status -- PASS, FAIL or INCONCLUSIVE from the cell's record (the record's own verdict,
 re-derived when it is loaded), ``crashed`` (the cell's run ended without a record that
 loads, or with an exit status ``run`` does not give), ``HARNESS-ERROR`` (the harness could
@@ -24,10 +24,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qwz import jsonio
+from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.evidence.harness_error import CANNOT_RUN, CANNOT_RUN_EXIT, HARNESS_ERROR_EXIT
 from qwz.qualify.evidence.record import load as load_record
 from qwz.qualify.evidence.schema import Record, RecordError
-from qwz.qualify.files import atomic_write_text
 
 MATRIX_FORMAT = "qwz-matrix/1"
 MATRIX_JSON = "matrix.json"

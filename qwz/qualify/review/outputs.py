@@ -6,7 +6,7 @@ Plots are drawn first into a hidden staging folder and moved into ``--out`` only
 every one was drawn; a plot that fails (matplotlib missing or broken, a figure that
 cannot be drawn) leaves no plot and no staging folder, and its error is written into the
 report in place of the plots. The report and then the record are each written
-atomically (qwz/qualify/files.py). The GitHub job summary, written last, only appends.
+atomically (qwz/qualify/base/files.py). The GitHub job summary, written last, only appends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-from qwz.qualify.files import atomic_write_text, move_into
+from qwz.qualify.base.files import atomic_write_text, move_into
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 
@@ -83,7 +83,7 @@ def write_run_outputs(built, out: pathlib.Path, key, signature_section) -> Drawn
 def scheme_sentence(record) -> str | None:
     """The scheme the record's candidates wrote and what it cost, for the console; None where
     nothing was quantized ([Note: what a scheme costs], qualify/run/observers/scheme_cost.py)."""
-    from qwz.qualify.evidence.schemes import scheme_report
+    from qwz.qualify.evidence.rules.schemes import scheme_report
 
     report = scheme_report(record)
     if report.arm is None and report.scheme is None and not report.mixed:

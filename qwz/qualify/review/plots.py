@@ -8,8 +8,8 @@ it never touches a global backend or opens a window. Every number drawn is in th
   reference.
 * ``speedup.png``: per candidate, each block's speed-up with the median and its interval.
 * ``held_out.png``: the held-out loss of every arm at each evaluation step (the
-  ``learning`` checks judge these, [Note: learning margin], qualify/evidence/checks.py), and below
-  it each arm's difference from the reference with the margin a candidate must stay
+  ``learning`` checks judge these, [Note: learning margin], qualify/evidence/rules/learning.py), and
+  below it each arm's difference from the reference with the margin a candidate must stay
   under; the calibration arm, whose gap sets the margin, is drawn as the arms are.
 * ``step_times.png``: per candidate, the median ms/step of each block for the reference
   and the candidate, and the median ms of their weight gathers in those steps ([Note:
@@ -54,7 +54,7 @@ def _draw_horizon(gap_axes, record: Record) -> None:
 
 
 def draw_held_out(figure, record: Record) -> None:
-    from qwz.qualify.evidence.checks import learning_margin
+    from qwz.qualify.evidence.rules.learning import learning_margin
 
     reference = next((arm.name for arm in record.arms if arm.role == "reference"), None)
     roles = {arm.name: arm.role for arm in record.arms}

@@ -15,6 +15,7 @@ import json
 import pathlib
 from typing import Any, NamedTuple
 
+from qwz.qualify.base.files import atomic_write_text
 from qwz.qualify.evidence.default_path import DefaultPath
 from qwz.qualify.evidence.harness_error import (
     CANNOT_RUN,
@@ -22,11 +23,10 @@ from qwz.qualify.evidence.harness_error import (
     HARNESS_ERROR,
     HARNESS_ERROR_EXIT,
 )
-from qwz.qualify.files import atomic_write_text
-from qwz.qualify.review import own_tests
+from qwz.qualify.review import own_tests_section as own_tests
 from qwz.qualify.review.claims import FAIL, INCONCLUSIVE, PASS, ClaimRow
 from qwz.qualify.review.formatting import table
-from qwz.qualify.review.own_tests import OwnTests
+from qwz.qualify.review.own_tests_section import OwnTests
 
 MARKDOWN, JSON = "review.md", "review.json"
 REFUSED = "refused"
@@ -65,7 +65,7 @@ class Review:
     sides: tuple[Side, ...]
     claims: tuple[ClaimRow, ...]
     """The claims table: the qualification's rows, then the PR's own tests' ([Note: own
-    tests in the claims table], review/own_tests.py)."""
+    tests in the claims table], review/own_tests_section.py)."""
     default_path: DefaultPath | None
     own_tests: OwnTests | None = None
     """None in a review written before the step existed."""

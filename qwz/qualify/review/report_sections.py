@@ -123,7 +123,7 @@ def scheme_lines(record: Record) -> list[str]:
     """The report's first page: which scheme of the contract the subject wrote, what it cost
     on this run, and the loss gap of the arm the cost is of against its margin ([Note: what a
     scheme costs], qualify/run/observers/scheme_cost.py); none where nothing was quantized."""
-    from qwz.qualify.evidence.schemes import scheme_report
+    from qwz.qualify.evidence.rules.schemes import scheme_report
 
     report = scheme_report(record)
     if report.arm is None and report.scheme is None and not report.mixed:

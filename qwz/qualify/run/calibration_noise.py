@@ -1,4 +1,4 @@
-"""The calibration arm's noise ([Note: learning margin], qualify/evidence/checks.py): after
+"""The calibration arm's noise ([Note: learning margin], qualify/evidence/rules/learning.py): after
 every step, uniform noise in [-scale/2, scale/2] per group of the working copy of every
 quantized parameter, drawn where the parameter lives.
 

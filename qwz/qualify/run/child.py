@@ -1,7 +1,7 @@
 """A short Python child process that reports one JSON answer on its stdout.
 
 The harness asks questions it must not answer in its own process -- what a DeepSpeed checkout
-imports as, what its config accepts (run/subjects.py, run/conformance.py) -- in a child with
+imports as, what its config accepts (run/subjects.py, run/conformance_run.py) -- in a child with
 the import path the ranks get. The child prints its answer as one line, ``marker`` followed
 by JSON, among whatever the code it imports prints; :func:`ask` returns that answer or, as a
 :class:`NoAnswer`, why there is none, so each caller can word its own harness error.

@@ -1,7 +1,7 @@
 """Reusing a conformance table for the same code, where the caller asks for it.
 
 [Note: reused conformance tables]
-The conformance table ([Note: conformance run], run/conformance.py) depends on the code that
+The conformance table ([Note: conformance run], run/conformance_run.py) depends on the code that
 answers it and on nothing a run sets: not the workload, the steps, the arms or the seed. A
 process that qualifies the same few subjects many times (the test suite runs about sixty
 qualifications) may set ``QWZ_CONFORMANCE_CACHE`` to a directory. A table is then stored there
@@ -39,7 +39,7 @@ import pathlib
 import sys
 from typing import Any
 
-from qwz.qualify.run import conformance
+from qwz.qualify.run import conformance_run
 
 CACHE_ENV = "QWZ_CONFORMANCE_CACHE"
 KEY_VERSION = 2
@@ -68,11 +68,11 @@ def table(
     stored = _load(path) if path is not None else None
     if stored is not None:
         return stored, path
-    section = conformance.run_table(
+    section = conformance_run.run_table(
         subject, qwz_gather=qwz_gather, deepspeed_src=deepspeed_src, cpu_quantizer=cpu_quantizer
     )
     if path is not None and section["error"] is None:
-        from qwz.qualify.files import atomic_write_text
+        from qwz.qualify.base.files import atomic_write_text
 
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(section, sort_keys=True))
@@ -84,7 +84,7 @@ def key(
 ) -> str | None:
     """The hex digest of everything the table's answer depends on, or None where the code
     cannot be pinned."""
-    from qwz.qualify.evidence.conformance import ROWS
+    from qwz.qualify.evidence.rules.conformance import ROWS
 
     code = {"qwz": _qwz_code()}
     if subject != "qwz":

@@ -13,11 +13,11 @@ with the default process group initialised (NCCL when there are enough GPUs,
 gloo otherwise; ``QWZ_BACKEND`` overrides) and the usual torchrun environment
 variables set, so DeepSpeed finds its process group too.
 
-When a rank fails -- returns an exception, reports one through ``qwz.qualify.rank_reports``
+When a rank fails -- returns an exception, reports one through ``qwz.qualify.base.rank_reports``
 (a rank that stops with ``rank_reports.crash`` while its peers sit in a collective),
 dies, or outlasts the timeout -- ``run`` gives the others GRACE_S to fail too, kills
 what still runs and raises :class:`RankFailure` naming the rank that failed first
-([Note: the rank that failed first] in qwz/qualify/rank_reports.py), with the others' ends as
+([Note: the rank that failed first] in qwz/qualify/base/rank_reports.py), with the others' ends as
 context and what the ranks had kept with ``rank_reports.report_result``.
 
 [Note: no orphaned ranks]
@@ -70,8 +70,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwz.devices import use_cpu_accelerator_for_gloo
-from qwz.qualify import rank_reports
-from qwz.qualify.rank_reports import RankEnd
+from qwz.qualify.base import rank_reports
+from qwz.qualify.base.rank_reports import RankEnd
 from qwz.qualify.run import forking
 
 BACKEND_ENV = "QWZ_BACKEND"
@@ -86,8 +86,8 @@ class RankFailure(RuntimeError):
     """A rank raised, died or timed out; the message holds its traceback or exit code.
 
     ``cause`` is the rank that failed first ([Note: the rank that failed first] in
-    qwz/qualify/rank_reports.py), ``context`` how the other failed ranks ended, ``results`` what
-    every rank had kept with ``rank_reports.report_result`` before the failure."""
+    qwz/qualify/base/rank_reports.py), ``context`` how the other failed ranks ended,
+    ``results`` what every rank had kept with ``rank_reports.report_result`` before the failure."""
 
     def __init__(
         self,
@@ -243,7 +243,10 @@ def _rank_main(
 
 
 class LocalWorld:
-    """`world_size` ranks with an initialised process group, reused across calls."""
+    """`world_size` ranks with an initialised process group, reused across calls.
+
+    This class is longer than 150 lines because one launcher owns the local ranks' whole
+    life: their start, the side channel, the first failure and the stop."""
 
     def __init__(
         self,
@@ -298,8 +301,8 @@ class LocalWorld:
         """Call `fn(*args, **kwargs)` on every rank; return the results in rank order.
 
         Raises RankFailure naming the rank that failed first: one that raised (returned an
-        error or reported one through qwz.qualify.rank_reports), died or outlasted the timeout. The
-        others get GRACE_S to finish or fail; a world with a dead or unfinished rank is
+        error or reported one through qwz.qualify.base.rank_reports), died or outlasted the
+        timeout. The others get GRACE_S to finish or fail; a world with a dead or unfinished rank is
         broken (every rank is killed)."""
         if self.broken:
             raise RankFailure("this LocalWorld is broken by an earlier failure; start a new one")
@@ -456,7 +459,7 @@ def rank_failure(
 def torchrun_failure(
     reports_dir: pathlib.Path, world_size: int, running: str, grace_s: float = GRACE_S
 ) -> RankFailure:
-    """[Note: a crash under torchrun] (qualify/cli.py): the RankFailure a local launcher
+    """[Note: a crash under torchrun] (qualify/run/torchrun.py): the RankFailure a local launcher
     would raise, from the side channel alone, read by a rank that failed: every rank's
     failure report, waiting up to `grace_s` for all of them; a rank without one is
     "unreported" (no launcher sees its exit)."""

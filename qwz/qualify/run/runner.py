@@ -9,7 +9,7 @@ only through ``subjects.ArmEngine`` (the seam of [Note: own shards]).
 [Note: arms one at a time]
 The arms -- the unquantized ``reference``, the ``calibration`` arm (the
 reference with quantization-sized noise, [Note: learning margin] in
-qualify/evidence/checks.py) and one candidate per group size -- train one after another,
+qualify/evidence/rules/learning.py) and one candidate per group size -- train one after another,
 each from the same seed and on the same batches; only one is resident at a
 time, and each arm's peak memory is measured from a reset (CUDA peak stats, or
 the process's peak RSS via /proc/self/clear_refs), so a configuration that
@@ -21,37 +21,22 @@ candidate ([Note: order-balanced blocks], evidence/stats.py; timed by run/timing
 ``one_arm_at_a_time`` the arm is rebuilt at every switch, during the untimed
 warm-up, so even the timing holds one arm at a time.
 
-Per arm and step, on every rank:
-1. train one step (the probe counts the gather's bytes, from the step to the next use of the
-   weights: [Note: the wire window], wire_window.py);
-2. [Note: exact update check] on a sample of this rank's master elements, and the global
-   norm of the gradient the optimizer was handed (observers/update.py);
-3. at the next use of the weights -- the start of the next forward, or of a final forward
-   after the last step ([Note: observed at the next use], next_use.py) -- every own shard
-   against the contract's decodes of its master, with the requested group size
-   (observers/own_shard.py), the replicas' per-parameter digests across ranks, and the sampled
-   values;
-4. layout-independent digests of every parameter's master: short ones after every step,
-   full ones after step 1 (observers/digest.py);
-5. at the evaluation steps, the held-out loss.
-A non-finite loss or gradient norm ends the arm and the run goes on with the next
-one; any other exception ends the run at once, without a collective, naming the
-rank, the arm and the last completed step ([Note: failures]).
+One arm's steps, and what is observed after each, are arm_run.py's.
 
 [Note: failures]
 Two kinds, told apart by who sees them:
 - Seen by every rank together: a non-finite loss (the loss is averaged over the
   ranks) or gradient norm (a global norm), raised here as NonFiniteStep, and
   qwz's NonFiniteError (raised on every rank with the same text, after its own
-  all-gather). Every rank stands at the same point, so ``_agree`` (an
+  all-gather). Every rank stands at the same point, so ``agree`` (an
   all_gather_object) is safe: the failure is recorded with the step, the ranks
   and the parameters, the arm ends, the next arm runs.
 - Seen by one rank: anything else raised while building an arm, in a step, in a
   check, while timing (a CUDA OOM, a bug, a rank's lost peer). Its peers may be
   inside a collective this rank will never enter, so no collective may follow:
-  the rank reports the exception and where it was (``_Progress.at``: arm, phase,
+  the rank reports the exception and where it was (``arm_run.Progress.at``: arm, phase,
   step, last completed step) through the launcher's side channel and aborts the
-  process group (qwz.qualify.rank_reports.crash). The launcher stops the others and
+  process group (qwz.qualify.base.rank_reports.crash). The launcher stops the others and
   names the rank that failed first ([Note: the rank that failed first]); the
   CLI writes a "crash" record, keeping the arms every rank finished (reported
   with rank_reports.report_result) and marking those never started "not run".
@@ -60,15 +45,6 @@ Two kinds, told apart by who sees them:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import dataclasses
-import gc
-import math
-import resource
-import sys
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -76,83 +52,18 @@ import torch.distributed as dist
 
 from qwz import devices
 from qwz.integrations.deepspeed import structure
-from qwz.integrations.probe import WireProbe
-from qwz.optimizer import WORKING_DTYPES, NonFiniteError
-from qwz.qualify import rank_reports
-from qwz.qualify.evidence import machine, provenance, spec, stats
+from qwz.qualify.base import rank_reports
+from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
+from qwz.qualify.evidence import machine, provenance, stats
 from qwz.qualify.evidence.observation import ArmObservation
-from qwz.qualify.evidence.optimizer import AdamWSettings, adamw_of, clipping_of
-from qwz.qualify.plan import DEEPSPEED_SUBJECTS, REFERENCE, ArmSpec, RunPlan
-from qwz.qualify.run import (
-    calibration_noise,
-    determinism,
-    gather_timing,
-    next_use,
-    quantizer_op,
-    replicas,
-    timing,
-)
-from qwz.qualify.run.observers import engine_report, overflow, own_shard, scheme_cost, update
-from qwz.qualify.run.subjects import (
-    ArmEngine,
-    DeepSpeedSourceError,
-    make_arm,
-    use_deepspeed_source,
-)
-from qwz.qualify.run.wire_window import WireWindow
-
-
-class NonFiniteStep(FloatingPointError):
-    """A step's loss or gradient norm is NaN/Inf: every rank sees it ([Note: failures])."""
-
-
-AGREED_FAILURES = (NonFiniteStep, NonFiniteError)
-"""Failures every rank raises at the same step, so agreeing on them cannot hang."""
-
-
-class _Progress:
-    """Rank 0 prints a line now and then; other ranks stay quiet. Every rank tells its
-    launcher where it is ([Note: failures])."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.started = time.perf_counter()
-        self.where: dict[str, Any] = {"phase": "start"}
-
-    def say(self, text: str) -> None:
-        if self.enabled:
-            elapsed = time.perf_counter() - self.started
-            print(f"[qwz-qualify {elapsed:6.1f}s] {text}", file=sys.stderr, flush=True)
-
-    def at(self, **where: Any) -> None:
-        """Replace where this rank is (``phase``, ``arm``, ``step``, ``last_completed_step``)."""
-        self.where = where
-        rank_reports.report_progress(**where)
+from qwz.qualify.run import arm_run, determinism, gather_timing, heap, quantizer_op, timing
+from qwz.qualify.run.subjects import ArmEngine, DeepSpeedSourceError, use_deepspeed_source
 
 
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    """[Note: collectives on the group's device] (qwz/devices.py): the all-reduce gets a
-    tensor on the group's device, wherever `value` was computed."""
-    value = value.detach().float().reshape(1).to(devices.group_device(), copy=True)
-    if dist.is_initialized():
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value)
-
-
-def _agree(local: Any) -> list[Any]:
-    """Every rank's `local` value, on every rank."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        return gathered
-    return [local]
 
 
 def _sample_indices(module: torch.nn.Module, count: int, seed: int) -> dict[str, torch.Tensor]:
@@ -173,598 +84,12 @@ def _sync() -> None:
 # ------------------------------------------------------------------------ memory
 
 
-_FREEZE_SURVIVORS = False
-"""True inside :func:`_frozen_heap`: :func:`_release_memory` freezes what survives it."""
-
-
-@contextlib.contextmanager
-def _frozen_heap() -> Iterator[None]:
-    """[Note: a frozen heap]
-    Every arm starts and ends with :func:`_release_memory`, whose ``gc.collect()`` frees the
-    last arm's engine (DeepSpeed's and torch's modules hold reference cycles). A full
-    collection walks every tracked object of the process, and once torch, inductor and
-    DeepSpeed are imported that is about 400,000 objects: 0.3 s per call on an idle core,
-    and more in a rank reused by tests, whose heap grows test after test (the mutation suite
-    took 38% less CPU without those walks). What survives a collection at an arm's edge
-    (modules imported so far, their functions and tables, the run's observations) lives to
-    the end of the run, so the context moves what exists when it is entered, and each
-    collection its survivors, to the permanent generation (``gc.freeze()``); the next
-    collection walks only what was made since: the last arm's engine, freed as before. On
-    exit the survivors go back (``gc.unfreeze()``), so a rank reused by tests is left as it
-    was found; an object frozen at one edge that becomes garbage later (or was garbage on
-    entry) is freed then, not at the next edge. A heap the caller froze is left to the
-    caller."""
-    global _FREEZE_SURVIVORS
-    if gc.get_freeze_count() or _FREEZE_SURVIVORS:
-        yield
-        return
-    gc.freeze()
-    _FREEZE_SURVIVORS = True
-    try:
-        yield
-    finally:
-        _FREEZE_SURVIVORS = False
-        gc.unfreeze()
-
-
-def _release_memory() -> None:
-    """Return freed memory to the device and the OS, so the next arm's peak is its own
-    ([Note: a frozen heap])."""
-    gc.collect()
-    if _FREEZE_SURVIVORS:
-        gc.freeze()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak_memory() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def _peak_memory() -> dict[str, Any]:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {
-            "kind": "cuda",
-            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
-            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
-        }
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    peak = int(line.split()[1]) * 1024
-                    return {
-                        "kind": "rss",
-                        "peak_allocated_bytes": peak,
-                        "peak_reserved_bytes": None,
-                    }
-    except OSError:
-        pass
-    # ru_maxrss (KiB on Linux) cannot be reset: the process-wide peak.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"kind": "rss", "peak_allocated_bytes": int(rss), "peak_reserved_bytes": None}
-
-
-class _StepPeak:
-    """[Note: peak around the train step]
-    An arm's memory is its training step's: forward, backward, reductions, optimizer step
-    and gather, with the arm's resident state. The counter is reset before each step's
-    forward and read right after its gather, and the record keeps the largest step; the
-    harness's own checks (own-shard decode, digests, held-out loss) run outside that
-    window, so what they allocate is not charged to the subject; the observation at the
-    next use runs inside the next step's forward ([Note: observed at the next use]), so
-    the window is paused around it (:meth:`paused`). An arm that never completed a step
-    reports the peak since the arm began instead."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.peak: dict[str, Any] | None = None
-        self._window: dict[str, Any] | None = None
-        """Inside a step: the peak of the parts of its window before a pause, else None."""
-
-    @contextlib.contextmanager
-    def around_step(self):
-        _reset_peak_memory()
-        self._window = {}
-        try:
-            yield
-            measured = self._merged(self._window, _peak_memory())
-        finally:
-            self._window = None
-        self.steps += 1
-        self.peak = self._merged(self.peak or {}, measured)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """The harness's own work inside a step's window (the observation at the next use,
-        next_use.py) is not charged to the step: the peak before it is kept, and the counter
-        is reset after it. Outside a step, nothing to pause."""
-        if self._window is None:
-            yield
-            return
-        self._window = self._merged(self._window, _peak_memory())
-        try:
-            yield
-        finally:
-            _reset_peak_memory()
-
-    @staticmethod
-    def _merged(kept: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-        if not kept:
-            return dict(measured)
-        merged = dict(kept)
-        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
-            if measured[key] is not None:
-                merged[key] = max(merged[key] or 0, measured[key])
-        return merged
-
-    def result(self) -> dict[str, Any]:
-        assert self.peak is not None
-        return dict(self.peak)
-
-
 # ------------------------------------------------------------------- arms
 
 
-def _call_hook(plan: RunPlan, arm: ArmSpec, engine: ArmEngine) -> ArmEngine:
-    """The plan's ``arm_hook`` may change a candidate arm's engine or return a replacement."""
-    if plan.arm_hook is None or not arm.quantized:
-        return engine
-    import importlib
-
-    module_name, _, function_name = plan.arm_hook.partition(":")
-    hook = getattr(importlib.import_module(module_name), function_name)
-    return hook(arm, engine, plan) or engine
-
-
-def _build(plan: RunPlan, arm: ArmSpec) -> ArmEngine:
-    # Built where it trains and in the dtype it trains in: no fp32 copy on the GPU.
-    model = plan.workload.build_model(
-        plan.seed, device=devices.group_device(), dtype=WORKING_DTYPES[plan.dtype]
-    )
-    engine = make_arm(
-        plan.subject,
-        model,
-        plan.arm_config(arm),
-        model_parameters=plan.workload.optimizer_parameters(model),
-        quantized=arm.quantized,
-        # "fused": where they pass their self-test on every rank, else eager with the reason
-        # in the record's kernels (qwz.kernels.choose_kernels, collectives.agree_on_kernels).
-        fused_kernels=None if plan.kernels == "fused" else False,
-        qwz_gather=plan.qwz_gather,
-        shard_alignment=plan.shard_alignment,
-    )
-    return _call_hook(plan, arm, engine)
-
-
-@torch.no_grad()
-def _held_out_loss(plan: RunPlan, engine: ArmEngine, rank: int, step: int) -> list[Any]:
-    """``[step, mean loss]`` over ranks and held-out batches; under the non-inferiority rule
-    ``[step, mean loss, every batch's loss]`` too, rank by rank ([Note: non-inferiority over
-    the horizon], qualify/evidence/horizon.py: the batches are its paired units)."""
-    module = engine.module
-    was_training = module.training
-    module.eval()
-    try:
-        losses = []
-        for index in range(plan.held_out_batches):
-            batch = plan.workload.held_out_batch(seed=plan.seed, index=index, rank=rank)
-            losses.append(plan.workload.loss(module, batch).detach().float())
-        stacked = torch.stack(losses)
-        total = stacked.sum()  # on the model's device, summed in order
-    finally:
-        module.train(was_training)
-    entry: list[Any] = [step, _mean_over_ranks(total / plan.held_out_batches)]
-    if plan.learning_rule == "non-inferiority":
-        entry.append([loss for per_rank in _agree(stacked.cpu().tolist()) for loss in per_rank])
-    return entry
-
-
-def _non_finite(step: int, loss_value: float, grad_norm: float) -> NonFiniteStep:
-    return NonFiniteStep(f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm}")
-
-
-def _failure(step: int, rank: int, error: BaseException, module: torch.nn.Module) -> dict:
-    """One rank's record of an AGREED_FAILURES error ([Note: failures])."""
-    message = f"{type(error).__name__}: {error}".splitlines()[0][:2000]
-    return {
-        "step": step,
-        "rank": rank,
-        "kind": "non-finite",
-        "message": message,
-        "parameters": list(
-            getattr(error, "parameters", ()) or engine_report.non_finite_parameters(module)
-        )[:20],
-    }
-
-
-def _wire_layout(
-    shards: list, group_ranks: list[tuple[int, ...]], numel: dict[str, int], keys: dict[str, str]
-) -> dict[tuple[int, ...], dict[str, Any]]:
-    """Per process group, the spec's counts of this rank's own-shard elements there
-    ([Note: group size from the wire], qualify/evidence/checks.py): quantized (parameters above
-    spec.EXACT_MAX_NUMEL), exact (at most: :func:`spec.travels_exactly`), padding (no
-    parameter) and the working element
-    size, and which parameters they are (dense, expert: [Note: replica sets], replicas.py)."""
-    layout: dict[tuple[int, ...], dict[str, Any]] = {}
-    for shard, ranks in zip(shards, group_ranks, strict=True):
-        counts = layout.setdefault(
-            ranks,
-            {"quantized_numel": 0, "exact_numel": 0, "padding_numel": 0, "element_bytes": 0},
-        )
-        kind = replicas.wire_kind([slot.name for slot in shard.slots], keys)
-        counts["params"] = kind if counts.get("params", kind) == kind else "mixed"
-        covered = 0
-        for slot in shard.slots:
-            kind = "exact_numel" if spec.travels_exactly(numel[slot.name]) else "quantized_numel"
-            counts[kind] += slot.end - slot.start
-            covered += slot.end - slot.start
-        counts["padding_numel"] += shard.master.numel() - covered
-        counts["element_bytes"] = shard.working.element_size()
-    return layout
-
-
-def _step_boundary(engine: ArmEngine) -> torch.optim.Optimizer | None:
-    """The optimizer whose first ``step`` in a training step ends its backward (None: the
-    subject's is no torch optimizer; then all data the step moves counts as the gather)."""
-    optimizer = getattr(engine, "shard_optimizer", None)
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-def _wire(probe: WireProbe, layout: dict, rank: int) -> list[dict[str, Any]]:
-    """This step's weight-gather traffic per process group ([Note: wire accounting below
-    every entry point], qwz/integrations/probe.py), with the group's counts."""
-    wire = []
-    for ranks, counts in layout.items():
-        traffic = probe.gather_traffic(ranks)
-        wire.append(
-            {
-                "rank": rank,
-                "group_ranks": list(ranks),
-                "bytes_per_step": traffic.sent_bytes,
-                "calls_per_step": traffic.calls,
-                "received_bytes_per_step": traffic.received_bytes,
-                "rows_per_step": traffic.rows,
-                **counts,
-            }
-        )
-    return wire
-
-
-class _ArmRun:
-    """One arm on this rank: built, trained for ``plan.steps`` steps and observed after each
-    (module docstring, steps 1-6). ``observed`` holds the fields of the ArmObservation the
-    arm ends with, as they are observed; ``sampled`` its sampled values per step."""
-
-    def __init__(
-        self,
-        plan: RunPlan,
-        arm: ArmSpec,
-        rank: int,
-        progress: _Progress,
-        samples: dict[str, torch.Tensor] | None,
-        reference_samples: dict[str, list[torch.Tensor]] | None,
-    ):
-        self.plan, self.arm, self.rank, self.progress = plan, arm, rank, progress
-        self.samples, self.reference_samples = samples, reference_samples
-        self.observed: dict[str, Any] = {"losses": [], "grad_norms": [], "held_out": []}
-        self.observed["step_digests"] = []
-        self.observed["drift_max_abs"] = []
-        self.sampled: dict[str, list[torch.Tensor]] = {}
-        self.peak = _StepPeak()
-        self.engine: ArmEngine | None = None
-        self.update_check: update.UpdateCheck | None = None
-        self.shards: list | None = None
-        self.exact_masks: list | None = None
-        self.own_result = own_shard.OwnShardResult()
-        self.check_own = arm.noise_group_size is None
-        self.fp16 = plan.dtype == "fp16"
-        self.clipping = clipping_of(plan.arm_config(arm))
-        """[Note: global norm check]'s threshold, read from the arm's config."""
-        self.gathered = True
-        """Whether the last step ran the weight gather (not an fp16 overflow skip)."""
-        """[Note: overflow observation]: steps may be skipped; the evidence judges them."""
-        self.overflow_watch: overflow.OverflowWatch | None = None
-        self.next_use: next_use.NextUse | None = None
-        self.subject_runs: Any = None
-        self.wire = WireWindow()
-        self.staging: dict[str, Any] = {}
-        """The largest window's memory ([Note: staging memory, exactly])."""
-        self.largest_outputs: dict[tuple[int, ...], int] = {}
-        """Per process group, the largest weight-gather collective output of any window."""
-        if self.fp16:
-            self.observed.update(loss_scales=[], overflowed=[])
-
-    def build(self) -> None:
-        plan, arm = self.plan, self.arm
-        engine = self.engine = _build(plan, arm)
-        self.observed.update(group_size=engine.group_size, reported_by=engine.reported_by)
-        named = list(engine.module.named_parameters())
-        self.names = [name for name, _ in named]
-        numel = {name: param.numel() for name, param in named}
-        # The shards' tensors are live views, so one call serves every step; which of their
-        # elements must travel exactly never changes either.
-        self.shards = engine.own_shards()
-        group_ranks = engine.shard_group_ranks()
-        self.replica_keys = plan.workload.replica_keys(engine.module)
-        self.replica_sets = replicas.ReplicaSets.agree(self.replica_keys)
-        self.wire_layout = _wire_layout(self.shards, group_ranks, numel, self.replica_keys)
-        # A one-rank gather group copies exactly ([Note: the spec's decode], evidence/spec.py).
-        gather_ranks = [len(ranks) for ranks in group_ranks]
-        self.exact_masks = own_shard.exact_masks(self.shards, arm.group_size, numel, gather_ranks)
-        # [Note: the optimizer the update check re-derives]: read from the arm's config; a
-        # reason instead of settings: not re-derived, only counted.
-        adamw = adamw_of(plan.arm_config(arm))
-        self.update_check = update.UpdateCheck(
-            self.shards,
-            engine.shard_optimizer,
-            adamw if isinstance(adamw, AdamWSettings) else None,
-            samples_per_shard=plan.update_samples,
-            seed=plan.seed,
-            rank=self.rank,
-            skips_allowed=self.fp16,
-        )
-        if self.fp16:
-            self.overflow_watch = overflow.OverflowWatch(engine.module)
-        self.next_use = next_use.NextUse(engine.module, pause=self.peak.paused)
-        # Ahead of the subject's own pre-hooks: its memory counts from here ([Note: the wire
-        # window], wire_window.py), not from the harness's batch preparation before it.
-        self.subject_runs = engine.module.register_forward_pre_hook(
-            lambda *_: self.wire.subject_runs(), prepend=True
-        )
-
-    def train(self) -> None:
-        """Every step, until the last or the first failure every rank agrees on."""
-        plan, arm, progress = self.plan, self.arm, self.progress
-        self.build()
-        if 0 in plan.eval_steps:
-            self.observed["held_out"].append(_held_out_loss(plan, self.engine, self.rank, 0))
-        for step in range(1, plan.steps + 1):
-            progress.at(phase="train", arm=arm.name, step=step, last_completed_step=step - 1)
-            trained = self.train_step(step)
-            if trained is None:
-                self.wire.close()  # the step that ended the arm: its window is not read
-                break
-            loss_value, grad_norm = trained
-            self.observe(step, loss_value, grad_norm)
-            if step % 5 == 0 or step == plan.steps:
-                progress.say(f"{arm.name} step {step}/{plan.steps}: loss {loss_value:.4f}")
-        self.next_use.settle(self._final_forward)
-        if self.check_own:
-            self.observed["own_shard"] = dataclasses.asdict(self.own_result)
-        self.observed["final_hash"], self.observed["final_hashes"] = replicas.final_hashes(
-            self.engine.module, self.replica_keys
-        )
-
-    def train_step(self, step: int) -> tuple[float, float] | None:
-        """One step: its loss and gradient norm, its wire window left open and suspended
-        ([Note: the wire window]); None when every
-        rank raised an AGREED_FAILURES error (recorded; the arm ends). In fp16 a non-finite
-        loss or norm ends the arm only on a step some rank's optimizer took: a step every
-        rank skipped is the evidence's to judge ([Note: overflow pattern])."""
-        plan, engine, update_check = self.plan, self.engine, self.update_check
-        error: dict[str, Any] | None = None
-        # Only AGREED_FAILURES are caught here; anything else ends the run ([Note: failures]).
-        try:
-            update_check.begin_step(step)
-            with self.peak.around_step():
-                batch = plan.workload.batch(seed=plan.seed, step=step, rank=self.rank)
-                self.wire.resume()
-                loss = plan.workload.loss(engine.module, batch)
-                if self.overflow_watch is not None:
-                    self.overflow_watch.watch(loss)
-                # Data moved before the masters' optimizer steps is the backward's.
-                self.wire.open(_step_boundary(engine))
-                try:
-                    engine.train_step(loss)
-                finally:
-                    self.wire.suspend()
-            update_check.end_step()
-            loss_value = _mean_over_ranks(loss)
-            grad_norm = float(engine.grad_norm) if engine.grad_norm is not None else math.nan
-            finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-            if not (finite or self.fp16):
-                raise _non_finite(step, loss_value, grad_norm)
-        except AGREED_FAILURES as raised:  # every rank raised it: agreed on, the arm ends
-            error = _failure(step, self.rank, raised, engine.module)
-        if self._agreed_failure(step, error):
-            return None
-        watch = self.overflow_watch
-        agreement = update_check.check_norm(
-            grad_norm, self.clipping, None if watch is None else watch.local_overflow
-        )
-        if watch is not None:
-            self.observed["loss_scales"].append(watch.applied_scale())
-            self.observed["overflowed"].append(agreement.ranks_overflowed > 0)
-            if not finite and agreement.ranks_stepped > 0:  # the values are agreed on
-                raised = _non_finite(step, loss_value, grad_norm)
-                self._agreed_failure(step, _failure(step, self.rank, raised, engine.module))
-                return None
-        stepped = agreement.ranks_stepped > 0 or not self.fp16
-        self.gathered = stepped  # an overflow-skipped step runs no gather
-        if stepped and "first_update_step" not in self.observed:
-            self.observed["first_update_step"] = step
-        return loss_value, grad_norm
-
-    def _agreed_failure(self, step: int, error: dict[str, Any] | None) -> bool:
-        """Whether any rank failed at `step` (collective); the failure is recorded."""
-        errors = [item for item in _agree(error) if item is not None]
-        if errors:
-            self.observed["failure"] = errors[0] | {"ranks": sorted({e["rank"] for e in errors})}
-            message = errors[0]["message"][:200]
-            self.progress.say(f"{self.arm.name}: FAILED at step {step}: {message}")
-        return bool(errors)
-
-    def _final_forward(self) -> None:
-        """After the last step, one more use of the weights ([Note: observed at the next
-        use]): the next training batch in eval mode (no dropout: no random state is drawn),
-        its loss discarded."""
-        plan, module = self.plan, self.engine.module
-        was_training = module.training
-        module.eval()
-        try:
-            batch = plan.workload.batch(seed=plan.seed, step=plan.steps + 1, rank=self.rank)
-            self.wire.resume()
-            plan.workload.loss(module, batch)
-        finally:
-            module.train(was_training)
-
-    def observe(self, step: int, loss_value: float, grad_norm: float) -> None:
-        """What the harness checks after a completed step, outside the step's memory window;
-        what the working copy holds, and what the wire carried, is observed at the weights'
-        next use (:meth:`observe_weights`)."""
-        plan, arm, engine, observed = self.plan, self.arm, self.engine, self.observed
-        observed["losses"].append(loss_value)
-        observed["grad_norms"].append(grad_norm)
-        if arm.noise_group_size is not None:
-            calibration_noise.perturb(engine.module, arm.noise_group_size, plan.seed, step)
-        digests = replicas.master_digests(self.shards, self.replica_sets)
-        observed["step_digests"].append(replicas.short_digests(digests))
-        if step == observed.get("first_update_step") and observed.get("step1_digests") is None:
-            # The first optimizer step (step 1 unless fp16 overflows skipped the first):
-            # until then no gather ran, so every arm held the same weights.
-            observed["step1_digests"] = digests
-        first_update, gathered = observed.get("first_update_step"), self.gathered
-        self.next_use.defer(
-            f"the weights after step {step}",
-            lambda: self.observe_weights(step, first_update, gathered),
-        )
-        if step in plan.eval_steps:
-            self.wire.resume()
-            observed["held_out"].append(_held_out_loss(plan, engine, self.rank, step))
-
-    def observe_weights(self, step: int, first_update_step: int | None, gathered: bool) -> None:
-        """The wire and the working copy after `step`, at its next use ([Note: observed at
-        the next use]): what the step's window carried, every own shard against the
-        contract, the replicas across ranks, the samples."""
-        arm, observed, module = self.arm, self.observed, self.engine.module
-        self.observe_wire(self.wire.close(), gathered)
-        resume = self.progress.where
-        self.progress.at(phase="observe", arm=arm.name, step=step, last_completed_step=step)
-        if self.check_own and first_update_step is None:
-            # fp16: every step so far overflowed and was skipped, so no gather has run: the
-            # working copy must still be the model as built, its master cast exactly.
-            untouched = [torch.ones_like(mask) for mask in self.exact_masks]
-            own_shard.check_own_shards(
-                self.shards, untouched, None, step, self.rank, self.own_result
-            )
-        elif self.check_own:
-            own_shard.check_own_shards(
-                self.shards, self.exact_masks, arm.group_size, step, self.rank, self.own_result
-            )
-            if arm.group_size is not None and step == self.plan.steps:
-                self.own_result.cost = scheme_cost.measure(
-                    self.shards, self.exact_masks, arm.group_size
-                )
-        divergent = replicas.divergence(module, self.replica_sets)
-        if divergent and observed.get("replica_divergence") is None:
-            observed["replica_divergence"] = {"step": step, "parameters": divergent[:20]}
-        if self.samples is not None:
-            self.sample(step, module)
-        self.progress.at(**resume)
-
-    def observe_wire(self, probe: WireProbe | None, gathered: bool) -> None:
-        """What a step's window carried ([Note: the wire window]); the bytes are those of the
-        last step that gathered (an fp16 overflow skip gathers nothing), the memory the most
-        any window held ([Note: staging memory, exactly])."""
-        if probe is None:
-            return
-        memory = self.wire.memory
-        if memory is not None and memory.peak_bytes >= self.staging.get("peak_bytes", -1):
-            self.staging = {
-                "peak_bytes": memory.peak_bytes,
-                "largest": [list(item) for item in memory.largest],
-            }
-        observed = self.observed
-        # [Note: the staging bound] (evidence/staging.py): the largest collective of any window,
-        # recorded with the last gathering step's wire.
-        for ranks in self.wire_layout:
-            largest = probe.gather_traffic(ranks).largest_output_bytes
-            self.largest_outputs[ranks] = max(self.largest_outputs.get(ranks, 0), largest)
-        if gathered:
-            observed["gather_bytes"] = int(probe.bytes["gather"])
-            observed["wire"] = [
-                entry | {"largest_output_bytes": self.largest_outputs[tuple(entry["group_ranks"])]}
-                for entry in _wire(probe, self.wire_layout, self.rank)
-            ]
-        # Any step's unattributed collective makes the wire's account incomplete.
-        for name, count in probe.uncounted.items():
-            uncounted = observed.setdefault("uncounted", {})
-            uncounted[name] = uncounted.get(name, 0) + count
-
-    def sample(self, step: int, module: torch.nn.Module) -> None:
-        """The sampled parameter values, and their drift from the reference's (context)."""
-        params = dict(module.named_parameters())
-        values = {
-            name: params[name].detach().reshape(-1)[index.to(params[name].device)].float().cpu()
-            for name, index in self.samples.items()
-        }
-        for name, value in values.items():
-            self.sampled.setdefault(name, []).append(value)
-        if self.reference_samples is not None:
-            self.observed["drift_max_abs"].append(
-                max(
-                    float((value - self.reference_samples[name][step - 1]).abs().max())
-                    for name, value in values.items()
-                )
-            )
-
-    def finish(self) -> ArmObservation:
-        """The arm's observation; releases its engine (also after a failure that ends the run)."""
-        observed = self.observed
-        if self.engine is not None:
-            observed["kernels"] = engine_report.kernels_used(self.engine, self.rank)
-        if self.update_check is not None:
-            observed["update"] = dataclasses.asdict(self.update_check.result)
-            self.update_check.close()
-        if self.overflow_watch is not None:
-            self.overflow_watch.close()
-        if self.next_use is not None:
-            self.next_use.close()
-        if self.subject_runs is not None:
-            self.subject_runs.remove()
-        self.wire.close()
-        observed["steps_completed"] = len(observed["losses"])
-        observed["memory"] = self.peak.result() if self.peak.steps else _peak_memory()
-        if self.staging:
-            observed["memory"] = observed["memory"] | {
-                "staging_peak_bytes": self.staging["peak_bytes"],
-                "staging_largest": self.staging["largest"],
-            }
-        self.engine = self.update_check = self.shards = self.exact_masks = None
-        self.subject_runs = None
-        self.overflow_watch = self.next_use = None
-        return ArmObservation(**observed)
-
-
-def _train_arm(
-    plan: RunPlan,
-    arm: ArmSpec,
-    rank: int,
-    reference_samples: dict[str, list[torch.Tensor]] | None,
-    samples: dict[str, torch.Tensor] | None,
-    progress: _Progress,
-) -> tuple[ArmObservation, dict[str, list[torch.Tensor]]]:
-    """Train one arm for plan.steps steps; its observations, and its sampled values per step."""
-    _release_memory()
-    _reset_peak_memory()
-    run = _ArmRun(plan, arm, rank, progress, samples, reference_samples)
-    progress.at(phase="build", arm=arm.name, step=0, last_completed_step=0)
-    try:
-        run.train()
-    finally:
-        observation = run.finish()
-        _release_memory()
-    return observation, run.sampled
-
-
-def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Progress) -> dict:
+def _timing(
+    plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: arm_run.Progress
+) -> dict:
     workload = plan.workload
     timings: dict[str, list[dict[str, Any]]] = {}
     perf_steps = len(candidates) * plan.blocks * 2 * (plan.warmup_steps + plan.block_steps)
@@ -784,8 +109,8 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
             if spec.name not in resident:
                 if plan.one_arm_at_a_time:
                     resident.clear()
-                    _release_memory()
-                resident[spec.name] = _build(plan, spec)
+                    heap.release_memory()
+                resident[spec.name] = arm_run.build(plan, spec)
             engine = resident[spec.name]
             with gather_timing.timed_gather(engine) as clock:
                 engine.train_step(workload.loss(engine.module, next(batches)))
@@ -800,7 +125,7 @@ def _timing(plan: RunPlan, candidates: list[ArmSpec], rank: int, progress: _Prog
             sync=_sync,
         )
         resident.clear()
-        _release_memory()
+        heap.release_memory()
         timings[arm.name] = [block._asdict() for block in blocks]
         speedups = stats.block_speedups(blocks)
         progress.say(f"{arm.name}: block speed-ups " + ", ".join(f"{v:.3f}" for v in speedups))
@@ -832,21 +157,21 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
     gets every rank's observations. A failure only this rank sees ends the run through
     rank_reports.crash ([Note: failures])."""
     rank, world_size = _rank_and_world()
-    progress = _Progress(rank == 0)
+    progress = arm_run.Progress(rank == 0)
     if dist.is_initialized():
         devices.use_cpu_accelerator_for_gloo(str(dist.get_backend()))
     try:
         if plan.subject in DEEPSPEED_SUBJECTS:
             use_deepspeed_source(plan.deepspeed_src)
             quantizer_op.install(plan.cpu_quantizer)
-        with determinism.deterministic() as settings, _frozen_heap():
+        with determinism.deterministic() as settings, heap.frozen_heap():
             return _qualify(plan, rank, world_size, progress, settings)
     except Exception as error:
         rank_reports.crash(quantizer_op.explained(error), **progress.where)
 
 
 def _train_arms(
-    plan: RunPlan, rank: int, samples: dict[str, torch.Tensor], progress: _Progress
+    plan: RunPlan, rank: int, samples: dict[str, torch.Tensor], progress: arm_run.Progress
 ) -> dict[str, ArmObservation]:
     """Every arm, one after another ([Note: arms one at a time]); each arm's observation is
     reported as it ends, so the launcher keeps it if the run crashes later."""
@@ -854,7 +179,7 @@ def _train_arms(
     reference_samples: dict[str, list[torch.Tensor]] | None = None
     for arm in plan.arms:
         against = None if arm.name == REFERENCE else reference_samples
-        obs, sampled = _train_arm(plan, arm, rank, against, samples, progress)
+        obs, sampled = arm_run.train_arm(plan, arm, rank, against, samples, progress)
         if arm.name == REFERENCE:
             reference_samples = sampled if obs.failure is None else None
         arms[arm.name] = obs
@@ -863,7 +188,7 @@ def _train_arms(
 
 
 def _qualify(
-    plan: RunPlan, rank: int, world_size: int, progress: _Progress, settings: Any
+    plan: RunPlan, rank: int, world_size: int, progress: arm_run.Progress, settings: Any
 ) -> list[dict[str, Any]] | None:
     refusals = plan.workload.refusals(plan.subject, world_size)
     if refusals:  # the CLI refuses these before any rank starts; torchrun and tests get here
@@ -900,7 +225,7 @@ def _qualify(
     if rank == 0:
         observation.update(provenance.code_under_test(plan.subject))
     progress.at(phase="gather observations")
-    gathered = _agree(observation)
+    gathered = arm_run.agree(observation)
     if rank == 0:
         _same_deepspeed_everywhere(gathered)
         names = [item["device_name"] for item in gathered]

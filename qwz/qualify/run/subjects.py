@@ -25,8 +25,8 @@ the commit DeepSpeed wrote into ``git_version_info`` at install time is context 
 
 [Note: reported group size]
 Where DeepSpeed says which group size it uses, the probe shows it beside the wire's
-(qualify/evidence/checks.py). Read in this order, the first that exists wins: the engine's config
-accessor ``engine.zero_quantized_weights_group_size()`` (DeepSpeed's style for every
+(qualify/evidence/rules/group_size_on_wire.py). Read in this order, the first that exists wins: the
+engine's config accessor ``engine.zero_quantized_weights_group_size()`` (DeepSpeed's style for every
 ZeRO key, as ``engine.zero_quantized_weights()``), the ZeRO config model's field
 ``engine._config.zero_config.zero_quantized_weights_group_size``, then the optimizer's
 ``quantization_group_size`` attribute. DeepSpeed 0.19 has none of them (it reports no
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import qwz
-from qwz.qualify.plan import DEEPSPEED_SUBJECTS, SUBJECTS
+from qwz.qualify.base.plan import DEEPSPEED_SUBJECTS, SUBJECTS
 from qwz.qualify.run import child
 from qwz.shards import OwnShard
 

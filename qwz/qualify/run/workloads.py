@@ -20,7 +20,7 @@ Presets:
 * ``mlp``: a plain MLP without ``transformers`` learning a seeded linear teacher (plus
   noise), for quick runs and tests.
 * ``mlp-small``: the same recipe at a quarter of the parameters (two quantized matrices of
-  70,400 elements), the CPU workload of the ``long`` preset (qualify/presets.py), whose
+  70,400 elements), the CPU workload of the ``long`` preset (qualify/base/presets.py), whose
   thousands of steps are dominated by the per-step observation, not the model.
 * ``moe-tiny``: DeepSpeed's MoE layer (4 experts, expert parallelism 2) between two dense
   Linears, learning the same kind of teacher, for the DeepSpeed subjects
@@ -31,7 +31,7 @@ The Qwen3 workloads compute attention with transformers' eager implementation un
 run's ``attention`` setting says ``sdpa`` (torch's ``scaled_dot_product_attention``, what
 transformers uses in training where the backend has it, and what the upstream evidence's
 model ran). Eager attention saves the softmax probabilities of every layer for the
-backward, ``micro_batch * heads * seq**2`` elements per layer (qualify/gpu_memory.py counts
+backward, ``micro_batch * heads * seq**2`` elements per layer (qualify/request/gpu_memory.py counts
 them); SDPA recomputes or fuses them. An ``sdpa`` workload says so in its params
 (``"attention": "sdpa"``), so the record, the ledger's key and the hashes it keys tell the
 two apart; an eager one has no such key, as in every record before the setting existed.
@@ -122,6 +122,12 @@ class Workload:
 
     name: str
     params: dict[str, Any] = field(default_factory=dict)
+
+    def numel(self, seed: int) -> int:
+        """Parameters of the workload's model, counted on the meta device (no memory)."""
+        with torch.device("meta"):
+            model = self.build_model(seed)
+        return sum(parameter.numel() for parameter in model.parameters())
 
     def build_model(
         self,

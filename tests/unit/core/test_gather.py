@@ -66,7 +66,7 @@ def check_gather(
             quantize=quantize,
             group_size=group_size,
             element_size=element_size,
-            budget_bytes=budget,
+            bucket_bytes=budget,
         )
         # NaN everywhere first: an element the gather does not write fails torch.equal.
         full = torch.full((1, shard_numel), math.nan, dtype=case.dtype)
@@ -95,8 +95,8 @@ def test_quantized_gather_is_dequantize_of_quantize_whatever_the_chunking(case):
     check_gather(case, quantize=True, group_size=case.group_size, expected=expected)
 
 
-@pytest.mark.parametrize("budget_bytes", [48, 2**20], ids=["four-chunks", "one-chunk"])
-def test_the_check_before_the_first_write_runs_once_and_can_stop_every_write(budget_bytes):
+@pytest.mark.parametrize("bucket_bytes", [48, 2**20], ids=["four-chunks", "one-chunk"])
+def test_the_check_before_the_first_write_runs_once_and_can_stop_every_write(bucket_bytes):
     """``before_first_write`` ([Note: host reads in a step], qwz/optimizer.py) runs once,
     after packing and before any decode writes the destination; when it raises, the
     destination is untouched."""
@@ -107,7 +107,7 @@ def test_the_check_before_the_first_write_runs_once_and_can_stop_every_write(bud
         quantize=True,
         group_size=8,
         element_size=2,
-        budget_bytes=budget_bytes,
+        bucket_bytes=bucket_bytes,
     )
     dest = torch.full((1, 64), math.nan, dtype=torch.bfloat16)
     untouched = []

@@ -285,7 +285,7 @@ def test_compile_cache_keeps_the_user_s_tag_and_directory(monkeypatch, tmp_path)
 
 # --------------------------------------------------------------------------- #
 # A failing self-test on the device: eager, recorded ([Note: fused kernels checked
-# before a run], qualify/kernel_check.py)
+# before a run], qualify/request/kernel_check.py)
 # --------------------------------------------------------------------------- #
 
 FORCED_FAILURE = "torch.compile on cuda:0: forced failure"

@@ -121,7 +121,7 @@ class GatherProblem(NamedTuple):
     quantize: bool
     group_size: int | None
     element_size: int
-    budget_bytes: int
+    bucket_bytes: int
     exact_numel: int
     exact_runs: tuple[tuple[tuple[int, int], ...], ...] | None
 
@@ -159,7 +159,7 @@ def gather_problems(draw) -> GatherProblem:
     if source_numel == 0 and exact_numel == 0:
         exact_numel = 1
     whole = world_size * (source_numel * 2 + exact_numel * element_size + 64)
-    budget_bytes = draw(
+    bucket_bytes = draw(
         st.one_of(st.integers(0, 200), st.integers(whole // 4, 2 * whole), st.integers(0, 2**40))
     )
     return GatherProblem(
@@ -168,7 +168,7 @@ def gather_problems(draw) -> GatherProblem:
         quantize,
         group_size,
         element_size,
-        budget_bytes,
+        bucket_bytes,
         exact_numel,
         exact_runs,
     )
@@ -223,8 +223,8 @@ def test_staging_of_both_buffers_within_the_budget_or_one_minimal_chunk(problem)
     world_size = problem.world_size
     assert plan.staging_bytes == plan.num_buffers * world_size * plan.row_bytes
     if plan.num_buffers == 2:
-        assert plan.staging_bytes <= problem.budget_bytes
-    elif plan.staging_bytes > problem.budget_bytes:
+        assert plan.staging_bytes <= problem.bucket_bytes
+    elif plan.staging_bytes > problem.bucket_bytes:
         # Over budget only with the smallest chunk: one unit per rank, plus one exact
         # element (quota) or the exact elements inside that unit (runs).
         unit_bytes = (
@@ -244,7 +244,7 @@ def test_staging_bound_is_caught_by_the_two_buffer_rule():
     """The budget that holds the whole gather once but not twice: two buffers of half."""
     problem = GatherProblem(2, 64 * 10, True, 64, 2, 2 * 10 * 68, 0, None)
     plan = problem.plan()
-    assert plan.num_buffers == 2 and plan.staging_bytes <= problem.budget_bytes
+    assert plan.num_buffers == 2 and plan.staging_bytes <= problem.bucket_bytes
     assert len(plan.chunks) == 2
 
 

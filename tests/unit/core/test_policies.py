@@ -71,7 +71,7 @@ def test_plan_gather_refuses_to_quantize_without_a_group_size():
             quantize=True,
             group_size=None,
             element_size=2,
-            budget_bytes=1 << 20,
+            bucket_bytes=1 << 20,
         )
 
 

@@ -1,4 +1,4 @@
-"""[Note: the rank that failed first] (qwz/qualify/rank_reports.py): which rank a crash record
+"""[Note: the rank that failed first] (qwz/qualify/base/rank_reports.py): which rank a crash record
 blames, and the side-channel files a rank writes for its launcher."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from qwz.qualify import rank_reports
-from qwz.qualify.rank_reports import RankEnd
+from qwz.qualify.base import rank_reports
+from qwz.qualify.base.rank_reports import RankEnd
 
 WHERE = {"arm": "reference", "step": 3}
 
@@ -68,11 +68,11 @@ def _report(directory, rank: int, error: str, at_s: float) -> None:
 
 
 def test_under_torchrun_a_silent_rank_is_unreported_and_an_own_error_still_wins(tmp_path):
-    """[Note: a crash under torchrun] (qwz/qualify/cli.py): from the reports alone, a rank
+    """[Note: a crash under torchrun] (qwz/qualify/run/torchrun.py): from the reports alone, a rank
     with none is "unreported" -- the cause of its peers' lost connections, never of an own
     error -- and it is not counted among the ranks that failed on their own."""
+    from qwz.qualify.base.plan import RunPlan
     from qwz.qualify.evidence.build import _crash_failure
-    from qwz.qualify.plan import RunPlan
     from qwz.qualify.run.launch import torchrun_failure
     from qwz.qualify.run.workloads import get_workload
 

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from qwz import __version__
-from qwz.qualify import cli, exit_codes, files
+from qwz.qualify import cli
+from qwz.qualify.base import exit_codes, files
 from qwz.qualify.evidence import record
 
 from ..records import make_record

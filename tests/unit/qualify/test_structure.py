@@ -1,5 +1,6 @@
 """The package's shape, read from its AST: no function in ``qwz/`` longer than 60 lines, no
-import cycle, and dependencies that point down only (DESIGN.md, "Layout").
+file longer than 600 and no class longer than 150 unless it says why, no import cycle, and
+dependencies that point down only (DESIGN.md, "Layout").
 
 The import graph has one edge per ``import``/``from ... import`` anywhere in a module,
 function-level ones (a lazy import is still a dependency) and those under
@@ -12,6 +13,11 @@ import pathlib
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[3] / "qwz"
 MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 600
+MAX_CLASS_LINES = 150
+SAYS_WHY = "longer than {limit} lines because"
+"""What a file's docstring (a class's, for a class) says where it must be longer than its
+limit, followed by the reason."""
 
 LAYERS = {
     "core": 0,
@@ -20,38 +26,21 @@ LAYERS = {
     "qualify.evidence": 3,
     "qualify.run": 4,
     "qualify.review": 4,
-    "qualify.preflight": 5,
+    "qualify.request": 5,
     "qualify.matrix": 6,
     "qualify.bisect": 6,
     "qualify.pr_review": 7,
-    "qualify.cli": 8,
+    "qualify": 8,
 }
-"""A module may import its own group and any group of a lower layer: run and review are
-siblings (neither imports the other), the matrix runs ``run`` cells (it is handed the CLI's
+"""Each layer is a folder of ``qwz/qualify/`` (a module's layer is its folder's; the modules at
+``qualify/``'s top -- the CLI -- are the top layer, ``qualify``). A module may import its own
+folder and any folder of a lower layer: run and review are siblings (neither imports the
+other), the request (the resolved ``run`` request and its preflight) reads the run's
+workloads and the evidence's rules, the matrix runs ``run`` cells (it is handed the CLI's
 parser, never imports it), bisect drives whole runs (as subprocesses) and judges their
 records, matrix and bisect are siblings, the review of a pull request runs two ``run``s as a
 matrix runs its cells and checks out commits as bisect does (it reuses both), the CLI sits on
 top."""
-QUALIFY_TOP = {
-    "qwz.qualify": "qualify.base",
-    "qwz.qualify.files": "qualify.base",
-    "qwz.qualify.plan": "qualify.base",
-    "qwz.qualify.values": "qualify.base",
-    "qwz.qualify.rank_reports": "qualify.base",
-    "qwz.qualify.supervise": "qualify.base",
-    "qwz.qualify.exit_codes": "qualify.base",
-    "qwz.qualify.time_floor": "qualify.preflight",
-    "qwz.qualify.preflight": "qualify.preflight",
-    "qwz.qualify.gpu_memory": "qualify.preflight",
-    "qwz.qualify.kernel_check": "qualify.preflight",
-    "qwz.qualify.ds_config": "qualify.preflight",
-    "qwz.qualify.requirements": "qualify.preflight",
-    "qwz.qualify.presets": "qualify.preflight",
-    "qwz.qualify.settings": "qualify.preflight",
-    "qwz.qualify.cli": "qualify.cli",
-    "qwz.qualify.cli_parser": "qualify.cli",
-    "qwz.qualify.__main__": "qualify.cli",
-}
 
 
 def _modules(root: pathlib.Path = PACKAGE_DIR) -> dict[str, pathlib.Path]:
@@ -136,15 +125,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def group_of(module: str) -> str:
-    if module in QUALIFY_TOP:
-        return QUALIFY_TOP[module]
+def group_of(module: str, root: pathlib.Path = PACKAGE_DIR) -> str:
+    """The layer folder `module` lives in: ``qualify.<folder>`` for a module in a folder of
+    ``qwz/qualify/``, ``qualify`` for one at its top, ``integrations`` or ``core``."""
     parts = module.split(".")
     if parts[1:2] == ["integrations"]:
         return "integrations"
-    if parts[1:2] == ["qualify"]:
+    if parts[1:2] != ["qualify"]:
+        return "core"
+    if len(parts) > 3 or (len(parts) == 3 and (root / "qualify" / parts[2]).is_dir()):
         return f"qualify.{parts[2]}"
-    return "core"
+    return "qualify"
 
 
 def long_functions(root: pathlib.Path = PACKAGE_DIR) -> list[tuple[int, str]]:
@@ -265,3 +256,86 @@ def test_the_top_level_check_catches_a_tool_there(tmp_path):
         target.write_text(path.read_text())
     (tmp_path / "qwz" / "probe_tool.py").write_text("import torch\n")
     assert top_level_tools(tmp_path / "qwz") == {"qwz.probe_tool"}
+
+
+FRONT_DOOR = {"qwz.qualify", "qwz.qualify.__main__", "qwz.qualify.cli", "qwz.qualify.cli_parser"}
+"""The modules at ``qualify/``'s top: the commands' parser and handlers; every other module of
+the harness lives in the folder of its layer."""
+
+
+def test_qualify_top_holds_the_cli_only():
+    top = {module for module in _modules() if group_of(module) == "qualify"}
+    assert top <= FRONT_DOOR, f"put these in the folder of their layer: {top - FRONT_DOOR}"
+
+
+def oversized(root: pathlib.Path = PACKAGE_DIR) -> list[str]:
+    """Every file longer than MAX_FILE_LINES and every class longer than MAX_CLASS_LINES,
+    with its lines, and whether its docstring says why (``SAYS_WHY``)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text)
+        where = path.relative_to(root.parent)
+        lines = len(text.splitlines())
+        if lines > MAX_FILE_LINES:
+            says = SAYS_WHY.format(limit=MAX_FILE_LINES) in (ast.get_docstring(tree) or "")
+            found.append(f"{where}: {lines} lines" + ("" if says else ", not saying why"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    says = SAYS_WHY.format(limit=MAX_CLASS_LINES) in (ast.get_docstring(node) or "")
+                    found.append(
+                        f"{where}:{node.lineno} class {node.name}: {lines} lines"
+                        + ("" if says else ", not saying why")
+                    )
+    return found
+
+
+def test_files_and_classes_over_their_limits_say_why():
+    """Over 600 lines a file, over 150 a class, must say why in its docstring; the list is
+    printed so a reader sees what is long today."""
+    found = oversized()
+    print("\n".join(found))
+    unexplained = [item for item in found if item.endswith("not saying why")]
+    assert not unexplained, "too long, and not saying why:\n" + "\n".join(unexplained)
+
+
+def test_the_size_check_finds_a_long_class_and_file_that_do_not_say_why(tmp_path):
+    long_class = "class Long:\n" + "".join(f"    x{i} = {i}\n" for i in range(MAX_CLASS_LINES))
+    padding = "".join(f"y{i} = {i}\n" for i in range(MAX_FILE_LINES))
+    _write(tmp_path / "qwz", "long.py", '"""A module."""\n' + long_class + padding)
+    says = SAYS_WHY.format(limit=MAX_CLASS_LINES)
+    _write(tmp_path / "qwz", "said.py", f'class Said:\n    """It is {says} it must be."""\n')
+    (tmp_path / "qwz" / "said.py").write_text(
+        (tmp_path / "qwz" / "said.py").read_text()
+        + "".join(f"    x{i} = {i}\n" for i in range(MAX_CLASS_LINES))
+    )
+    assert oversized(tmp_path / "qwz") == [
+        f"qwz/long.py: {MAX_CLASS_LINES + MAX_FILE_LINES + 2} lines, not saying why",
+        f"qwz/long.py:2 class Long: {MAX_CLASS_LINES + 1} lines, not saying why",
+        f"qwz/said.py:1 class Said: {MAX_CLASS_LINES + 2} lines",
+    ]
+
+
+def test_no_two_harness_modules_share_a_file_name():
+    """One name per idea: a file name says which module it is anywhere in ``qualify/``."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE_DIR / "qualify").rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE_DIR.parent)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"file names used twice: {shared}"
+
+
+def test_the_unit_tests_mirror_the_package():
+    """tests/unit/qualify/ has a folder for a folder of ``qualify/`` only (its tests beside
+    the layer they test)."""
+    tests = pathlib.Path(__file__).resolve().parent
+    package = PACKAGE_DIR / "qualify"
+    folders = {
+        path.relative_to(tests)
+        for path in tests.rglob("*")
+        if path.is_dir() and path.name not in ("golden", "__pycache__")
+    }
+    assert {folder for folder in folders if not (package / folder).is_dir()} == set()

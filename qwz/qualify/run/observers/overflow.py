@@ -9,7 +9,7 @@ import torch
 class OverflowWatch:
     """[Note: overflow observation]
     fp16 only. What the evidence needs to judge a skipped step ([Note: overflow pattern],
-    qualify/evidence/loss_scaling.py), observed through public torch hooks on the objects
+    qualify/evidence/rules/overflow_pattern.py), observed through public torch hooks on the objects
     the harness owns -- never the engine's scaler or its overflow flag:
 
     - the loss scale actually applied: a hook on the loss tensor the harness computed and

@@ -33,6 +33,7 @@ and which named near miss (:data:`contract.NEAR_MISSES`) explains its mismatches
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ import torch
 
 from qwz import shards as seam
 from qwz.qualify.evidence import contract, spec
+from qwz.qualify.run.observers import scheme_cost
+from qwz.qualify.run.observers.arm_observer import ArmObserver
 from qwz.qualify.run.observers.piecewise import piece_numel
 
 
@@ -443,3 +446,36 @@ def _diagnosis(master, working, mask, group_size, at, scheme) -> str:
     return near_miss.diagnose(
         master[window], working[window], mask[window], group_size, verdict.mismatch
     )
+
+
+class OwnShards(ArmObserver):
+    """The own-shard observer: every own shard against the contract at each next use of the
+    weights, with the requested group size, and on the last step what the scheme cost
+    ([Note: what a scheme costs], scheme_cost.py): the ``own_shard`` field."""
+
+    def __init__(
+        self,
+        shards: Sequence[seam.OwnShard],
+        masks: list[torch.Tensor],
+        group_size: int | None,
+        *,
+        rank: int,
+        last_step: int,
+    ) -> None:
+        self.shards, self.masks, self.group_size = shards, masks, group_size
+        self.rank, self.last_step = rank, last_step
+        self.result = OwnShardResult()
+
+    def at_next_use(self, step: int, first_update_step: int | None) -> None:
+        if first_update_step is None:
+            # fp16: every step so far overflowed and was skipped, so no gather has run: the
+            # working copy must still be the model as built, its master cast exactly.
+            untouched = [torch.ones_like(mask) for mask in self.masks]
+            check_own_shards(self.shards, untouched, None, step, self.rank, self.result)
+            return
+        check_own_shards(self.shards, self.masks, self.group_size, step, self.rank, self.result)
+        if self.group_size is not None and step == self.last_step:
+            self.result.cost = scheme_cost.measure(self.shards, self.masks, self.group_size)
+
+    def report(self) -> dict[str, Any]:
+        return {"own_shard": dataclasses.asdict(self.result)}

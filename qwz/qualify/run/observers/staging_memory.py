@@ -25,7 +25,7 @@ megabytes), and CUDA's peak exists on a GPU only. So the harness counts storage 
   own line) is kept, and at the peak the largest live allocations are listed, so a failure
   names them.
 
-``bounded`` (qualify/evidence/bounded.py) holds the peak over every step's window against the
+``bounded`` (qualify/evidence/rules/bounded.py) holds the peak over every step's window against the
 contract's allowance (evidence/staging.py); the reference arm's peak, measured the same way,
 is what its engine allocates around any gather.
 """

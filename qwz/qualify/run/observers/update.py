@@ -72,6 +72,7 @@ coefficient is right, when both lie above ``c`` (the handed gradient's norm is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ import torch.distributed as dist
 
 from qwz import shards as seam
 from qwz.qualify.evidence.optimizer import AdamWSettings
+from qwz.qualify.run.observers.arm_observer import ArmObserver
 from qwz.qualify.run.observers.piecewise import FLOAT32_EPS, FLOAT32_TINY, all_reduce, piece_numel
 
 
@@ -115,8 +117,12 @@ class StepAgreement(NamedTuple):
     """Ranks whose loss-scaled local gradient held an Inf or NaN (:class:`OverflowWatch`)."""
 
 
-class UpdateCheck:
-    """[Note: exact update check] on a fixed sample of this rank's master elements."""
+class UpdateCheck(ArmObserver):
+    """[Note: exact update check] on a fixed sample of this rank's master elements.
+
+    This class is longer than 150 lines because the check is one stateful algorithm on the
+    optimizer's step hooks: the sample, its values before each step, the step re-derived,
+    the steps counted and the handed norm share its state."""
 
     def __init__(
         self,
@@ -165,6 +171,10 @@ class UpdateCheck:
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
         ]
+
+    def report(self) -> dict[str, Any]:
+        """The ``update`` field of the arm's observation."""
+        return {"update": dataclasses.asdict(self.result)}
 
     def close(self) -> None:
         for handle in self._handles:
