@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwz.qualify.evidence import contract
-from tests.unit.qualify.test_own_shard_contract import judged, shards
+from tests.unit.qualify.run.observers.test_own_shard_contract import judged, shards
 
 
 def _moved(values: torch.Tensor, ulps: torch.Tensor) -> torch.Tensor:
