@@ -11,14 +11,13 @@
   So a matrix that was killed, or stopped by SIGINT/SIGTERM, continues where it was when
   started again with the same ``--out``.
 
-[Note: matrix signals]
-  Each cell's ``run`` is started in its own session, so a Ctrl-C reaches the matrix alone;
-  the matrix forwards SIGINT or SIGTERM to the running cell once (``run`` then stops its
-  ranks and writes no record, only ``interrupted.json``), waits for it (SIGKILL after
-  ``supervise.STOP_GRACE_S``), marks the cells not reached as "not run", writes the table
-  and exits 128 + the signal number.
-  The child asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell
-  running ([Note: supervising a run], qualify/base/supervise.py).
+Signals: each cell's ``run`` is started in its own session, so a Ctrl-C reaches the matrix alone;
+the matrix forwards SIGINT or SIGTERM to the running cell once (``run`` then stops its
+ranks and writes no record, only ``interrupted.json``), waits for it (SIGKILL after
+``supervise.STOP_GRACE_S``), marks the cells not reached as "not run", writes the table
+and exits 128 + the signal number.
+The child asks for SIGTERM when the matrix dies, so even a SIGKILLed matrix leaves no cell
+running ([Note: supervising a run], qualify/base/supervise.py).
 
 How a cell's end reads: exit 0, 1 or 3 with a record that loads is its verdict (the
 record's own); exit 4 with ``harness-error.json`` is "HARNESS-ERROR" with what the harness

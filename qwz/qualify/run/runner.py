@@ -6,7 +6,6 @@ then time them.
 list of every rank's observations; other ranks return None. It drives engines
 only through ``subjects.ArmEngine`` (the seam of [Note: own shards]).
 
-[Note: arms one at a time]
 The arms -- the unquantized ``reference``, the ``calibration`` arm (the
 reference with quantization-sized noise, [Note: learning margin] in
 qualify/evidence/rules/learning.py) and one candidate per group size -- train one after another,
@@ -173,7 +172,7 @@ def qualify_rank(plan: RunPlan) -> list[dict[str, Any]] | None:
 def _train_arms(
     plan: RunPlan, rank: int, samples: dict[str, torch.Tensor], progress: arm_run.Progress
 ) -> dict[str, ArmObservation]:
-    """Every arm, one after another ([Note: arms one at a time]); each arm's observation is
+    """Every arm, one after another (the module docstring says why); each arm's observation is
     reported as it ends, so the launcher keeps it if the run crashes later."""
     arms: dict[str, ArmObservation] = {}
     reference_samples: dict[str, list[torch.Tensor]] | None = None
