@@ -5,6 +5,7 @@ next use, the optimizer's step and the harness's work left out."""
 from __future__ import annotations
 
 import torch
+from torch.utils import _python_dispatch
 
 from qwz.qualify.evidence import staging
 from qwz.qualify.run.observers.staging_memory import MemoryWindow, StagingMemory
@@ -83,6 +84,63 @@ def test_the_window_counts_after_the_optimizer_step_never_inside_it_nor_while_su
     after = torch.empty(8192)  # after the window: not counted
     assert result.peak_bytes == 256 + 128 and result.allocations == 2
     del before, gathered, harness, more, after
+
+
+class _PassThrough(_python_dispatch.TorchDispatchMode):
+    """A mode a subject might push: every op runs as it is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatch_stack() -> list:
+    return list(_python_dispatch._get_current_dispatch_mode_stack())
+
+
+def test_the_mode_is_on_the_dispatch_stack_only_while_it_counts():
+    """An entered mode sends every op through Python: the optimizer's step and the harness's
+    work run without it, and the figures are the same."""
+    weight = torch.nn.Parameter(torch.zeros(1024))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    window = MemoryWindow(optimizer)
+    seen_in_step = []
+    hook = optimizer.register_step_pre_hook(
+        lambda *_: seen_in_step.append(window.mode in _dispatch_stack())
+    )
+    weight.grad = torch.ones(1024)
+    assert window.mode not in _dispatch_stack()  # before the update
+    optimizer.step()
+    assert _dispatch_stack()[-1] is window.mode  # counting
+    gathered = torch.empty(256, dtype=torch.int8)
+    optimizer.step()
+    assert seen_in_step == [False, False]
+    window.suspend()
+    assert window.mode not in _dispatch_stack()
+    window.resume()
+    assert _dispatch_stack()[-1] is window.mode
+    result = window.close()
+    assert window.mode not in _dispatch_stack() and result.peak_bytes == 256
+    hook.remove()
+    del gathered
+
+
+def test_under_a_mode_pushed_since_it_stays_on_the_stack_and_counts_nothing():
+    """The stack is last in, first out: a mode the subject pushed after the window began keeps
+    the window's mode entered; suspended, it counts nothing all the same."""
+    weight = torch.nn.Parameter(torch.zeros(16))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    window = MemoryWindow(optimizer)
+    weight.grad = torch.ones(16)
+    optimizer.step()
+    with _PassThrough():
+        window.suspend()
+        assert window.mode in _dispatch_stack()
+        ignored = torch.empty(4096)
+        window.resume()
+        counted = torch.empty(64, dtype=torch.int8)
+    result = window.close()
+    assert result.peak_bytes == 64 and window.mode not in _dispatch_stack()
+    del ignored, counted
 
 
 def test_without_a_torch_optimizer_to_mark_the_update_nothing_is_claimed():
