@@ -132,9 +132,9 @@ def test_under_a_mode_pushed_since_it_stays_on_the_stack_and_counts_nothing():
     window = MemoryWindow(optimizer)
     weight.grad = torch.ones(16)
     optimizer.step()
-    with _PassThrough():
+    with _PassThrough() as pushed:
         window.suspend()
-        assert window.mode in _dispatch_stack()
+        assert _dispatch_stack()[-2:] == [window.mode, pushed]  # the subject's mode kept on top
         ignored = torch.empty(4096)
         window.resume()
         counted = torch.empty(64, dtype=torch.int8)
